@@ -1,0 +1,17 @@
+"""Errors the engine raises for bad input. The CLI prints their message and exits non-zero."""
+
+
+class EngineError(Exception):
+    """Base class: a problem with what the caller asked for, not a bug."""
+
+
+class ConfigError(EngineError, ValueError):
+    """A model or engine configuration that cannot be served (unknown architecture, bad field)."""
+
+
+class WeightsError(EngineError):
+    """Weight files that are missing, corrupt, or do not fit the configuration."""
+
+
+class RequestError(EngineError, ValueError):
+    """A request that cannot be served: prompt too long, invalid sampling parameters."""

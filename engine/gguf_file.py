@@ -1,0 +1,156 @@
+"""Reading a GGUF file: its model configuration and its tensors, dequantized, under Hugging Face names.
+
+Imports ``gguf`` only when called, so the engine imports without it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import ConfigError, WeightsError
+
+# GGUF architecture -> Hugging Face model_type
+_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
+}
+
+
+def _open(path: Path):
+    try:
+        from gguf import GGUFReader
+    except ImportError as e:  # pragma: no cover - depends on the host
+        raise WeightsError("reading GGUF files needs the 'gguf' package (pip install gguf)") from e
+    if not path.is_file():
+        raise WeightsError(f"GGUF file not found: {path}")
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError, IndexError, struct errors on bad files
+        raise WeightsError(f"{path} is not a readable GGUF file: {e}") from None
+
+
+def _field(reader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None or not f.data:
+        return default
+    if f.types and f.types[0].name == "STRING":
+        return bytes(f.parts[f.data[0]]).decode("utf-8")
+    if f.types and f.types[0].name == "ARRAY":
+        return [f.parts[i].tolist()[0] for i in f.data]
+    return f.parts[f.data[0]].tolist()[0]
+
+
+class GGUFModel:
+    """A GGUF checkpoint: ``config`` and ``tensors()`` yielding float32 tensors under Hugging Face names."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.reader = _open(self.path)
+        self.config = self._config()
+
+    def _config(self) -> ModelConfig:
+        r = self.reader
+        arch = _field(r, "general.architecture")
+        if arch not in _ARCHS:
+            raise ConfigError(f"unknown GGUF architecture {arch!r}; supported: {', '.join(_ARCHS)}")
+        names = {t.name for t in r.tensors}
+        hidden = _field(r, f"{arch}.embedding_length")
+        heads = _field(r, f"{arch}.attention.head_count")
+        if hidden is None or heads is None:
+            raise WeightsError(f"{self.path}: GGUF metadata lacks {arch}.embedding_length or head_count")
+        vocab = _field(r, f"{arch}.vocab_size") or len(r.fields["tokenizer.ggml.tokens"].data)
+        raw: dict[str, Any] = {
+            "model_type": _ARCHS[arch],
+            "vocab_size": vocab,
+            "hidden_size": hidden,
+            "intermediate_size": _field(r, f"{arch}.feed_forward_length"),
+            "num_hidden_layers": _field(r, f"{arch}.block_count"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": _field(r, f"{arch}.attention.head_count_kv", heads),
+            "head_dim": _field(r, f"{arch}.attention.key_length", hidden // heads),
+            "rms_norm_eps": _field(r, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+            "rope_theta": _field(r, f"{arch}.rope.freq_base", 10000.0),
+            "max_position_embeddings": _field(r, f"{arch}.context_length", 4096),
+            "tie_word_embeddings": "output.weight" not in names,
+            "attention_bias": "blk.0.attn_q.bias" in names,
+            "bos_token_id": _field(r, "tokenizer.ggml.bos_token_id"),
+            "eos_token_id": _field(r, "tokenizer.ggml.eos_token_id"),
+        }
+        if arch == "qwen3moe":
+            raw.update(
+                num_experts=_field(r, f"{arch}.expert_count"),
+                num_experts_per_tok=_field(r, f"{arch}.expert_used_count"),
+                moe_intermediate_size=_field(r, f"{arch}.expert_feed_forward_length"),
+                norm_topk_prob=True,
+            )
+        if raw["intermediate_size"] is None:
+            raw["intermediate_size"] = raw.get("moe_intermediate_size") or 1
+        return ModelConfig.from_hf_dict(raw)
+
+    def tensors(self, layers: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        from gguf import dequantize
+
+        cfg = self.config
+        limit = cfg.num_hidden_layers if layers is None else layers
+        for t in self.reader.tensors:
+            name = t.name
+            if name.startswith("blk."):
+                _, idx, rest = name.split(".", 2)
+                if int(idx) >= limit:
+                    continue
+                if rest not in _LAYER_NAMES:
+                    raise WeightsError(f"{self.path}: unexpected tensor {name!r}")
+                hf = f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
+            else:
+                hf = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                      "output.weight": "lm_head.weight"}.get(name)
+                if hf is None:
+                    continue  # e.g. rope_freqs; frequencies come from the metadata
+            try:
+                w = dequantize(t.data, t.tensor_type)
+            except Exception as e:
+                raise WeightsError(f"{self.path}: tensor {name!r} cannot be dequantized: {e}") from None
+            w = np.require(w, dtype=np.float32, requirements=["C", "W"])
+            if cfg.model_type == "llama" and rest_is(name, ("attn_q.weight", "attn_k.weight")):
+                heads = cfg.num_attention_heads if name.endswith("attn_q.weight") else cfg.num_key_value_heads
+                w = _unpermute(w, heads)
+            if "{e}" in hf:
+                for e in range(w.shape[0]):
+                    yield hf.format(e=e), torch.from_numpy(np.ascontiguousarray(w[e]))
+            else:
+                yield hf, torch.from_numpy(w)
+
+    def tokenizer_dir_and_file(self) -> tuple[str, str]:
+        return str(self.path.parent), self.path.name
+
+
+def rest_is(name: str, suffixes: tuple[str, ...]) -> bool:
+    return name.startswith("blk.") and name.split(".", 2)[2] in suffixes
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of rotary halves in the q/k projections."""
+    dim = w.shape[0] // heads // 2
+    return w.reshape(heads, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)

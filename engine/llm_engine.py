@@ -1,0 +1,222 @@
+"""The engine: requests in, tokens out, one step at a time.
+
+``step`` is schedule -> run -> sample -> postprocess; everything else hides behind those names.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import ModelConfig
+from engine.engine_config import EngineConfig
+from engine.errors import RequestError
+from engine.forward_ops import REFERENCE_OPS, ForwardOps
+from engine.loader import load_model
+from engine.model_runner import KVCache, ModelRunner
+from engine.sampler import sample
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import FinishReason, Sequence
+from engine.tokenizer import Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated so far
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int  # prompt tokens served from the prefix cache at the last admission
+    num_tokens_run: int  # tokens of this request run through the model (recompute included)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    tokens_computed: int = 0  # tokens run through the model, prefill, decode and recompute alike
+    generation_tokens: int = 0
+    preemptions: int = 0
+    forward_seconds: float = 0.0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        t0 = time.perf_counter()
+        model_cfg, self.model = load_model(config.source, self.device, self.dtype, config.layers)
+        self.model_config: ModelConfig = model_cfg
+        self.load_seconds = time.perf_counter() - t0
+        self.tokenizer: Tokenizer | None = (
+            Tokenizer(config.source.tokenizer_path) if config.load_tokenizer and config.source.tokenizer_path else None
+        )
+        num_blocks = config.num_kv_blocks or max(
+            1, config.kv_cache_bytes // KVCache.bytes_per_block(model_cfg, config.block_size, self.dtype)
+        )
+        self.kv = KVCache(model_cfg, num_blocks, config.block_size, self.device, self.dtype)
+        self.max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings,
+                                 model_cfg.max_position_embeddings)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.runner = ModelRunner(self.model, model_cfg, self.kv, self.max_model_len, self.device)
+        self.ops: ForwardOps = REFERENCE_OPS
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._seqs: dict[str, Sequence] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        eos = set(model_cfg.eos_token_ids)
+        if self.tokenizer and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+
+    # ---- requests -------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        if isinstance(prompt, list):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise RequestError("this engine has no tokenizer: pass token ids")
+        if chat:
+            return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+        chat: bool = False,
+    ) -> str:
+        params = params or SamplingParams()
+        ids = self.encode_prompt(prompt, chat)
+        self._validate(ids, params)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._seqs:
+            raise RequestError(f"request id {rid!r} is already in use")
+        seq = Sequence(rid, ids, params, next(self._arrivals))
+        self._seqs[rid] = seq
+        if not params.greedy:
+            gen = torch.Generator()
+            gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+            self._generators[rid] = gen
+        self.scheduler.add(seq)
+        return rid
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise RequestError(f"prompt token ids must be in 0..{vocab - 1}")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens"
+            )
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"of {self.max_model_len} tokens"
+            )
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if total > capacity:
+            raise RequestError(f"prompt + max_tokens ({total}) exceeds the KV cache ({capacity} tokens)")
+
+    def abort(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return
+        if seq in self.scheduler.running:
+            self.scheduler.finish(seq)
+        elif seq in self.scheduler.waiting:
+            self.scheduler.waiting.remove(seq)
+        self._generators.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        t0 = time.perf_counter()
+        logits = self.runner.run(batch, self.ops)
+        samplers = [s.seq for s in batch.scheduled if s.samples]
+        tokens = sample(logits, [s.params for s in samplers], [self._generators.get(s.request_id) for s in samplers])
+        self.stats.forward_seconds += time.perf_counter() - t0
+        return self._postprocess(batch, dict(zip((s.request_id for s in samplers), tokens)))
+
+    def _postprocess(self, batch: SchedulerOutput, new_tokens: dict[str, int]) -> list[RequestOutput]:
+        self.stats.steps += 1
+        self.stats.preemptions += len(batch.preempted)
+        outputs = []
+        for item in batch.scheduled:
+            seq = item.seq
+            self.stats.tokens_computed += item.num_new_tokens
+            seq.num_tokens_run += item.num_new_tokens
+            seq.num_computed_tokens += item.num_new_tokens
+            if item.samples:
+                seq.output_token_ids.append(new_tokens[seq.request_id])
+                self.stats.generation_tokens += 1
+                if seq.first_token_time is None:
+                    seq.first_token_time = time.perf_counter()
+                self._check_stop(seq)
+            self.block_manager.commit(seq)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+                self._seqs.pop(seq.request_id, None)
+                self._generators.pop(seq.request_id, None)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _check_stop(self, seq: Sequence) -> None:
+        p, last = seq.params, seq.output_token_ids[-1]
+        if (not p.ignore_eos and last in self.eos_token_ids) or last in p.stop_token_ids:
+            seq.finish_reason = FinishReason.STOP
+        elif p.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_token_ids)
+            cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                seq.output_text = text[:cut]
+                seq.finish_reason = FinishReason.STOP
+        if seq.finish_reason is None and len(seq.output_token_ids) >= p.max_tokens:
+            seq.finish_reason = FinishReason.LENGTH
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        finished = seq.finish_reason is not None
+        text = seq.output_text
+        if finished and not text and self.tokenizer is not None:
+            ids = seq.output_token_ids
+            if seq.finish_reason is FinishReason.STOP and ids and ids[-1] in self.eos_token_ids:
+                ids = ids[:-1]
+            text = self.tokenizer.decode(ids)
+            seq.output_text = text
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            text=text,
+            finished=finished,
+            finish_reason=seq.finish_reason.value if finished else None,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_tokens_run=seq.num_tokens_run,
+        )
+
+    def generate(
+        self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+        chat: bool = False,
+    ) -> list[RequestOutput]:
+        """Runs the prompts to completion together (continuous batching); outputs in prompt order."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp, chat=chat) for p, sp in zip(prompts, plist)]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]

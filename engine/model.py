@@ -1,0 +1,144 @@
+"""The decoder-only transformer shared by every supported family.
+
+Tokens of all scheduled sequences are packed into one flat batch of T tokens; the
+paged KV cache and ``AttentionInputs`` say which sequence each token belongs to.
+Every numeric operation goes through a ``ForwardOps`` table so that a variant can
+replace kernels without touching the weights.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.forward_ops import ForwardOps
+
+
+@dataclass
+class AttentionInputs:
+    """Where the packed tokens of one step live in the paged KV cache."""
+
+    slot_mapping: torch.Tensor  # (T,) int64: KV-pool slot of each new token
+    block_tables: torch.Tensor  # (B, max_blocks) int32: each sequence's blocks
+    context_lens: list[int]  # B: tokens in each sequence's context after this step
+    query_start_loc: list[int]  # B + 1: offsets of each sequence's tokens in the packed batch
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.scale = cfg.head_dim**-0.5
+        qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = nn.Parameter(torch.empty(self.head_dim))
+            self.k_norm = nn.Parameter(torch.empty(self.head_dim))
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (T, hidden)
+        positions: torch.Tensor,  # (T,)
+        cos_sin: torch.Tensor,  # (P, 2, head_dim / 2)
+        kv: tuple[torch.Tensor, torch.Tensor],  # each (num_blocks, block_size, KVH, D)
+        attn: AttentionInputs,
+        ops: ForwardOps,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q = qkv[:, :q_size].reshape(t, self.num_heads, self.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].reshape(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size :].reshape(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = ops.rms_norm(q, self.q_norm, self.eps)
+            k = ops.rms_norm(k, self.k_norm, self.eps)
+        q, k = ops.rotary(q, k, positions, cos_sin)
+        ops.store_kv(k, v.contiguous(), kv[0], kv[1], attn.slot_mapping)
+        o = ops.attention(q, kv[0], kv[1], attn.block_tables, attn.context_lens, attn.query_start_loc, self.scale)
+        return self.o_proj(o.reshape(t, q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, ops: ForwardOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.top_k = cfg.num_experts_per_tok
+        self.renormalize = cfg.norm_topk_prob
+        self.gate = nn.Linear(h, e, bias=False)
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))  # [gate | up] per expert
+        self.w2 = nn.Parameter(torch.empty(e, h, i))
+
+    def forward(self, x: torch.Tensor, ops: ForwardOps) -> torch.Tensor:
+        return ops.moe(x, self.gate(x), self.w13, self.w2, self.top_k, self.renormalize)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.input_layernorm = nn.Parameter(torch.empty(cfg.hidden_size))
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = nn.Parameter(torch.empty(cfg.hidden_size))
+        self.mlp = MoE(cfg) if cfg.layer_is_moe(index) else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, residual, positions, cos_sin, kv, attn, ops):
+        if residual is None:
+            residual, h = x, ops.rms_norm(x, self.input_layernorm, self.eps)
+        else:
+            h, residual = ops.fused_add_rms_norm(x, residual, self.input_layernorm, self.eps)
+        h = self.self_attn(h, positions, cos_sin, kv, attn, ops)
+        h, residual = ops.fused_add_rms_norm(h, residual, self.post_attention_layernorm, self.eps)
+        return self.mlp(h, ops), residual
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = nn.Parameter(torch.empty(cfg.hidden_size))
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        cos_sin: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one (K, V) pair per layer
+        attn: AttentionInputs,
+        ops: ForwardOps,
+    ) -> torch.Tensor:
+        """Returns the final hidden states, (T, hidden)."""
+        x, residual = self.embed_tokens(input_ids), None
+        for layer, kv in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, positions, cos_sin, kv, attn, ops)
+        x, _ = ops.fused_add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: (N, hidden) -> logits (N, vocab) in float32."""
+        return F.linear(hidden, self.lm_head_weight()).float()

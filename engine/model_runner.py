@@ -1,0 +1,74 @@
+"""One forward pass of the scheduled batch: pack inputs, run the model with the active ops, pick logits."""
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+from engine.forward_ops import ForwardOps
+from engine.model import AttentionInputs, CausalLM
+from engine.rope import rope_cos_sin
+from engine.scheduler import SchedulerOutput
+
+
+class KVCache:
+    """The paged KV pool: per layer a key and a value tensor of (num_blocks, block_size, KVH, D)."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device, dtype) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.pool = torch.zeros(shape, device=device, dtype=dtype)
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(self.pool[i, 0], self.pool[i, 1]) for i in range(self.pool.shape[0])]
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cfg: ModelConfig, kv: KVCache, max_model_len: int, device) -> None:
+        self.model, self.config, self.kv, self.device = model, cfg, kv, device
+        self.cos_sin = rope_cos_sin(cfg, max_model_len, device)
+        self.kv_layers = kv.layers()
+
+    def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs, list[int]]:
+        bs = self.kv.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        ctx_lens: list[int] = []
+        qsl = [0]
+        logits_idx: list[int] = []
+        for item in batch.scheduled:
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start : start + n])
+            for p in range(start, start + n):
+                pos.append(p)
+                slots.append(seq.block_table[p // bs] * bs + p % bs)
+            ctx_lens.append(start + n)
+            qsl.append(qsl[-1] + n)
+            if item.samples:
+                logits_idx.append(qsl[-1] - 1)
+        width = max(len(item.seq.block_table) for item in batch.scheduled)
+        tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch.scheduled]
+        dev = self.device
+        attn = AttentionInputs(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            context_lens=ctx_lens,
+            query_start_loc=qsl,
+        )
+        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
+                attn, logits_idx)
+
+    @torch.inference_mode()
+    def run(self, batch: SchedulerOutput, ops: ForwardOps) -> torch.Tensor:
+        """Returns float32 logits for the sequences that sample, in schedule order: (N, vocab)."""
+        input_ids, positions, attn, logits_idx = self.prepare(batch)
+        hidden = self.model(input_ids, positions, self.cos_sin, self.kv_layers, attn, ops)
+        if not logits_idx:
+            return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden[torch.tensor(logits_idx, device=hidden.device)])

@@ -1,0 +1,36 @@
+"""Turning logits into tokens: greedy, or temperature / top-k / top-p with a per-request generator."""
+from __future__ import annotations
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+def sample(
+    logits: torch.Tensor,  # (N, vocab) float32
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> list[int]:
+    """One token per row. Greedy rows take the argmax; the others sample with their own generator,
+    so a request's draw never depends on which requests share its batch."""
+    tokens = logits.argmax(dim=-1).tolist()
+    for i, p in enumerate(params):
+        if not p.greedy:
+            tokens[i] = _sample_row(logits[i], p, generators[i])
+    return tokens
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    x = logits / p.temperature
+    if p.top_k and p.top_k < x.shape[-1]:
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        # drop a token when the tokens ranked above it already reach top_p; the first always stays
+        drop = (probs.cumsum(-1) - probs) >= p.top_p
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        x = torch.full_like(x, float("-inf")).scatter(0, order, sorted_x)
+    probs = torch.softmax(x, dim=-1)
+    return int(torch.multinomial(probs.cpu(), 1, generator=gen).item())

@@ -1,0 +1,128 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Running sequences go first (decodes and unfinished prefill chunks), oldest first; then
+waiting sequences are admitted while the token budget, ``max_num_seqs`` and free
+blocks allow. A prompt longer than the remaining budget (or than the prefill chunk
+size) is prefilled in chunks over several steps. When a running sequence needs a
+block and none is free, the most recently admitted sequence is preempted: its blocks
+are freed and it is recomputed later from its tokens so far.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.errors import ConfigError
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int | None = None  # most prompt tokens of one sequence per step; None: the budget
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
+            raise ConfigError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed for this sequence in this step
+    samples: bool  # the step reaches the end of the sequence's tokens, so a token is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)  # preempted in this step
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        limit = budget if remaining <= 1 or self.config.prefill_chunk_size is None else min(
+            budget, self.config.prefill_chunk_size
+        )
+        return min(remaining, limit)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        bm = self.block_manager
+        self.running.sort(key=lambda s: s.arrival)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._chunk(seq, budget)
+            while not bm.ensure_slots(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]  # the most recently admitted; never one scheduled already
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSequence(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
+                budget -= n
+                i += 1
+        if out.preempted:
+            return out  # blocks are short: admit nothing new this step
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            bm.match_prefix(seq)
+            n = self._chunk(seq, budget)
+            if not bm.ensure_slots(seq, seq.num_computed_tokens + n):
+                bm.free(seq)
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        # Back to the front of the queue, keeping arrival order among the preempted.
+        self.waiting.appendleft(seq)
+        if len(self.waiting) > 1 and self.waiting[0].arrival > self.waiting[1].arrival:
+            self.waiting = deque(sorted(self.waiting, key=lambda s: s.arrival))
+
+    def finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED

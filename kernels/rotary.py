@@ -1,0 +1,22 @@
+"""Rotary position embedding (the rotate-half, "neox" layout used by Llama and Qwen)."""
+from __future__ import annotations
+
+import torch
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_ref(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: (T, H, D), k: (T, KVH, D), positions: (T,), cos_sin: (P, 2, D/2) float32.
+
+    Returns rotated copies of q and k.
+    """
+    cs = cos_sin[positions]  # (T, 2, D/2)
+    cos = torch.cat((cs[:, 0], cs[:, 0]), dim=-1).to(q.dtype)[:, None, :]  # (T, 1, D)
+    sin = torch.cat((cs[:, 1], cs[:, 1]), dim=-1).to(q.dtype)[:, None, :]
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
