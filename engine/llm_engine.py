@@ -45,18 +45,33 @@ class EngineStats:
     forward_seconds: float = 0.0
 
 
+@dataclass
+class LoadedModel:
+    """Weights and tokenizer, loaded once; several engines (or variants of one) can share them."""
+
+    config: ModelConfig
+    model: torch.nn.Module
+    tokenizer: Tokenizer | None
+    load_seconds: float
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> "LoadedModel":
+        t0 = time.perf_counter()
+        model_cfg, model = load_model(config.source, torch.device(config.device), config.torch_dtype, config.layers)
+        tok = Tokenizer(config.source.tokenizer_path) if config.load_tokenizer and config.source.tokenizer_path else None
+        return cls(model_cfg, model, tok, time.perf_counter() - t0)
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
-        t0 = time.perf_counter()
-        model_cfg, self.model = load_model(config.source, self.device, self.dtype, config.layers)
-        self.model_config: ModelConfig = model_cfg
-        self.load_seconds = time.perf_counter() - t0
-        self.tokenizer: Tokenizer | None = (
-            Tokenizer(config.source.tokenizer_path) if config.load_tokenizer and config.source.tokenizer_path else None
-        )
+        loaded = loaded or LoadedModel.load(config)
+        self.loaded = loaded
+        self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        model_cfg = loaded.config
+        self.load_seconds = loaded.load_seconds
         num_blocks = config.num_kv_blocks or max(
             1, config.kv_cache_bytes // KVCache.bytes_per_block(model_cfg, config.block_size, self.dtype)
         )
@@ -76,6 +91,15 @@ class LLMEngine:
         if self.tokenizer and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+
+    @classmethod
+    def with_loaded(cls, other: "LLMEngine", config: EngineConfig) -> "LLMEngine":
+        """A new engine with ``config``'s cache and scheduler settings over ``other``'s weights (no reload)."""
+        same = (config.source, config.device, config.dtype, config.layers) == (
+            other.config.source, other.config.device, other.config.dtype, other.config.layers)
+        if not same:
+            raise ValueError("with_loaded needs the same model source, device, dtype and layers")
+        return cls(config, other.loaded)
 
     # ---- requests -------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:

@@ -48,7 +48,7 @@ class Tokenizer:
         return list(out)
 
     def decode(self, token_ids: list[int]) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=True)
+        return self._tok.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     @property
     def hf(self):

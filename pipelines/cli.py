@@ -1,0 +1,115 @@
+"""The ``polyinf`` command line.
+
+Every subcommand turns bad input into one clear line on stderr and a non-zero exit.
+Heavy imports (torch, transformers, dagster) happen inside the subcommands.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True,
+                   help="alias (smollm2), a .gguf file, a Hugging Face model folder (config.json + safetensors), "
+                        "or a preset name for synthetic weights (llama-3.1-8b, qwen3-30b-a3b)")
+    p.add_argument("--synthetic", action="store_true", help="random weights from the model's config (fixed seed)")
+    p.add_argument("--seed", type=int, default=0, help="seed for synthetic weights")
+    p.add_argument("--layers", type=int, default=None, help="load only the first N decoder layers")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (default: fill --kv-cache-mb)")
+    p.add_argument("--kv-cache-mb", type=int, default=512, help="KV-cache memory when --num-kv-blocks is not set")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+
+
+def _engine_config(args: argparse.Namespace):
+    from engine import EngineConfig, SchedulerConfig, resolve
+
+    return EngineConfig(
+        source=resolve(args.model, synthetic=args.synthetic, seed=args.seed),
+        device=args.device,
+        dtype=args.dtype,
+        layers=args.layers,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_bytes=args.kv_cache_mb * 1024**2,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_model_len=args.max_model_len,
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine import LLMEngine, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        seed=args.sample_seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
+    )
+    engine = LLMEngine(_engine_config(args))
+    prompt = args.prompt
+    if engine.tokenizer is None:
+        prompt = [int(t) for t in args.prompt.replace(",", " ").split()] if args.prompt.strip() else []
+    t0 = time.perf_counter()
+    out = engine.generate([prompt], params, chat=args.chat)[0]
+    secs = time.perf_counter() - t0
+    tps = len(out.token_ids) / secs if secs > 0 else 0.0
+    if args.json:
+        print(json.dumps({
+            "text": out.text, "token_ids": out.token_ids, "prompt_token_ids": out.prompt_token_ids,
+            "finish_reason": out.finish_reason, "seconds": round(secs, 4), "tokens_per_second": round(tps, 2),
+        }))
+    else:
+        print(out.text)
+        print(f"[{len(out.token_ids)} tokens in {secs:.2f} s: {tps:.1f} tokens/s; "
+              f"model loaded in {engine.load_seconds:.1f} s]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="polyinf",
+        description="Polymorphic Inference: an LLM inference engine kept tuned to its traffic, model and hardware.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text for one prompt and print it with tokens/s")
+    _add_model_args(g)
+    g.add_argument("--prompt", required=True, help="prompt text (token ids, space separated, for synthetic models)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--sample-seed", type=int, default=None, help="seed for sampling")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    g.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, prompt_token_ids")
+    g.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        from engine.errors import EngineError
+    except ImportError as e:  # pragma: no cover
+        print(f"polyinf: cannot import the engine: {e}", file=sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except EngineError as e:
+        print(f"polyinf: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

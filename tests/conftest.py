@@ -1,0 +1,45 @@
+"""Shared fixtures: the shipped SmolLM2 model, loaded once per session, and its Hugging Face reference."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    from engine.loader import smollm2_gguf_path
+
+    return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine_factory(smollm2_path):
+    """Builds SmolLM2 engines with different settings, loading the weights and tokenizer once."""
+    from engine import EngineConfig, LLMEngine, resolve
+
+    cache: dict = {}
+
+    def make(**kwargs) -> LLMEngine:
+        cfg = EngineConfig(source=resolve("smollm2"), **kwargs)
+        base = cache.get("base")
+        if base is None:
+            base = cache["base"] = LLMEngine(EngineConfig(source=resolve("smollm2"), num_kv_blocks=4))
+        return LLMEngine.with_loaded(base, cfg)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
+    )
+    return model.eval()
