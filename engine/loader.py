@@ -41,7 +41,14 @@ class ModelSource:
 
     @property
     def tokenizer_path(self) -> Path | None:
-        return None if self.kind == "synthetic" else self.path
+        """Where the tokenizer is: the GGUF file, or a model folder that has tokenizer files; else None."""
+        if self.kind == "gguf":
+            return self.path
+        if self.kind == "safetensors" and any(
+            (self.path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        ):
+            return self.path
+        return None
 
 
 def resolve(model: str, synthetic: bool = False, seed: int = 0) -> ModelSource:
