@@ -19,9 +19,7 @@ class Tokenizer:
             raise WeightsError("tokenizing text needs the 'transformers' package") from e
         try:
             if path.suffix == ".gguf":
-                self._tok = AutoTokenizer.from_pretrained(
-                    str(path.parent), gguf_file=path.name, clean_up_tokenization_spaces=False
-                )
+                self._tok = _gguf_tokenizer(path)
             else:
                 self._tok = AutoTokenizer.from_pretrained(str(path), clean_up_tokenization_spaces=False)
         except Exception as e:
@@ -54,3 +52,32 @@ class Tokenizer:
     def hf(self):
         """The underlying Hugging Face tokenizer (for tests and the reference comparison)."""
         return self._tok
+
+
+def _gguf_tokenizer(path: Path):
+    """Converting a GGUF vocabulary takes seconds, so the converted tokenizer is cached on disk,
+    keyed by the file's identity; a damaged cache entry is rebuilt."""
+    import hashlib
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("POLYINF_CACHE", Path.home() / ".cache" / "polyinf")) / "tokenizers" / key
+    if (cache / "tokenizer.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cache), clean_up_tokenization_spaces=False)
+        except Exception:
+            pass
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, clean_up_tokenization_spaces=False)
+    try:
+        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+        tok.save_pretrained(str(tmp))
+        if cache.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            os.replace(tmp, cache)
+    except OSError:
+        pass  # a read-only home only costs the conversion next time
+    return tok

@@ -42,8 +42,10 @@ def hf_greedy(hf_smollm2, engine):
     return out
 
 
-def test_prompt_encoding_matches_hf_tokenizer(engine):
-    tok = engine.tokenizer.hf
+def test_prompt_encoding_matches_hf_tokenizer(engine, smollm2_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
     for p in PLAIN:
         assert engine.encode_prompt(p) == tok.encode(p)
     ids = engine.encode_prompt(CHAT[0], chat=True)

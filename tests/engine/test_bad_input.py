@@ -1,0 +1,134 @@
+"""Bad input gets one clear error: from the library as an EngineError, from the CLI as a line and exit 2."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams, resolve
+from engine.config import ModelConfig
+from engine.errors import ConfigError, RequestError, WeightsError
+
+TINY = {"model_type": "llama", "vocab_size": 50, "hidden_size": 16, "intermediate_size": 32,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+
+
+def _write_model(tmp_path, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides})).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_unknown_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, "model_type": "gpt_neox",
+                                                      "architectures": ["GPTNeoXForCausalLM"]}))
+    with pytest.raises(ConfigError, match="unknown architecture"):
+        LLMEngine(EngineConfig(source=resolve(str(tmp_path))))
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match="missing required field 'hidden_size'"):
+        ModelConfig.from_hf_dict({k: v for k, v in TINY.items() if k != "hidden_size"})
+    with pytest.raises(ConfigError, match="multiple of"):
+        ModelConfig.from_hf_dict({**TINY, "num_key_value_heads": 3})
+    with pytest.raises(ConfigError, match="rope scaling"):
+        ModelConfig.from_hf_dict({**TINY, "rope_scaling": {"rope_type": "yarn-unknown", "factor": 2.0}})
+
+
+def test_missing_weights_file(tmp_path):
+    model = _write_model(tmp_path)
+    (model / "model.safetensors").unlink()
+    with pytest.raises(WeightsError, match="no .safetensors files"):
+        LLMEngine(EngineConfig(source=resolve(str(model))))
+
+
+def test_corrupt_safetensors(tmp_path):
+    model = _write_model(tmp_path)
+    data = (model / "model.safetensors").read_bytes()
+    (model / "model.safetensors").write_bytes(data[:8] + b"{garbage" + data[16:200])
+    with pytest.raises(WeightsError, match="not a valid safetensors file"):
+        LLMEngine(EngineConfig(source=resolve(str(model))))
+
+
+def test_weights_that_do_not_fit_the_config(tmp_path):
+    model = _write_model(tmp_path)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["num_hidden_layers"] = 3
+    (model / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(WeightsError, match="missing"):
+        LLMEngine(EngineConfig(source=resolve(str(model))))
+    cfg["num_hidden_layers"], cfg["intermediate_size"] = 2, 40
+    (model / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(WeightsError, match="shape"):
+        LLMEngine(EngineConfig(source=resolve(str(model))))
+
+
+def test_corrupt_gguf(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 64)
+    with pytest.raises(WeightsError, match="not a readable GGUF"):
+        LLMEngine(EngineConfig(source=resolve(str(bad))))
+    truncated = tmp_path / "truncated.gguf"
+    from engine.loader import smollm2_gguf_path
+
+    with open(smollm2_gguf_path(), "rb") as f:
+        truncated.write_bytes(f.read(2_000_000))
+    with pytest.raises(WeightsError):
+        LLMEngine(EngineConfig(source=resolve(str(truncated))))
+
+
+def test_request_errors(tmp_path):
+    eng = LLMEngine(EngineConfig(source=resolve(str(_write_model(tmp_path))), num_kv_blocks=16))
+    with pytest.raises(RequestError, match="context is 64 tokens"):
+        eng.add_request(list(range(1, 50)) * 2, SamplingParams(max_tokens=4))
+    with pytest.raises(RequestError, match="exceeds the context"):
+        eng.add_request([1, 2, 3], SamplingParams(max_tokens=62))
+    with pytest.raises(RequestError, match="empty"):
+        eng.add_request([], SamplingParams())
+    with pytest.raises(RequestError, match="token ids"):
+        eng.add_request([1, 999], SamplingParams())
+    with pytest.raises(RequestError, match="no tokenizer"):
+        eng.add_request("text without a tokenizer")
+    for bad in (dict(max_tokens=0), dict(temperature=-1.0), dict(temperature=float("nan")), dict(top_p=0.0),
+                dict(top_p=1.5), dict(top_k=-2), dict(stop=("",))):
+        with pytest.raises(RequestError):
+            SamplingParams(**bad)
+    assert not eng.has_unfinished()  # nothing half-added
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    cases = [
+        (["--model", str(tmp_path / "nope"), "--prompt", "hi"], "model not found"),
+        (["--model", "smollm2", "--prompt", "hi", "--temperature", "-1"], "temperature must be"),
+        (["--model", "smollm2", "--prompt", "hi", "--top-p", "2"], "top_p must be"),
+        (["--model", "smollm2", "--prompt", "word " * 9000], "context is 8192 tokens"),
+    ]
+    (tmp_path / "unknown").mkdir()
+    (tmp_path / "unknown" / "config.json").write_text(json.dumps({**TINY, "model_type": "bloom"}))
+    cases.append((["--model", str(tmp_path / "unknown"), "--prompt", "1 2"], "unknown architecture"))
+    for args, message in cases:
+        r = _cli("generate", *args)
+        assert r.returncode == 2, r.stderr
+        assert message in r.stderr
+        assert "Traceback" not in r.stderr
+
+
+def test_cli_generate_json_matches_engine(smollm2_engine_factory):
+    r = _cli("generate", "--model", "smollm2", "--prompt", "What is the capital of France?", "--chat", "--json",
+             "--max-tokens", "16")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    eng = smollm2_engine_factory(num_kv_blocks=32)
+    ref = eng.generate(["What is the capital of France?"], SamplingParams(max_tokens=16), chat=True)[0]
+    assert out["token_ids"] == ref.token_ids
+    assert out["prompt_token_ids"] == ref.prompt_token_ids
+    assert out["text"] == "The capital of France is Paris."
