@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def paged_attention_ref(
@@ -25,22 +24,21 @@ def paged_attention_ref(
     Returns (T, H, D).
     """
     out = torch.empty_like(q)
-    block_size, kvh = k_cache.shape[1], k_cache.shape[2]
-    heads = q.shape[1]
+    block_size, kvh, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // kvh  # query heads per KV head; head h reads KV head h // group
     for i, ctx in enumerate(context_lens):
         qs, qe = query_start_loc[i], query_start_loc[i + 1]
         n = qe - qs
-        nblocks = (ctx + block_size - 1) // block_size
-        blocks = block_tables[i, :nblocks].long()
-        k = k_cache[blocks].reshape(-1, kvh, k_cache.shape[-1])[:ctx]  # (ctx, KVH, D)
-        v = v_cache[blocks].reshape(-1, kvh, v_cache.shape[-1])[:ctx]
-        qi = q[qs:qe].transpose(0, 1)  # (H, n, D)
-        k = k.transpose(0, 1).repeat_interleave(heads // kvh, dim=0)  # (H, ctx, D)
-        v = v.transpose(0, 1).repeat_interleave(heads // kvh, dim=0)
-        # Query j sits at position ctx - n + j and sees keys 0..ctx - n + j.
-        qpos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
-        kpos = torch.arange(ctx, device=q.device)[None, :]
-        mask = kpos <= qpos  # (n, ctx)
-        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale)
-        out[qs:qe] = o.transpose(0, 1)
+        blocks = block_tables[i, : (ctx + block_size - 1) // block_size].long()
+        k = k_cache.index_select(0, blocks).view(-1, kvh, d)[:ctx].permute(1, 2, 0)  # (KVH, D, ctx)
+        v = v_cache.index_select(0, blocks).view(-1, kvh, d)[:ctx].transpose(0, 1)  # (KVH, ctx, D)
+        qi = q[qs:qe].view(n, kvh, group, d).permute(1, 0, 2, 3).reshape(kvh, n * group, d)
+        scores = torch.matmul(qi, k).float() * scale  # (KVH, n * group, ctx)
+        if n > 1:
+            # Query j sits at position ctx - n + j and sees keys 0..ctx - n + j.
+            qpos = torch.arange(ctx - n, ctx, device=q.device).repeat_interleave(group)[:, None]
+            scores.masked_fill_(torch.arange(ctx, device=q.device)[None, :] > qpos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        o = torch.matmul(probs, v)  # (KVH, n * group, D)
+        out[qs:qe] = o.view(kvh, n, group, d).permute(1, 0, 2, 3).reshape(n, kvh * group, d)
     return out

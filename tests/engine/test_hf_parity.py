@@ -111,3 +111,33 @@ def test_config_json_round_trip_of_presets():
     moe = ModelConfig.from_file(PRESETS_DIR / "qwen3-30b-a3b.json")
     assert moe.is_moe and moe.num_experts == 128 and moe.num_experts_per_tok == 8 and moe.qk_norm
     assert json.loads(json.dumps(moe.to_json()))["num_experts"] == 128
+
+
+def test_tokenizer_from_model_folder(tmp_path, smollm2_engine_factory):
+    """A safetensors folder with tokenizer files: text prompts and the chat template work from it."""
+    import transformers as tf
+
+    gguf_engine = smollm2_engine_factory(num_kv_blocks=8)
+    gguf_engine.tokenizer.hf.save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(tf.LlamaConfig(**{**BASE, "vocab_size": 49152})).save_pretrained(tmp_path)
+    engine = LLMEngine(EngineConfig(source=resolve(str(tmp_path)), num_kv_blocks=16))
+    assert engine.tokenizer is not None
+    text = "What is the capital of France?"
+    assert engine.encode_prompt(text) == gguf_engine.encode_prompt(text)
+    assert engine.encode_prompt(text, chat=True) == gguf_engine.encode_prompt(text, chat=True)
+    out = engine.generate([text], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4 and isinstance(out.text, str)
+
+
+def test_synthetic_weights_are_reproducible():
+    from engine.loader import ModelSource
+    from pathlib import Path
+
+    tiny = Path(__file__).parent / "tiny_moe" / "config.json"
+    a = LLMEngine(EngineConfig(source=ModelSource("synthetic", tiny, seed=3), num_kv_blocks=8, load_tokenizer=False))
+    b = LLMEngine(EngineConfig(source=ModelSource("synthetic", tiny, seed=3), num_kv_blocks=8, load_tokenizer=False))
+    c = LLMEngine(EngineConfig(source=ModelSource("synthetic", tiny, seed=4), num_kv_blocks=8, load_tokenizer=False))
+    wa, wb, wc = (e.model.layers[0].mlp.w13 for e in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+    assert wa.device.type == "cpu" and not wa.is_meta
