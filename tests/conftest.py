@@ -7,6 +7,8 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on the CPU interpreter
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.manual_seed(0)
 

@@ -1,0 +1,112 @@
+"""Every Triton kernel equals its plain-torch reference on fresh random inputs (TRITON_INTERPRET=1 on CPU)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels.activation import silu_and_mul_ref
+from kernels.activation_triton import silu_and_mul_triton
+from kernels.attention import paged_attention_ref
+from kernels.attention_triton import paged_attention_triton, split_kv_attention_triton
+from kernels.kv_store import store_kv_ref
+from kernels.kv_store_triton import store_kv_triton
+from kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
+from kernels.norm_triton import fused_add_rms_norm_triton, rms_norm_triton
+from kernels.rotary import rotary_ref
+from kernels.rotary_triton import rotary_triton
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (7, 48), (5, 100), (3, 576)])
+def test_rms_norms(shape):
+    x, r = torch.randn(shape), torch.randn(shape)
+    w = torch.randn(shape[-1])
+    torch.testing.assert_close(rms_norm_triton(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), **TOL)
+    out, summed = fused_add_rms_norm_triton(x, r, w, 1e-5)
+    ref_out, ref_sum = fused_add_rms_norm_ref(x, r, w, 1e-5)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    torch.testing.assert_close(summed, ref_sum, **TOL)
+    # q/k norm over heads of a strided view
+    qkv = torch.randn(6, 3 * 40)
+    q = qkv[:, :80].reshape(6, 2, 40)
+    w2 = torch.randn(40)
+    torch.testing.assert_close(rms_norm_triton(q, w2, 1e-6), rms_norm_ref(q, w2, 1e-6), **TOL)
+
+
+@pytest.mark.parametrize("t,i", [(1, 8), (5, 72), (3, 1536), (2, 1100)])
+def test_silu_and_mul(t, i):
+    x = torch.randn(t, 2 * i)
+    torch.testing.assert_close(silu_and_mul_triton(x, block=256), silu_and_mul_ref(x), **TOL)
+
+
+@pytest.mark.parametrize("t,h,kvh,d", [(1, 4, 4, 8), (7, 9, 3, 64), (5, 6, 2, 40), (3, 12, 4, 24)])
+def test_rotary(t, h, kvh, d):
+    from engine.config import ModelConfig
+    from engine.rope import rope_cos_sin
+
+    cfg = ModelConfig(model_type="llama", vocab_size=10, hidden_size=h * d, intermediate_size=8,
+                      num_hidden_layers=1, num_attention_heads=h, num_key_value_heads=kvh, head_dim=d)
+    cs = rope_cos_sin(cfg, 300, "cpu")
+    qkv = torch.randn(t, (h + 2 * kvh) * d)  # strided q/k views, as the model produces them
+    q = qkv[:, : h * d].view(t, h, d)
+    k = qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)
+    pos = torch.randint(0, 300, (t,))
+    got, ref = rotary_triton(q, k, pos, cs), rotary_ref(q, k, pos, cs)
+    torch.testing.assert_close(got[0], ref[0], **TOL)
+    torch.testing.assert_close(got[1], ref[1], **TOL)
+
+
+@pytest.mark.parametrize("kvh,d,bs", [(1, 8, 4), (3, 64, 16), (2, 40, 5)])
+def test_store_kv(kvh, d, bs):
+    t, nb = 11, 9
+    k = torch.randn(t, 3 * kvh, d)[:, :kvh]  # strided
+    v = torch.randn(t, kvh, d)
+    slots = torch.randperm(nb * bs)[:t]
+    kc, vc = torch.randn(nb, bs, kvh, d), torch.randn(nb, bs, kvh, d)
+    caches = [kc.clone(), vc.clone(), kc.clone(), vc.clone()]
+    store_kv_triton(k, v, caches[0], caches[1], slots)
+    store_kv_ref(k, v, caches[2], caches[3], slots)
+    torch.testing.assert_close(caches[0], caches[2], rtol=0, atol=0)
+    torch.testing.assert_close(caches[1], caches[3], rtol=0, atol=0)
+
+
+def _paged_case(seed, heads, kvh, d, bs, specs):
+    """specs: (context_len, new_tokens) per sequence; blocks scattered over the pool, last block partial."""
+    rnd = random.Random(seed)
+    nblocks = [-(-ctx // bs) for ctx, _ in specs]
+    pool = list(range(sum(nblocks) + 3))
+    rnd.shuffle(pool)
+    k_cache = torch.randn(len(pool), bs, kvh, d)
+    v_cache = torch.randn(len(pool), bs, kvh, d)
+    tables, off = [], 0
+    for n in nblocks:
+        tables.append(pool[off : off + n] + [0] * (max(nblocks) - n))
+        off += n
+    qsl = [0]
+    for _, n in specs:
+        qsl.append(qsl[-1] + n)
+    q = torch.randn(qsl[-1], heads, d)
+    return q, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32), [c for c, _ in specs], qsl
+
+
+CASES = [
+    # heads, kv heads, head dim, block size, [(context, new tokens)]
+    (4, 4, 16, 4, [(1, 1), (9, 1), (13, 13)]),  # MHA, decode and a whole prefill
+    (9, 3, 64, 16, [(37, 5), (16, 1), (70, 70)]),  # SmolLM2's GQA 3:1, chunked prefill
+    (8, 2, 40, 5, [(23, 1), (6, 6), (41, 1), (11, 4)]),  # non-power-of-two head dim and block size
+    (6, 1, 32, 8, [(100, 1)]),  # multi-query, a longer decode
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_paged_attention(case):
+    heads, kvh, d, bs, specs = case
+    q, kc, vc, bt, ctx, qsl = _paged_case(len(specs) * 31 + d, heads, kvh, d, bs, specs)
+    ref = paged_attention_ref(q, kc, vc, bt, ctx, qsl, d**-0.5)
+    torch.testing.assert_close(paged_attention_triton(q, kc, vc, bt, ctx, qsl, d**-0.5, block_n=16), ref, **TOL)
+    for splits in (1, 3):
+        got = split_kv_attention_triton(q, kc, vc, bt, ctx, qsl, d**-0.5, num_splits=splits, block_n=8)
+        torch.testing.assert_close(got, ref, **TOL)
