@@ -8,6 +8,7 @@ import torch
 from engine.errors import ConfigError
 from engine.loader import ModelSource
 from engine.scheduler import SchedulerConfig
+from engine.variant import VariantSpec
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -25,8 +26,17 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     load_tokenizer: bool = True
+    # The engine form to start with; its knobs override block_size, prefix caching and scheduler above.
+    variant: VariantSpec | None = None
 
     def __post_init__(self) -> None:
+        if self.variant is not None:
+            v = self.variant
+            object.__setattr__(self, "block_size", v.block_size)
+            object.__setattr__(self, "enable_prefix_caching", v.enable_prefix_caching)
+            object.__setattr__(self, "scheduler", SchedulerConfig(
+                max_num_seqs=v.max_num_seqs, max_num_batched_tokens=v.max_num_batched_tokens,
+                prefill_chunk_size=v.prefill_chunk_size))
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.block_size < 1:
@@ -47,3 +57,12 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    def initial_variant(self) -> VariantSpec:
+        """The variant this config starts with: the given one, or the reference kernels with these knobs."""
+        if self.variant is not None:
+            return self.variant
+        s = self.scheduler
+        return VariantSpec(name="default", max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                           prefill_chunk_size=s.prefill_chunk_size, block_size=self.block_size,
+                           enable_prefix_caching=self.enable_prefix_caching)

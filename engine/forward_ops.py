@@ -36,3 +36,53 @@ REFERENCE_OPS = ForwardOps(
     attention=paged_attention_ref,
     moe=moe_ref,
 )
+
+
+def _builtin(op: str, impl: str, params: dict) -> Callable:
+    """Imports Triton kernels only when a variant asks for them."""
+    import functools
+
+    try:
+        if op in ("rms_norm", "fused_add_rms_norm"):
+            from kernels import norm_triton as m
+        elif op == "rotary":
+            from kernels import rotary_triton as m
+        elif op == "silu_and_mul":
+            from kernels import activation_triton as m
+        elif op == "store_kv":
+            from kernels import kv_store_triton as m
+        elif op == "attention":
+            from kernels.attention_triton import make_attention
+
+            return make_attention("paged" if impl == "triton_paged" else "split_kv", **params)
+        else:
+            raise KeyError(op)
+    except ImportError as e:
+        from engine.generated_source import VariantError
+
+        raise VariantError(f"{op}={impl} needs Triton, which is not importable here: {e}") from None
+    fn = getattr(m, f"{op}_triton")
+    return functools.partial(fn, **params) if params else fn
+
+
+def build_ops(spec) -> ForwardOps:
+    """The ForwardOps table a VariantSpec describes; generated source is checked and smoke-run first.
+
+    Raises VariantError (nothing is changed) when any operation cannot be built.
+    """
+    from engine.generated_source import VariantError, prepare_generated
+
+    sources = dict(spec.generated_source)
+    table = {}
+    for op in ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "store_kv", "attention", "moe"):
+        impl, params = spec.impl(op), spec.params(op)
+        if impl == "reference":
+            table[op] = getattr(REFERENCE_OPS, op)
+        elif impl.startswith("generated:"):
+            module, _, function = impl.split(":", 1)[1].rpartition(".")
+            if not module:
+                raise VariantError(f"{op}={impl}: expected generated:<module>.<function>")
+            table[op] = prepare_generated(op, module, function, sources[module])
+        else:
+            table[op] = _builtin(op, impl, params)
+    return ForwardOps(name=spec.variant_id, **table)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -14,14 +15,16 @@ from engine.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.errors import RequestError
-from engine.forward_ops import REFERENCE_OPS, ForwardOps
+from engine.forward_ops import ForwardOps, build_ops
+from engine.generated_source import VariantError
 from engine.loader import load_model
 from engine.model_runner import KVCache, ModelRunner
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import Tokenizer
+from engine.variant import FORWARD, KV_LAYOUT, PARALLEL, SCHEDULER, VariantSpec
 
 
 @dataclass
@@ -34,6 +37,13 @@ class RequestOutput:
     finish_reason: str | None
     num_cached_tokens: int  # prompt tokens served from the prefix cache at the last admission
     num_tokens_run: int  # tokens of this request run through the model (recompute included)
+
+
+@dataclass(frozen=True)
+class SwapReport:
+    variant_id: str
+    scopes: list[str]  # the scopes the swap touched
+    seconds: float
 
 
 @dataclass
@@ -81,7 +91,10 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.runner = ModelRunner(self.model, model_cfg, self.kv, self.max_model_len, self.device)
-        self.ops: ForwardOps = REFERENCE_OPS
+        self.variant: VariantSpec = config.initial_variant()
+        self.previous_variant: VariantSpec | None = None
+        self.ops: ForwardOps = build_ops(self.variant)
+        self._lock = threading.RLock()  # a swap happens between two steps, never inside one
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -165,6 +178,10 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        with self._lock:
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
@@ -230,6 +247,50 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             num_tokens_run=seq.num_tokens_run,
         )
+
+    # ---- variants -------------------------------------------------------------------------
+    def apply_variant(self, spec: VariantSpec) -> "SwapReport":
+        """Makes ``spec`` the active variant with the least work its changed scopes need, between two steps.
+
+        Requests in flight continue. On any failure the previous variant stays active and
+        VariantError says why. Weights are never reloaded.
+        """
+        with self._lock:
+            t0 = time.perf_counter()
+            scopes = spec.changed_scopes(self.variant)
+            if PARALLEL in scopes:
+                raise VariantError(f"variant {spec.variant_id} changes tp/dp: that needs a restart (re-shard)")
+            ops = build_ops(spec) if FORWARD in scopes else self.ops
+            rebuilt = self._build_kv(spec) if KV_LAYOUT in scopes else None
+            # Everything that can fail has run; commit.
+            if rebuilt is not None:
+                for seq in sorted(self.scheduler.running, key=lambda s: -s.arrival):
+                    self.scheduler._preempt(seq, SchedulerOutput())  # recomputed under the new layout
+                self.kv, self.block_manager = rebuilt
+                self.scheduler.block_manager = self.block_manager
+                self.runner.set_kv(self.kv)
+            if SCHEDULER in scopes:
+                self.scheduler.config = SchedulerConfig(max_num_seqs=spec.max_num_seqs,
+                                                        max_num_batched_tokens=spec.max_num_batched_tokens,
+                                                        prefill_chunk_size=spec.prefill_chunk_size)
+            self.ops = ops
+            self.previous_variant, self.variant = self.variant, spec
+            return SwapReport(spec.variant_id, sorted(scopes), time.perf_counter() - t0)
+
+    def rollback(self) -> "SwapReport":
+        if self.previous_variant is None:
+            raise VariantError("no previous variant to roll back to")
+        return self.apply_variant(self.previous_variant)
+
+    def _build_kv(self, spec: VariantSpec) -> tuple[KVCache, BlockManager]:
+        """A new KV pool of the same memory under the new block size, and its block manager."""
+        total = self.kv.num_blocks * KVCache.bytes_per_block(self.model_config, self.kv.block_size, self.dtype)
+        num_blocks = max(1, total // KVCache.bytes_per_block(self.model_config, spec.block_size, self.dtype))
+        try:
+            kv = KVCache(self.model_config, num_blocks, spec.block_size, self.device, self.dtype)
+        except (RuntimeError, MemoryError) as e:
+            raise VariantError(f"cannot allocate the new KV pool: {e}") from None
+        return kv, BlockManager(num_blocks, spec.block_size, spec.enable_prefix_caching)
 
     def generate(
         self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,

@@ -33,6 +33,9 @@ class ModelRunner:
         self.cos_sin = rope_cos_sin(cfg, max_model_len, device)
         self.kv_layers = kv.layers()
 
+    def set_kv(self, kv: KVCache) -> None:
+        self.kv, self.kv_layers = kv, kv.layers()
+
     def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs, list[int]]:
         bs = self.kv.block_size
         ids: list[int] = []

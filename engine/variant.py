@@ -1,0 +1,158 @@
+"""VariantSpec: everything that defines one engine form, content-hashed into a stable ``variant_id``.
+
+Each field carries the scope a change of it needs:
+- ``forward``: swap kernels between two steps (hot swap, weights stay);
+- ``scheduler``: takes effect at the next step;
+- ``kv_layout``: drain and rebuild the KV pool, weights stay;
+- ``parallel``: re-shard, which needs a restart.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.errors import ConfigError
+
+FORWARD, SCHEDULER, KV_LAYOUT, PARALLEL = "forward", "scheduler", "kv_layout", "parallel"
+# The order in which scopes grow in cost; a swap does the work of the largest scope it touches.
+SCOPE_ORDER = (SCHEDULER, FORWARD, KV_LAYOUT, PARALLEL)
+
+OP_NAMES = ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "store_kv", "attention", "moe")
+BUILTIN_IMPLS = {
+    "rms_norm": ("reference", "triton"),
+    "fused_add_rms_norm": ("reference", "triton"),
+    "rotary": ("reference", "triton"),
+    "silu_and_mul": ("reference", "triton"),
+    "store_kv": ("reference", "triton"),
+    "attention": ("reference", "triton_paged", "triton_split_kv"),
+    "moe": ("reference",),
+}
+COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
+
+
+def _f(scope: str, default: Any = dataclasses.MISSING, **kw):
+    if default is dataclasses.MISSING:
+        return field(metadata={"scope": scope}, **kw)
+    return field(default=default, metadata={"scope": scope}, **kw)
+
+
+@dataclass(frozen=True)
+class VariantSpec:
+    name: str = field(default="default", metadata={"scope": None})  # a label; not part of the id
+    # engine knobs
+    max_num_seqs: int = _f(SCHEDULER, 64)
+    max_num_batched_tokens: int = _f(SCHEDULER, 2048)
+    prefill_chunk_size: int | None = _f(SCHEDULER, None)
+    block_size: int = _f(KV_LAYOUT, 16)
+    enable_prefix_caching: bool = _f(KV_LAYOUT, True)
+    cuda_graph_batch_sizes: tuple[int, ...] = _f(FORWARD, ())
+    compile_mode: str = _f(FORWARD, "none")
+    # kernel choice per operation: a built-in name, or "generated:<module>.<function>"
+    kernels: tuple[tuple[str, str], ...] = _f(FORWARD, ())
+    # tunable kernel parameters: (op, ((param, value), ...)), e.g. attention block_n / num_warps / num_splits
+    kernel_params: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = _f(FORWARD, ())
+    # generated source, module name -> text
+    generated_source: tuple[tuple[str, str], ...] = _f(FORWARD, ())
+    tp: int = _f(PARALLEL, 1)
+    dp: int = _f(PARALLEL, 1)
+
+    def __post_init__(self) -> None:
+        # accept dicts and lists (JSON) and normalize to sorted tuples, so equal specs hash equal
+        kernels = dict(self.kernels)
+        params = {op: tuple(sorted(dict(p).items())) for op, p in dict(self.kernel_params).items()}
+        source = dict(self.generated_source)
+        object.__setattr__(self, "kernels", tuple(sorted(kernels.items())))
+        object.__setattr__(self, "kernel_params", tuple(sorted(params.items())))
+        object.__setattr__(self, "generated_source", tuple(sorted(source.items())))
+        object.__setattr__(self, "cuda_graph_batch_sizes", tuple(sorted(set(self.cuda_graph_batch_sizes))))
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tp", "dp"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"variant field {name} must be a positive integer, got {v!r}")
+        if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
+            raise ConfigError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ConfigError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
+        if any(b < 1 for b in self.cuda_graph_batch_sizes):
+            raise ConfigError("cuda_graph_batch_sizes must be positive")
+        for op, impl in self.kernels:
+            if op not in OP_NAMES:
+                raise ConfigError(f"unknown operation {op!r} in kernels; known: {', '.join(OP_NAMES)}")
+            if impl.startswith("generated:"):
+                module = impl.split(":", 1)[1].rsplit(".", 1)[0]
+                if module not in source:
+                    raise ConfigError(f"kernel {op}={impl} names module {module!r}, which generated_source lacks")
+            elif impl not in BUILTIN_IMPLS[op]:
+                raise ConfigError(f"unknown implementation {impl!r} for {op}; built-in: {', '.join(BUILTIN_IMPLS[op])}")
+        for op, _ in self.kernel_params:
+            if op not in OP_NAMES:
+                raise ConfigError(f"unknown operation {op!r} in kernel_params")
+
+    # ---- identity and serialization -----------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["kernels"] = dict(self.kernels)
+        d["kernel_params"] = {op: dict(p) for op, p in self.kernel_params}
+        d["generated_source"] = dict(self.generated_source)
+        d["cuda_graph_batch_sizes"] = list(self.cuda_graph_batch_sizes)
+        d["variant_id"] = self.variant_id
+        return d
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "VariantSpec":
+        if not isinstance(data, dict):
+            raise ConfigError("a variant must be a JSON object")
+        data = dict(data)
+        claimed = data.pop("variant_id", None)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"unknown variant fields: {', '.join(sorted(unknown))}")
+        if "cuda_graph_batch_sizes" in data:
+            data["cuda_graph_batch_sizes"] = tuple(data["cuda_graph_batch_sizes"])
+        try:
+            spec = cls(**data)
+        except TypeError as e:
+            raise ConfigError(f"bad variant: {e}") from None
+        if claimed is not None and claimed != spec.variant_id:
+            raise ConfigError(f"variant_id {claimed} does not match the content (expected {spec.variant_id})")
+        return spec
+
+    @classmethod
+    def load(cls, path: str | Path) -> "VariantSpec":
+        try:
+            return cls.from_json(json.loads(Path(path).read_text()))
+        except FileNotFoundError:
+            raise ConfigError(f"variant file not found: {path}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"variant file {path} is not valid JSON: {e}") from None
+
+    @property
+    def variant_id(self) -> str:
+        body = {k: v for k, v in dataclasses.asdict(self).items() if k != "name"}
+        return hashlib.sha256(json.dumps(body, sort_keys=True, default=list).encode()).hexdigest()[:16]
+
+    # ---- scopes ---------------------------------------------------------------------------------
+    @staticmethod
+    def scope_of(field_name: str) -> str | None:
+        return {f.name: f.metadata.get("scope") for f in dataclasses.fields(VariantSpec)}[field_name]
+
+    def changed_scopes(self, other: "VariantSpec") -> set[str]:
+        """The scopes whose fields differ between this spec and ``other``."""
+        return {
+            f.metadata["scope"] for f in dataclasses.fields(self)
+            if f.metadata.get("scope") and getattr(self, f.name) != getattr(other, f.name)
+        }
+
+    def impl(self, op: str) -> str:
+        return dict(self.kernels).get(op, "reference")
+
+    def params(self, op: str) -> dict[str, int]:
+        return dict(dict(self.kernel_params).get(op, ()))
+
+
+REFERENCE_VARIANT = VariantSpec(name="reference")

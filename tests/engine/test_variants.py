@@ -1,0 +1,173 @@
+"""Variants: identity and scopes, hot swap mid-generation, refusal of broken generated source."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.errors import ConfigError
+from engine.generated_source import VariantError, check_source
+from engine.loader import ModelSource
+from engine.variant import REFERENCE_VARIANT, VariantSpec
+
+TINY = Path(__file__).parent / "tiny_moe" / "config.json"
+
+GOOD_SILU = '''
+import torch
+import torch.nn.functional as F
+
+def silu_and_mul(x):
+    half = x.shape[-1] // 2
+    return F.silu(x[..., :half]) * x[..., half:]
+'''
+ALL_TRITON = {"rms_norm": "triton", "fused_add_rms_norm": "triton", "rotary": "triton", "silu_and_mul": "triton",
+              "store_kv": "triton", "attention": "triton_paged"}
+
+
+def test_variant_id_is_content_hashed_and_round_trips():
+    a = VariantSpec(name="a", block_size=32, kernels={"attention": "triton_split_kv"},
+                    kernel_params={"attention": {"num_splits": 4, "block_n": 64}})
+    b = VariantSpec(name="b", kernel_params={"attention": {"block_n": 64, "num_splits": 4}},
+                    kernels={"attention": "triton_split_kv"}, block_size=32)
+    assert a.variant_id == b.variant_id  # the label and the order of entries do not matter
+    assert VariantSpec(block_size=16).variant_id != a.variant_id
+    back = VariantSpec.from_json(json.loads(json.dumps(a.to_json())))
+    assert back == a and back.variant_id == a.variant_id
+    with pytest.raises(ConfigError, match="does not match"):
+        VariantSpec.from_json({**a.to_json(), "variant_id": "0" * 16})
+    with pytest.raises(ConfigError, match="unknown variant fields"):
+        VariantSpec.from_json({"blok_size": 8})
+    with pytest.raises(ConfigError, match="unknown implementation"):
+        VariantSpec(kernels={"attention": "cuda_magic"})
+    with pytest.raises(ConfigError, match="positive integer"):
+        VariantSpec(block_size=0)
+
+
+def test_every_field_has_a_scope():
+    import dataclasses
+
+    scopes = {f.name: f.metadata.get("scope") for f in dataclasses.fields(VariantSpec)}
+    assert scopes["name"] is None
+    assert {k for k, v in scopes.items() if v is None} == {"name"}
+    assert scopes["block_size"] == "kv_layout" and scopes["max_num_seqs"] == "scheduler"
+    assert scopes["kernels"] == "forward" and scopes["tp"] == "parallel"
+    assert VariantSpec(block_size=8).changed_scopes(VariantSpec()) == {"kv_layout"}
+    assert VariantSpec(kernels={"rotary": "triton"}, max_num_seqs=3).changed_scopes(VariantSpec()) == {
+        "forward", "scheduler"}
+
+
+def _tiny(variant=None, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(source=ModelSource("synthetic", TINY, seed=1), num_kv_blocks=64, block_size=4,
+                                  load_tokenizer=False, variant=variant, **kw))
+
+
+def test_all_triton_variant_equals_reference_on_a_tiny_model():
+    prompts = [[1, 5, 9, 13, 2, 7, 33], [4, 4, 8], list(range(10, 31))]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    ref = [o.token_ids for o in _tiny().generate(prompts, params)]
+    for attention in ("triton_paged", "triton_split_kv"):
+        spec = VariantSpec(block_size=4, kernels={**ALL_TRITON, "attention": attention},
+                           kernel_params={"attention": {"block_n": 8}})
+        assert [o.token_ids for o in _tiny(spec).generate(prompts, params)] == ref
+
+
+def _weights(engine):
+    return {n: (p.data_ptr(), p._version) for n, p in engine.model.named_parameters()}
+
+
+def test_hot_swaps_mid_generation_match_the_reference(smollm2_engine_factory):
+    prompts = ["The capital of France is", "def add(a, b):", "List three colors:", "Water is made of"]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    ref_engine = smollm2_engine_factory(num_kv_blocks=128)
+    alone = [ref_engine.generate([p], params)[0].token_ids for p in prompts]
+
+    eng = smollm2_engine_factory(num_kv_blocks=128)
+    weights = _weights(eng)
+    rids = [eng.add_request(p, params) for p in prompts]
+    out = {}
+
+    def run(steps):
+        for _ in range(steps):
+            out.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+
+    run(3)
+    base = eng.variant
+    kv = eng.apply_variant(VariantSpec(**{**_knobs(base), "block_size": 8}))  # kv_layout: pool rebuilt
+    assert kv.scopes == ["kv_layout"] and eng.kv.block_size == 8
+    run(3)
+    fwd_spec = VariantSpec(**{**_knobs(base), "block_size": 8},
+                           kernels={"rms_norm": "triton", "silu_and_mul": "generated:gen_act.silu_and_mul"},
+                           generated_source={"gen_act": GOOD_SILU})
+    fwd = eng.apply_variant(fwd_spec)
+    assert fwd.scopes == ["forward"] and eng.variant.variant_id == fwd_spec.variant_id
+    run(2)
+    sch = eng.apply_variant(dataclasses.replace(fwd_spec, max_num_batched_tokens=64, max_num_seqs=2))
+    assert sch.scopes == ["scheduler"] and eng.scheduler.config.max_num_seqs == 2
+    run(2)
+    eng.rollback()  # back to the forward variant's knobs, live
+    assert eng.variant == fwd_spec and eng.scheduler.config.max_num_seqs == base.max_num_seqs
+    while eng.has_unfinished():
+        run(1)
+    assert [out[r] for r in rids] == alone
+    assert _weights(eng) == weights  # no swap touched or reallocated a weight
+
+
+def test_parallel_change_is_refused_and_nothing_changes():
+    eng = _tiny()
+    before = eng.variant
+    with pytest.raises(VariantError, match="restart"):
+        eng.apply_variant(VariantSpec(**{**_knobs(before), "tp": 2}))
+    assert eng.variant == before
+
+
+BROKEN = {
+    "syntax error": ("def silu_and_mul(x):\n    return x[:, :\n", "syntax error"),
+    "forbidden import": ("import os\ndef silu_and_mul(x):\n    os.system('true')\n    return x\n", "import of 'os'"),
+    "forbidden builtin": ("def silu_and_mul(x):\n    return eval('x')\n", "'eval'"),
+    "file access through torch": ("import torch\ndef silu_and_mul(x):\n    torch.save(x, 'f')\n    return x\n",
+                                  "'save'"),
+    "dunder escape": ("def silu_and_mul(x):\n    return x.__class__.__bases__\n", "__"),
+    "wrong output shape": ("def silu_and_mul(x):\n    return x\n", "wrong output shape"),
+    "exception at run time": ("def silu_and_mul(x):\n    raise RuntimeError('boom')\n", "boom"),
+    "missing function": ("def something_else(x):\n    return x\n", "no function"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_broken_generated_source_is_refused_and_engine_keeps_serving(case):
+    text, reason = BROKEN[case]
+    eng = _tiny()
+    before_ops, before = eng.ops, eng.variant
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    rid = eng.add_request([3, 1, 4, 1, 5], params)
+    eng.step()
+    spec = VariantSpec(**_knobs(before), kernels={"silu_and_mul": "generated:bad.silu_and_mul"},
+                       generated_source={"bad": text})
+    with pytest.raises(VariantError, match=reason.replace("(", r"\(")):
+        eng.apply_variant(spec)
+    assert eng.variant == before and eng.ops is before_ops
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    assert done[rid] == _tiny().generate([[3, 1, 4, 1, 5]], params)[0].token_ids
+
+
+def test_generated_source_lands_on_a_content_addressed_path(tmp_path, monkeypatch):
+    from engine.generated_source import materialize
+
+    monkeypatch.setenv("POLYINF_CACHE", str(tmp_path))
+    p1 = materialize("gen_act", GOOD_SILU)
+    p2 = materialize("gen_act", GOOD_SILU)
+    p3 = materialize("gen_act", GOOD_SILU + "\n# changed\n")
+    assert p1 == p2 != p3 and p1.read_text() == GOOD_SILU
+    check_source("gen_act", GOOD_SILU)  # the good module passes the static check
+
+
+def _knobs(spec: VariantSpec) -> dict:
+    return dict(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
+                prefill_chunk_size=spec.prefill_chunk_size, block_size=spec.block_size,
+                enable_prefix_caching=spec.enable_prefix_caching)
