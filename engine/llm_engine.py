@@ -93,6 +93,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, model_cfg, self.kv, self.max_model_len, self.device)
         self.variant: VariantSpec = config.initial_variant()
         self.previous_variant: VariantSpec | None = None
+        self.notes: list[str] = []  # what the engine skipped or could not honour, for the operator
+        self._note_graph_modes(self.variant)
         self.ops: ForwardOps = build_ops(self.variant)
         self._lock = threading.RLock()  # a swap happens between two steps, never inside one
         self.stats = EngineStats()
@@ -261,6 +263,7 @@ class LLMEngine:
             if PARALLEL in scopes:
                 raise VariantError(f"variant {spec.variant_id} changes tp/dp: that needs a restart (re-shard)")
             ops = build_ops(spec) if FORWARD in scopes else self.ops
+            self._note_graph_modes(spec)
             rebuilt = self._build_kv(spec) if KV_LAYOUT in scopes else None
             # Everything that can fail has run; commit.
             if rebuilt is not None:
@@ -276,6 +279,15 @@ class LLMEngine:
             self.ops = ops
             self.previous_variant, self.variant = self.variant, spec
             return SwapReport(spec.variant_id, sorted(scopes), time.perf_counter() - t0)
+
+    def _note_graph_modes(self, spec: VariantSpec) -> None:
+        """CUDA graphs and torch.compile apply on a GPU only; elsewhere they are skipped with a note."""
+        if not (spec.cuda_graph_batch_sizes or spec.compile_mode != "none"):
+            return
+        if self.device.type != "cuda":
+            self.notes.append(f"variant {spec.variant_id}: CUDA graphs and compile mode skipped on {self.device.type}")
+            return
+        raise VariantError("CUDA graph capture and torch.compile modes are not implemented in this engine yet")
 
     def rollback(self) -> "SwapReport":
         if self.previous_variant is None:

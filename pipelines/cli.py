@@ -27,10 +27,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--variant", default=None,
+                   help="a VariantSpec JSON file (see 'polyinf variants show'); its knobs override the flags above")
 
 
 def _engine_config(args: argparse.Namespace):
     from engine import EngineConfig, SchedulerConfig, resolve
+    from engine.variant import VariantSpec
 
     return EngineConfig(
         source=resolve(args.model, synthetic=args.synthetic, seed=args.seed),
@@ -43,6 +46,7 @@ def _engine_config(args: argparse.Namespace):
         enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=args.max_model_len,
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+        variant=VariantSpec.load(args.variant) if args.variant else None,
     )
 
 
@@ -64,12 +68,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({
             "text": out.text, "token_ids": out.token_ids, "prompt_token_ids": out.prompt_token_ids,
-            "finish_reason": out.finish_reason, "seconds": round(secs, 4), "tokens_per_second": round(tps, 2),
+            "finish_reason": out.finish_reason, "variant_id": engine.variant.variant_id, "seconds": round(secs, 4), "tokens_per_second": round(tps, 2),
         }))
     else:
         print(out.text)
         print(f"[{len(out.token_ids)} tokens in {secs:.2f} s: {tps:.1f} tokens/s; "
               f"model loaded in {engine.load_seconds:.1f} s]", file=sys.stderr)
+    return 0
+
+
+def cmd_variants_show(args: argparse.Namespace) -> int:
+    from engine.variant import REFERENCE_VARIANT, VariantSpec
+
+    spec = VariantSpec.load(args.variant) if args.variant else REFERENCE_VARIANT
+    print(json.dumps(spec.to_json(), indent=2))
     return 0
 
 
@@ -92,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, prompt_token_ids")
     g.set_defaults(func=cmd_generate)
+
+    v = sub.add_parser("variants", help="engine variants (VariantSpec JSON)")
+    vsub = v.add_subparsers(dest="variants_command", required=True)
+    show = vsub.add_parser("show", help="print a variant as JSON with its variant_id (default: the reference variant)")
+    show.add_argument("--variant", default=None, help="a VariantSpec JSON file to validate and print")
+    show.set_defaults(func=cmd_variants_show)
     return parser
 
 

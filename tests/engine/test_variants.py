@@ -171,3 +171,31 @@ def _knobs(spec: VariantSpec) -> dict:
     return dict(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
                 prefill_chunk_size=spec.prefill_chunk_size, block_size=spec.block_size,
                 enable_prefix_caching=spec.enable_prefix_caching)
+
+
+def test_graph_modes_are_skipped_with_a_note_on_cpu():
+    eng = _tiny()
+    eng.apply_variant(VariantSpec(**_knobs(eng.variant), cuda_graph_batch_sizes=(1, 2, 4), compile_mode="default"))
+    assert any("skipped on cpu" in n for n in eng.notes)
+
+
+def test_cli_variants_show_and_generate_with_a_variant_file(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "pipelines.cli", "variants", "show"], capture_output=True, text=True)
+    assert r.returncode == 0 and json.loads(r.stdout)["variant_id"] == REFERENCE_VARIANT.variant_id
+    spec = VariantSpec(block_size=4, kernels={"silu_and_mul": "triton", "attention": "triton_paged"})
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps(spec.to_json()))
+    args = [sys.executable, "-m", "pipelines.cli", "generate", "--model", str(TINY.parent), "--synthetic", "--seed",
+            "1", "--prompt", "3 1 4 1 5", "--max-tokens", "4", "--ignore-eos", "--json"]
+    with_variant = subprocess.run(args + ["--variant", str(path)], capture_output=True, text=True)
+    plain = subprocess.run(args, capture_output=True, text=True)
+    assert with_variant.returncode == 0, with_variant.stderr
+    a, b = json.loads(with_variant.stdout), json.loads(plain.stdout)
+    assert a["variant_id"] == spec.variant_id and b["variant_id"] != spec.variant_id
+    assert a["token_ids"] == b["token_ids"] and len(a["token_ids"]) == 4
+    path.write_text("{not json")
+    bad = subprocess.run(args + ["--variant", str(path)], capture_output=True, text=True)
+    assert bad.returncode == 2 and "not valid JSON" in bad.stderr and "Traceback" not in bad.stderr
