@@ -9,7 +9,6 @@ from __future__ import annotations
 import ast
 import hashlib
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -174,6 +173,3 @@ def prepare_generated(op: str, module: str, function: str, text: str) -> Callabl
     smoke_run(op, fn)
     return fn
 
-
-if __name__ == "__main__":  # pragma: no cover - a debugging aid
-    print(json.dumps({"allowed_imports": sorted(ALLOWED_IMPORTS)}))
