@@ -110,8 +110,11 @@ def smoke_case(op: str) -> tuple[tuple, Callable]:
     elif op == "store_kv":
         args = (r(3, 2, 8), r(3, 2, 8), torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8), torch.tensor([0, 5, 15]))
     elif op == "attention":
-        args = (r(4, 4, 8), r(4, 4, 2, 8), r(4, 4, 2, 8), torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
-                [6, 5], [0, 3, 4], 8**-0.5)
+        from kernels.attention import AttentionMetadata
+
+        meta = AttentionMetadata.build(torch.zeros(4, dtype=torch.int64),
+                                       torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), [6, 5], [0, 3, 4], "cpu")
+        args = (r(4, 4, 8), r(4, 4, 2, 8), r(4, 4, 2, 8), meta, 8**-0.5)
     elif op == "moe":
         args = (r(5, 8), r(5, 4), r(4, 12, 8), r(4, 8, 6), 2, True)
     else:

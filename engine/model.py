@@ -1,13 +1,11 @@
 """The decoder-only transformer shared by every supported family.
 
 Tokens of all scheduled sequences are packed into one flat batch of T tokens; the
-paged KV cache and ``AttentionInputs`` say which sequence each token belongs to.
+paged KV cache and ``AttentionMetadata`` say which sequence each token belongs to.
 Every numeric operation goes through a ``ForwardOps`` table so that a variant can
 replace kernels without touching the weights.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -15,16 +13,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.forward_ops import ForwardOps
-
-
-@dataclass
-class AttentionInputs:
-    """Where the packed tokens of one step live in the paged KV cache."""
-
-    slot_mapping: torch.Tensor  # (T,) int64: KV-pool slot of each new token
-    block_tables: torch.Tensor  # (B, max_blocks) int32: each sequence's blocks
-    context_lens: list[int]  # B: tokens in each sequence's context after this step
-    query_start_loc: list[int]  # B + 1: offsets of each sequence's tokens in the packed batch
+from kernels.attention import AttentionMetadata
 
 
 class Attention(nn.Module):
@@ -49,7 +38,7 @@ class Attention(nn.Module):
         positions: torch.Tensor,  # (T,)
         cos_sin: torch.Tensor,  # (P, 2, head_dim / 2)
         kv: tuple[torch.Tensor, torch.Tensor],  # each (num_blocks, block_size, KVH, D)
-        attn: AttentionInputs,
+        attn: AttentionMetadata,
         ops: ForwardOps,
     ) -> torch.Tensor:
         t = x.shape[0]
@@ -63,7 +52,7 @@ class Attention(nn.Module):
             k = ops.rms_norm(k, self.k_norm, self.eps)
         q, k = ops.rotary(q, k, positions, cos_sin)
         ops.store_kv(k, v.contiguous(), kv[0], kv[1], attn.slot_mapping)
-        o = ops.attention(q, kv[0], kv[1], attn.block_tables, attn.context_lens, attn.query_start_loc, self.scale)
+        o = ops.attention(q, kv[0], kv[1], attn, self.scale)
         return self.o_proj(o.reshape(t, q_size))
 
 
@@ -129,7 +118,7 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,  # (T,)
         cos_sin: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one (K, V) pair per layer
-        attn: AttentionInputs,
+        attn: AttentionMetadata,
         ops: ForwardOps,
     ) -> torch.Tensor:
         """Returns the final hidden states, (T, hidden)."""

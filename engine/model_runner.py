@@ -5,7 +5,8 @@ import torch
 
 from engine.config import ModelConfig
 from engine.forward_ops import ForwardOps
-from engine.model import AttentionInputs, CausalLM
+from engine.model import CausalLM
+from kernels.attention import AttentionMetadata
 from engine.rope import rope_cos_sin
 from engine.scheduler import SchedulerOutput
 
@@ -36,7 +37,7 @@ class ModelRunner:
     def set_kv(self, kv: KVCache) -> None:
         self.kv, self.kv_layers = kv, kv.layers()
 
-    def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs, list[int]]:
+    def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.kv.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -58,11 +59,9 @@ class ModelRunner:
         width = max(len(item.seq.block_table) for item in batch.scheduled)
         tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch.scheduled]
         dev = self.device
-        attn = AttentionInputs(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            context_lens=ctx_lens,
-            query_start_loc=qsl,
+        attn = AttentionMetadata.build(
+            torch.tensor(slots, dtype=torch.int64, device=dev), torch.tensor(tables, dtype=torch.int32, device=dev),
+            ctx_lens, qsl, dev,
         )
         return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
                 attn, logits_idx)

@@ -1,35 +1,60 @@
 """Attention over the paged KV cache, one signature for prefill, chunked prefill and decode."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
+@dataclass
+class AttentionMetadata:
+    """Where the packed tokens of one step live in the paged KV cache.
+
+    Host lists serve code that loops in Python; the device tensors serve kernels and CUDA
+    graphs, whose replays must not read host values.
+    """
+
+    slot_mapping: torch.Tensor  # (T,) int64: KV-pool slot of each new token
+    block_tables: torch.Tensor  # (B, max_blocks) int32: each sequence's blocks; padding entries are ignored
+    context_lens: list[int]  # B: tokens in each sequence's context including its new ones
+    query_start_loc: list[int]  # B + 1: offsets of each sequence's new tokens in the packed batch
+    context_lens_t: torch.Tensor  # (B,) int32, the same on the device
+    query_start_loc_t: torch.Tensor  # (B + 1,) int32
+    max_query_len: int  # 1 means a pure decode batch
+    max_context_len: int  # an upper bound on context_lens (kernels size their work by it)
+
+    @classmethod
+    def build(cls, slot_mapping, block_tables, context_lens, query_start_loc, device) -> "AttentionMetadata":
+        return cls(
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            context_lens=context_lens,
+            query_start_loc=query_start_loc,
+            context_lens_t=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            query_start_loc_t=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
+            max_context_len=max(context_lens),
+        )
+
+
 def paged_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: list[int],
-    query_start_loc: list[int],
-    scale: float,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its whole cached context.
 
     q: (T, H, D), the new tokens of B sequences packed back to back.
     k_cache, v_cache: (num_blocks, block_size, KVH, D), already holding the new tokens.
-    block_tables: (B, max_blocks) int32; entries past a sequence's blocks are ignored.
-    context_lens[i]: tokens in sequence i's context including its new ones.
-    query_start_loc: B + 1 offsets into q; sequence i's queries are the last
-    (query_start_loc[i+1] - query_start_loc[i]) positions of its context.
-    Returns (T, H, D).
+    Sequence i's queries are the last (query_start_loc[i+1] - query_start_loc[i]) positions
+    of its context of context_lens[i] tokens. Returns (T, H, D).
     """
     out = torch.empty_like(q)
     block_size, kvh, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // kvh  # query heads per KV head; head h reads KV head h // group
-    for i, ctx in enumerate(context_lens):
-        qs, qe = query_start_loc[i], query_start_loc[i + 1]
+    qsl = meta.query_start_loc
+    for i, ctx in enumerate(meta.context_lens):
+        qs, qe = qsl[i], qsl[i + 1]
         n = qe - qs
-        blocks = block_tables[i, : (ctx + block_size - 1) // block_size].long()
+        blocks = meta.block_tables[i, : (ctx + block_size - 1) // block_size].long()
         k = k_cache.index_select(0, blocks).view(-1, kvh, d)[:ctx].permute(1, 2, 0)  # (KVH, D, ctx)
         v = v_cache.index_select(0, blocks).view(-1, kvh, d)[:ctx].transpose(0, 1)  # (KVH, ctx, D)
         qi = q[qs:qe].view(n, kvh, group, d).permute(1, 0, 2, 3).reshape(kvh, n * group, d)

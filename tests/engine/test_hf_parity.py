@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams, resolve
-from engine.model import AttentionInputs
+from kernels.attention import AttentionMetadata
 from engine.model_runner import KVCache
 from engine.rope import rope_cos_sin
 
@@ -59,7 +59,8 @@ def our_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     kv = KVCache(cfg, num_blocks=len(ids) // bs + 2, block_size=bs, device="cpu", dtype=torch.float32)
     blocks = list(range(len(ids) // bs + 1))[::-1]  # deliberately not in order
     slots = [blocks[p // bs] * bs + p % bs for p in range(len(ids))]
-    attn = AttentionInputs(torch.tensor(slots), torch.tensor([blocks], dtype=torch.int32), [len(ids)], [0, len(ids)])
+    attn = AttentionMetadata.build(torch.tensor(slots), torch.tensor([blocks], dtype=torch.int32), [len(ids)],
+                                   [0, len(ids)], "cpu")
     with torch.inference_mode():
         h = engine.model(torch.tensor(ids), torch.arange(len(ids)), rope_cos_sin(cfg, 256, "cpu"), kv.layers(),
                          attn, engine.ops)

@@ -8,7 +8,7 @@ import torch
 
 from kernels.activation import silu_and_mul_ref
 from kernels.activation_triton import silu_and_mul_triton
-from kernels.attention import paged_attention_ref
+from kernels.attention import AttentionMetadata, paged_attention_ref
 from kernels.attention_triton import paged_attention_triton, split_kv_attention_triton
 from kernels.kv_store import store_kv_ref
 from kernels.kv_store_triton import store_kv_triton
@@ -89,7 +89,9 @@ def _paged_case(seed, heads, kvh, d, bs, specs):
     for _, n in specs:
         qsl.append(qsl[-1] + n)
     q = torch.randn(qsl[-1], heads, d)
-    return q, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32), [c for c, _ in specs], qsl
+    meta = AttentionMetadata.build(torch.zeros(qsl[-1], dtype=torch.int64), torch.tensor(tables, dtype=torch.int32),
+                                   [c for c, _ in specs], qsl, "cpu")
+    return q, k_cache, v_cache, meta
 
 
 CASES = [
@@ -104,9 +106,18 @@ CASES = [
 @pytest.mark.parametrize("case", CASES)
 def test_paged_attention(case):
     heads, kvh, d, bs, specs = case
-    q, kc, vc, bt, ctx, qsl = _paged_case(len(specs) * 31 + d, heads, kvh, d, bs, specs)
-    ref = paged_attention_ref(q, kc, vc, bt, ctx, qsl, d**-0.5)
-    torch.testing.assert_close(paged_attention_triton(q, kc, vc, bt, ctx, qsl, d**-0.5, block_n=16), ref, **TOL)
-    for splits in (1, 3):
-        got = split_kv_attention_triton(q, kc, vc, bt, ctx, qsl, d**-0.5, num_splits=splits, block_n=8)
+    q, kc, vc, meta = _paged_case(len(specs) * 31 + d, heads, kvh, d, bs, specs)
+    ref = paged_attention_ref(q, kc, vc, meta, d**-0.5)
+    for block_m, block_n in ((16, 16), (32, 64)):
+        got = paged_attention_triton(q, kc, vc, meta, d**-0.5, block_m=block_m, block_n=block_n)
         torch.testing.assert_close(got, ref, **TOL)
+    # the same contexts as a pure decode batch: the decode kernel, whole and split
+    last = [meta.query_start_loc[i + 1] - 1 for i in range(len(specs))]
+    dq = q[last].contiguous()
+    dmeta = AttentionMetadata.build(meta.slot_mapping[:len(last)], meta.block_tables, meta.context_lens,
+                                    list(range(len(last) + 1)), "cpu")
+    dref = paged_attention_ref(dq, kc, vc, dmeta, d**-0.5)
+    torch.testing.assert_close(paged_attention_triton(dq, kc, vc, dmeta, d**-0.5, block_n=16), dref, **TOL)
+    for splits in (1, 3):
+        got = split_kv_attention_triton(dq, kc, vc, dmeta, d**-0.5, num_splits=splits, block_n=16)
+        torch.testing.assert_close(got, dref, **TOL)
