@@ -94,8 +94,8 @@ class LLMEngine:
         self.variant: VariantSpec = config.initial_variant()
         self.previous_variant: VariantSpec | None = None
         self.notes: list[str] = []  # what the engine skipped or could not honour, for the operator
-        self._note_graph_modes(self.variant)
         self.ops: ForwardOps = build_ops(self.variant)
+        self.runner.graphs = self._graphs_for(self.variant, self.ops, self.kv)
         self._lock = threading.RLock()  # a swap happens between two steps, never inside one
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -263,8 +263,15 @@ class LLMEngine:
             if PARALLEL in scopes:
                 raise VariantError(f"variant {spec.variant_id} changes tp/dp: that needs a restart (re-shard)")
             ops = build_ops(spec) if FORWARD in scopes else self.ops
-            self._note_graph_modes(spec)
             rebuilt = self._build_kv(spec) if KV_LAYOUT in scopes else None
+            old_graphs = graphs = self.runner.graphs
+            if scopes & {FORWARD, KV_LAYOUT}:
+                self.runner.graphs = None
+                try:
+                    graphs = self._graphs_for(spec, ops, rebuilt[0] if rebuilt else self.kv)
+                except VariantError:
+                    self.runner.graphs = old_graphs
+                    raise
             # Everything that can fail has run; commit.
             if rebuilt is not None:
                 for seq in sorted(self.scheduler.running, key=lambda s: -s.arrival):
@@ -277,17 +284,25 @@ class LLMEngine:
                                                         max_num_batched_tokens=spec.max_num_batched_tokens,
                                                         prefill_chunk_size=spec.prefill_chunk_size)
             self.ops = ops
+            self.runner.graphs = graphs
             self.previous_variant, self.variant = self.variant, spec
             return SwapReport(spec.variant_id, sorted(scopes), time.perf_counter() - t0)
 
-    def _note_graph_modes(self, spec: VariantSpec) -> None:
-        """CUDA graphs and torch.compile apply on a GPU only; elsewhere they are skipped with a note."""
+    def _graphs_for(self, spec: VariantSpec, ops: ForwardOps, kv: KVCache):
+        """Captured decode graphs for the spec, or None. On a CPU, graphs and compile modes are skipped with a note."""
         if not (spec.cuda_graph_batch_sizes or spec.compile_mode != "none"):
-            return
+            return None
         if self.device.type != "cuda":
             self.notes.append(f"variant {spec.variant_id}: CUDA graphs and compile mode skipped on {self.device.type}")
-            return
-        raise VariantError("CUDA graph capture and torch.compile modes are not implemented in this engine yet")
+            return None
+        if spec.compile_mode != "none":
+            raise VariantError("torch.compile modes are not implemented in this engine yet")
+        if not spec.impl("attention").startswith("triton"):
+            raise VariantError("CUDA graphs need a Triton attention kernel (the reference loops over host values)")
+        try:
+            return self.runner.capture_graphs(ops, spec.cuda_graph_batch_sizes, kv)
+        except Exception as e:
+            raise VariantError(f"CUDA graph capture failed: {type(e).__name__}: {e}") from None
 
     def rollback(self) -> "SwapReport":
         if self.previous_variant is None:

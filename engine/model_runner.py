@@ -8,15 +8,21 @@ from engine.forward_ops import ForwardOps
 from engine.model import CausalLM
 from kernels.attention import AttentionMetadata
 from engine.rope import rope_cos_sin
+from engine.cuda_graphs import DecodeGraphs
 from engine.scheduler import SchedulerOutput
 
 
 class KVCache:
-    """The paged KV pool: per layer a key and a value tensor of (num_blocks, block_size, KVH, D)."""
+    """The paged KV pool: per layer a key and a value tensor of (num_blocks + 1, block_size, KVH, D).
+
+    Block ``num_blocks`` is a scratch block the block manager never hands out: padding rows of
+    a CUDA-graph batch write their keys and values there.
+    """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device, dtype) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.scratch_block = num_blocks
+        shape = (cfg.num_hidden_layers, 2, num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.pool = torch.zeros(shape, device=device, dtype=dtype)
 
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -31,11 +37,19 @@ class KVCache:
 class ModelRunner:
     def __init__(self, model: CausalLM, cfg: ModelConfig, kv: KVCache, max_model_len: int, device) -> None:
         self.model, self.config, self.kv, self.device = model, cfg, kv, device
+        self.max_model_len = max_model_len
         self.cos_sin = rope_cos_sin(cfg, max_model_len, device)
         self.kv_layers = kv.layers()
+        self.graphs: DecodeGraphs | None = None  # captured decode steps of the active variant, on a GPU
 
     def set_kv(self, kv: KVCache) -> None:
         self.kv, self.kv_layers = kv, kv.layers()
+
+    def capture_graphs(self, ops: ForwardOps, batch_sizes: tuple[int, ...], kv: KVCache | None = None) -> "DecodeGraphs":
+        """Captures decode steps for ``batch_sizes`` with ``ops`` over ``kv`` (default: the current pool)."""
+        kv = kv or self.kv
+        return DecodeGraphs(self.model, kv, kv.layers(), self.cos_sin, ops, batch_sizes,
+                            -(-self.max_model_len // kv.block_size), self.device)
 
     def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.kv.block_size
@@ -69,6 +83,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput, ops: ForwardOps) -> torch.Tensor:
         """Returns float32 logits for the sequences that sample, in schedule order: (N, vocab)."""
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.run(batch)
         input_ids, positions, attn, logits_idx = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.cos_sin, self.kv_layers, attn, ops)
         if not logits_idx:
