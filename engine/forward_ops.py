@@ -51,6 +51,8 @@ def _builtin(op: str, impl: str, params: dict) -> Callable:
             from kernels import activation_triton as m
         elif op == "store_kv":
             from kernels import kv_store_triton as m
+        elif op == "moe":
+            from kernels import moe_triton as m
         elif op == "attention":
             from kernels.attention_triton import make_attention
 

@@ -29,7 +29,7 @@ BUILTIN_IMPLS = {
     "silu_and_mul": ("reference", "triton"),
     "store_kv": ("reference", "triton"),
     "attention": ("reference", "triton_paged", "triton_split_kv"),
-    "moe": ("reference",),
+    "moe": ("reference", "triton"),
 }
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
 

@@ -25,7 +25,7 @@ def silu_and_mul(x):
     return F.silu(x[..., :half]) * x[..., half:]
 '''
 ALL_TRITON = {"rms_norm": "triton", "fused_add_rms_norm": "triton", "rotary": "triton", "silu_and_mul": "triton",
-              "store_kv": "triton", "attention": "triton_paged"}
+              "store_kv": "triton", "attention": "triton_paged", "moe": "triton"}
 
 
 def test_variant_id_is_content_hashed_and_round_trips():

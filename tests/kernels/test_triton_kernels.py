@@ -121,3 +121,16 @@ def test_paged_attention(case):
     for splits in (1, 3):
         got = split_kv_attention_triton(dq, kc, vc, dmeta, d**-0.5, num_splits=splits, block_n=16)
         torch.testing.assert_close(got, dref, **TOL)
+
+
+@pytest.mark.parametrize("t,h,e,k,i,renorm", [(1, 16, 4, 2, 8, True), (9, 40, 6, 2, 24, False),
+                                               (33, 32, 8, 3, 20, True), (5, 24, 3, 3, 16, False)])
+def test_moe_grouped_matmul(t, h, e, k, i, renorm):
+    from kernels.moe import moe_ref
+    from kernels.moe_triton import moe_triton
+
+    x, logits = torch.randn(t, h), torch.randn(t, e)
+    w13, w2 = torch.randn(e, 2 * i, h) * 0.2, torch.randn(e, h, i) * 0.2
+    ref = moe_ref(x, logits, w13, w2, k, renorm)
+    torch.testing.assert_close(moe_triton(x, logits, w13, w2, k, renorm, block_m=16, block_n=16, block_k=16), ref,
+                               rtol=1e-4, atol=1e-4)
