@@ -21,11 +21,16 @@ class DecodeGraphs:
         self.device = device
         n = self.sizes[-1]
         scratch_slot = kv.scratch_block * kv.block_size
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), scratch_slot, dtype=torch.int64, device=device)
+        # rows: input ids, positions, KV slots, context lengths; staged on the host, copied in one transfer
+        self.inputs = torch.zeros((4, n), dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.slot_mapping, self.context_lens = self.inputs
+        self.slot_mapping.fill_(scratch_slot)
+        self.context_lens.fill_(1)
         self.block_tables = torch.full((n, max_blocks_per_seq), kv.scratch_block, dtype=torch.int32, device=device)
-        self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
+        pin = torch.cuda.is_available()
+        self._stage = torch.zeros((4, n), dtype=torch.int64, pin_memory=pin)
+        self._tables = torch.full((n, max_blocks_per_seq), kv.scratch_block, dtype=torch.int32, pin_memory=pin)
+        self._stage_np, self._tables_np = self._stage.numpy(), self._tables.numpy()
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = None
@@ -61,26 +66,24 @@ class DecodeGraphs:
         """Replays the smallest captured graph that holds the batch; returns (B, vocab) float32 logits."""
         b = len(batch.scheduled)
         size = next(s for s in self.sizes if s >= b)
-        bs = self.block_size
-        ids, pos, slots, ctx = [], [], [], []
-        width = max(len(s.seq.block_table) for s in batch.scheduled)
-        tables = torch.full((size, width), self.kv.scratch_block, dtype=torch.int32)
+        bs, scratch = self.block_size, self.kv.scratch_block
+        stage, tables = self._stage_np, self._tables_np
+        width = 1
         for i, item in enumerate(batch.scheduled):
             seq = item.seq
             p = seq.num_computed_tokens
-            ids.append(seq.token_ids[p])
-            pos.append(p)
-            slots.append(seq.block_table[p // bs] * bs + p % bs)
-            ctx.append(p + 1)
-            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
-        pad = size - b
-        scratch_slot = self.kv.scratch_block * bs
-        host = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [scratch_slot] * pad], dtype=torch.int64)
-        self.input_ids[:size].copy_(host[0], non_blocking=True)
-        self.positions[:size].copy_(host[1], non_blocking=True)
-        self.slot_mapping[:size].copy_(host[2], non_blocking=True)
-        self.context_lens[:size].copy_(torch.tensor(ctx + [1] * pad, dtype=torch.int32), non_blocking=True)
-        self.block_tables[:size, :width].copy_(tables, non_blocking=True)
+            table = seq.block_table
+            stage[0, i], stage[1, i] = seq.token_ids[p], p
+            stage[2, i], stage[3, i] = table[p // bs] * bs + p % bs, p + 1
+            tables[i, : len(table)] = table
+            width = max(width, len(table))
+        # padding rows: token 0 at position 0, writing into the scratch block
+        stage[:, b:size] = 0
+        stage[2, b:size] = scratch * bs
+        stage[3, b:size] = 1
+        tables[b:size, :width] = scratch
+        self.inputs[:, :size].copy_(self._stage[:, :size], non_blocking=True)
+        self.block_tables[:size, :width].copy_(self._tables[:size, :width], non_blocking=True)
         graph, logits = self.graphs[size]
         graph.replay()
         return logits[:b]

@@ -95,6 +95,7 @@ class LLMEngine:
         self.previous_variant: VariantSpec | None = None
         self.notes: list[str] = []  # what the engine skipped or could not honour, for the operator
         self.ops: ForwardOps = build_ops(self.variant)
+        self._compile(self.variant)
         self.runner.graphs = self._graphs_for(self.variant, self.ops, self.kv)
         self._lock = threading.RLock()  # a swap happens between two steps, never inside one
         self.stats = EngineStats()
@@ -265,13 +266,18 @@ class LLMEngine:
             ops = build_ops(spec) if FORWARD in scopes else self.ops
             rebuilt = self._build_kv(spec) if KV_LAYOUT in scopes else None
             old_graphs = graphs = self.runner.graphs
+            old_forward = self.runner.forward_fn
             if scopes & {FORWARD, KV_LAYOUT}:
                 self.runner.graphs = None
                 try:
+                    self._compile(spec)
+                    self.runner.warm_up(ops, rebuilt[0] if rebuilt else self.kv)
                     graphs = self._graphs_for(spec, ops, rebuilt[0] if rebuilt else self.kv)
-                except VariantError:
-                    self.runner.graphs = old_graphs
-                    raise
+                except Exception as e:
+                    self.runner.graphs, self.runner.forward_fn = old_graphs, old_forward
+                    if isinstance(e, VariantError):
+                        raise
+                    raise VariantError(f"variant {spec.variant_id} failed its warm-up: {type(e).__name__}: {e}") from None
             # Everything that can fail has run; commit.
             if rebuilt is not None:
                 for seq in sorted(self.scheduler.running, key=lambda s: -s.arrival):
@@ -288,6 +294,12 @@ class LLMEngine:
             self.previous_variant, self.variant = self.variant, spec
             return SwapReport(spec.variant_id, sorted(scopes), time.perf_counter() - t0)
 
+    def _compile(self, spec: VariantSpec) -> None:
+        if spec.compile_mode == "none" or self.device.type != "cuda":
+            self.runner.set_compile_mode("none")
+        else:
+            self.runner.set_compile_mode(spec.compile_mode)
+
     def _graphs_for(self, spec: VariantSpec, ops: ForwardOps, kv: KVCache):
         """Captured decode graphs for the spec, or None. On a CPU, graphs and compile modes are skipped with a note."""
         if not (spec.cuda_graph_batch_sizes or spec.compile_mode != "none"):
@@ -295,8 +307,8 @@ class LLMEngine:
         if self.device.type != "cuda":
             self.notes.append(f"variant {spec.variant_id}: CUDA graphs and compile mode skipped on {self.device.type}")
             return None
-        if spec.compile_mode != "none":
-            raise VariantError("torch.compile modes are not implemented in this engine yet")
+        if not spec.cuda_graph_batch_sizes:
+            return None
         if not spec.impl("attention").startswith("triton"):
             raise VariantError("CUDA graphs need a Triton attention kernel (the reference loops over host values)")
         try:

@@ -41,6 +41,24 @@ class ModelRunner:
         self.cos_sin = rope_cos_sin(cfg, max_model_len, device)
         self.kv_layers = kv.layers()
         self.graphs: DecodeGraphs | None = None  # captured decode steps of the active variant, on a GPU
+        self.forward_fn = model  # the model itself, or a torch.compile'd wrapper of it
+
+    def set_compile_mode(self, mode: str) -> None:
+        """torch.compile the eager forward (prefill and batches no graph holds); 'none' restores plain eager."""
+        self.forward_fn = self.model if mode == "none" else torch.compile(self.model, mode=mode, dynamic=True)
+
+    @torch.inference_mode()
+    def warm_up(self, ops: ForwardOps, kv: KVCache | None = None) -> None:
+        """One forward of a single token through ``ops`` over the pool's scratch block: compiles the
+        kernels of a new variant before it serves anyone, and surfaces their errors."""
+        kv = kv or self.kv
+        slot = kv.scratch_block * kv.block_size
+        meta = AttentionMetadata.build(torch.tensor([slot], device=self.device),
+                                       torch.tensor([[kv.scratch_block]], dtype=torch.int32, device=self.device),
+                                       [1], [0, 1], self.device)
+        ids = torch.zeros(1, dtype=torch.int64, device=self.device)
+        hidden = self.forward_fn(ids, ids, self.cos_sin, kv.layers(), meta, ops)
+        self.model.compute_logits(hidden)
 
     def set_kv(self, kv: KVCache) -> None:
         self.kv, self.kv_layers = kv, kv.layers()
@@ -86,7 +104,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs.run(batch)
         input_ids, positions, attn, logits_idx = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.cos_sin, self.kv_layers, attn, ops)
+        hidden = self.forward_fn(input_ids, positions, self.cos_sin, self.kv_layers, attn, ops)
         if not logits_idx:
             return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[torch.tensor(logits_idx, device=hidden.device)])
