@@ -10,6 +10,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -127,6 +128,18 @@ class BlockManager:
             if h not in self._by_hash and block.hash is None:
                 block.hash, block.token_ids = h, chunk
                 self._by_hash[h] = block.block_id
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix (after a forward swap, cached KV was computed by other kernels).
+
+        Blocks in use stay with their sequences but are no longer findable, and the blocks those
+        sequences complete later chain from unmatchable hashes, so mixed KV is never shared.
+        """
+        for block in self.blocks:
+            block.hash, block.token_ids = None, []
+        self._by_hash.clear()
+        for hashes in self._seq_hashes.values():
+            hashes[:] = [os.urandom(16) for _ in hashes]
 
     def free(self, seq: Sequence) -> None:
         """Releases the sequence's blocks, tail first, so a shared prefix outlives its suffixes in the LRU."""

@@ -289,6 +289,8 @@ class LLMEngine:
                 self.scheduler.config = SchedulerConfig(max_num_seqs=spec.max_num_seqs,
                                                         max_num_batched_tokens=spec.max_num_batched_tokens,
                                                         prefill_chunk_size=spec.prefill_chunk_size)
+            if FORWARD in scopes and rebuilt is None:
+                self.block_manager.reset_prefix_cache()  # cached KV came from the previous kernels
             self.ops = ops
             self.runner.graphs = graphs
             self.previous_variant, self.variant = self.variant, spec

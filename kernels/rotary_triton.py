@@ -1,4 +1,8 @@
-"""Triton rotary embedding (rotate-half layout); same signature as ``kernels.rotary.rotary_ref``."""
+"""Triton rotary embedding (rotate-half layout); same signature as ``kernels.rotary.rotary_ref``.
+
+When k sits right after q in memory (the fused QKV projection's layout), one launch rotates
+the heads of both, writing one (T, H + KVH, D) buffer that q and k are returned as views of.
+"""
 from __future__ import annotations
 
 import torch
@@ -41,4 +45,13 @@ def rotary_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: (T, H, D), k: (T, KVH, D) (strided views allowed), positions: (T,), cos_sin: (P, 2, D/2) float32."""
     assert cos_sin.is_contiguous() and cos_sin.shape[-1] * 2 == q.shape[-1]
+    t, h, d = q.shape
+    adjacent = (
+        k.shape[0] == t and k.shape[2] == d and k.stride() == q.stride() and q.stride(1) == d
+        and k.data_ptr() == q.data_ptr() + h * d * q.element_size()
+    )
+    if adjacent:  # one launch over q's and k's heads together
+        both = q.as_strided((t, h + k.shape[1], d), q.stride())
+        out = _rotate(both, positions, cos_sin)
+        return out[:, :h], out[:, h:]
     return _rotate(q, positions, cos_sin), _rotate(k, positions, cos_sin)

@@ -73,6 +73,9 @@ def test_all_triton_variant_equals_reference_on_a_tiny_model():
         spec = VariantSpec(block_size=4, kernels={**ALL_TRITON, "attention": attention},
                            kernel_params={"attention": {"block_n": 8}})
         assert [o.token_ids for o in _tiny(spec).generate(prompts, params)] == ref
+    for op in ("rotary", "store_kv", "moe"):  # each Triton kernel alone among the references
+        spec = VariantSpec(block_size=4, kernels={op: ALL_TRITON[op]})
+        assert [o.token_ids for o in _tiny(spec).generate(prompts, params)] == ref, op
 
 
 def _weights(engine):
@@ -199,3 +202,15 @@ def test_cli_variants_show_and_generate_with_a_variant_file(tmp_path):
     path.write_text("{not json")
     bad = subprocess.run(args + ["--variant", str(path)], capture_output=True, text=True)
     assert bad.returncode == 2 and "not valid JSON" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_forward_swap_drops_the_prefix_cache():
+    """KV cached under the previous kernels is not reused by the new ones."""
+    eng = _tiny()
+    prompt = list(range(1, 30))
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    eng.generate([prompt], params)
+    assert eng.generate([prompt], params)[0].num_cached_tokens > 0
+    eng.apply_variant(dataclasses.replace(eng.variant, kernels={"silu_and_mul": "triton"}))
+    assert eng.generate([prompt], params)[0].num_cached_tokens == 0
+    assert eng.generate([prompt], params)[0].num_cached_tokens > 0  # and caching resumes under the new kernels

@@ -54,7 +54,11 @@ def test_rotary(t, h, kvh, d):
     q = qkv[:, : h * d].view(t, h, d)
     k = qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)
     pos = torch.randint(0, 300, (t,))
-    got, ref = rotary_triton(q, k, pos, cs), rotary_ref(q, k, pos, cs)
+    got, ref = rotary_triton(q, k, pos, cs), rotary_ref(q, k, pos, cs)  # k adjacent to q: one launch
+    torch.testing.assert_close(got[0], ref[0], **TOL)
+    torch.testing.assert_close(got[1], ref[1], **TOL)
+    q2, k2 = torch.randn(t, h, d), torch.randn(t, kvh, d)  # separate tensors: one launch each
+    got, ref = rotary_triton(q2, k2, pos, cs), rotary_ref(q2, k2, pos, cs)
     torch.testing.assert_close(got[0], ref[0], **TOL)
     torch.testing.assert_close(got[1], ref[1], **TOL)
 
