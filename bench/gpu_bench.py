@@ -121,7 +121,7 @@ def tiny_llama_vs_transformers(tmp: Path):
                                 "silu_and_mul": "triton", "store_kv": "triton", "attention": "triton_paged"})
     results = {}
     graphs = dataclasses.replace(spec, cuda_graph_batch_sizes=(1, 2, 4))
-    compiled = dataclasses.replace(spec, compile_mode="default")
+    compiled = VariantSpec(compile_mode="default")  # reference kernels: Inductor failed on our Triton prefill kernel
     for name, variant in (("reference", None), ("all-triton", spec), ("triton+graphs", graphs)):
         eng = LLMEngine(EngineConfig(source=resolve(str(tmp)), device="cuda", num_kv_blocks=64, variant=variant))
         results[name] = eng.generate([ids], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
@@ -135,7 +135,7 @@ def tiny_llama_vs_transformers(tmp: Path):
         t = time.perf_counter()
         eng = LLMEngine(EngineConfig(source=resolve(str(tmp)), device="cuda", num_kv_blocks=64, variant=compiled))
         got = eng.generate([ids], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
-        row("tiny Llama, compile_mode=default: greedy == transformers",
+        row("tiny Llama, reference kernels + compile_mode=default: greedy == transformers",
             f"{got == want} (engine build incl. compile {time.perf_counter() - t:.0f} s)")
     except Exception as e:
         row("tiny Llama, compile_mode=default FAILED", f"{type(e).__name__}: {str(e)[:160]}")
@@ -219,6 +219,10 @@ def llama8b(bw: float, tmp: Path):
             base, kernels={**TRITON_ALL, "attention": "triton_split_kv"}, kernel_params={"attention": {"num_splits": 4}},
             cuda_graph_batch_sizes=(1, 2, 4, 8)),
     }
+    for block_n, warps in ((64, 4), (128, 4), (128, 8)):
+        specs[f"triton + graphs, attention block_n={block_n} warps={warps}"] = dataclasses.replace(
+            base, kernels=TRITON_ALL, kernel_params={"attention": {"block_n": block_n, "num_warps": warps}},
+            cuda_graph_batch_sizes=(1, 2, 4, 8))
     best = 0.0
     for name, spec in specs.items():
         torch.cuda.synchronize()
@@ -230,7 +234,8 @@ def llama8b(bw: float, tmp: Path):
         got = eng.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
         agree = sum(a == b for a, b in zip(got, want))
         tps = decode_tps(eng, prompt, new, SamplingParams)
-        best = max(best, tps)
+        if tps > best:
+            best, best_spec = tps, spec
         row(f"8B decode b=1 [{name}]", f"{tps:.1f} tok/s = {100 * tps / roofline:.0f}% roofline; "
             f"greedy agree w/ HF {agree}/16; swap+warm {swap:.2f} s")
         if eng.runner.graphs is not None:  # the GPU's share: the captured step replayed back to back
@@ -274,7 +279,7 @@ def llama8b(bw: float, tmp: Path):
         save_file({k: v.contiguous() for k, v in hf_names.items()}, str(folder / "model.safetensors"))
         del sd, hf_names
         torch.cuda.empty_cache()
-        spec = specs["triton + CUDA graphs"]
+        spec = best_spec
         t0 = time.perf_counter()
         cold = LLMEngine(EngineConfig(source=resolve(str(folder)), device="cuda", dtype="bfloat16", num_kv_blocks=512,
                                       load_tokenizer=False, variant=spec))
@@ -285,7 +290,7 @@ def llama8b(bw: float, tmp: Path):
         eng.apply_variant(spec)
         got = eng.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
         other = dataclasses.replace(spec, kernels={**TRITON_ALL, "attention": "triton_split_kv"},
-                                    kernel_params={"attention": {"num_splits": 4}})
+                                    kernel_params={"attention": {"num_splits": 2}})
         torch.cuda.synchronize()
         t = time.perf_counter()
         cold.apply_variant(other)
