@@ -133,7 +133,7 @@ class LLMEngine:
     ) -> str:
         params = params or SamplingParams()
         ids = self.encode_prompt(prompt, chat)
-        self._validate(ids, params)
+        self.validate(ids, params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._seqs:
             raise RequestError(f"request id {rid!r} is already in use")
@@ -146,7 +146,8 @@ class LLMEngine:
         self.scheduler.add(seq)
         return rid
 
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+    def validate(self, ids: list[int], params: SamplingParams) -> None:
+        """Raises RequestError if the request cannot be served; changes nothing."""
         if not ids:
             raise RequestError("the prompt is empty")
         vocab = self.model_config.vocab_size

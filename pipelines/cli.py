@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -85,6 +86,79 @@ def cmd_variants_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from engine import LLMEngine
+    from engine.async_engine import AsyncEngine
+    from engine.capture import CaptureWriter
+    from engine.metrics import EngineMetrics
+    from engine.server import build_app
+
+    engine = LLMEngine(_engine_config(args))
+    capture = CaptureWriter(args.capture_dir, keep_prompt_text=args.capture_prompts) if args.capture_dir else None
+    aengine = AsyncEngine(engine, EngineMetrics(), capture)
+    name = args.served_model_name or args.model
+    app = build_app(aengine, name, admin_token=args.admin_token)
+    print(f"polyinf: serving {name!r} on http://{args.host}:{args.port} (variant {engine.variant.variant_id})",
+          file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        aengine.shutdown()
+        if capture is not None:
+            capture.close()
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from ops.traces import ImportStats, TraceError, load_trace, profile
+
+    stats = ImportStats()
+    try:
+        records = load_trace(args.trace, fmt=args.format, lenient=args.lenient, stats=stats)
+        prof = profile(records)
+    except TraceError as e:
+        print(f"polyinf: error: {e}", file=sys.stderr)
+        return 2
+    out = {"trace": str(args.trace), "skipped_rows": stats.skipped, **prof.to_json()}
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from ops.replay import replay_async, report_json, synthesize_prompts
+    from ops.traces import TraceError, load_trace
+
+    try:
+        records = load_trace(args.trace, fmt=args.format, lenient=args.lenient)
+    except TraceError as e:
+        print(f"polyinf: error: {e}", file=sys.stderr)
+        return 2
+    records = records[: args.max_requests] if args.max_requests else records
+    if not records:
+        print("polyinf: error: the trace has no requests", file=sys.stderr)
+        return 2
+    vocab = args.vocab_size
+    if vocab is None:
+        try:
+            from engine.loader import load_config, resolve
+
+            vocab = load_config(resolve(args.tokenizer or args.model)).vocab_size
+        except Exception:
+            vocab = 32000
+    prompts = synthesize_prompts(records, vocab, max_input=args.max_input, seed=args.seed)
+    report = asyncio.run(replay_async(records, prompts, args.base_url, args.model, time_scale=args.time_scale,
+                                      max_output=args.max_output, max_concurrency=args.max_concurrency,
+                                      slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms))
+    print(report.table())
+    if args.json:
+        Path(args.json).write_text(report_json(report))
+    return 0 if report.completed else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="polyinf",
@@ -104,6 +178,43 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, prompt_token_ids")
     g.set_defaults(func=cmd_generate)
+
+    sv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    _add_model_args(sv)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    sv.add_argument("--capture-dir", default=None, help="append every finished request as a TraceRecord here")
+    sv.add_argument("--capture-prompts", action="store_true", help="also capture prompt text (off by default)")
+    sv.add_argument("--admin-token", default=None,
+                    help="bearer token for /admin endpoints (default: $POLYINF_ADMIN_TOKEN; none disables them)")
+    sv.add_argument("--log-level", default="warning")
+    sv.set_defaults(func=cmd_serve)
+
+    pr = sub.add_parser("profile", help="print a trace's TrafficProfile as JSON")
+    pr.add_argument("--trace", required=True, help="Mooncake JSONL, Azure CSV, or a capture file")
+    pr.add_argument("--format", choices=["mooncake", "azure", "capture"], default=None, help="default: detected")
+    pr.add_argument("--lenient", action="store_true", help="count and skip malformed rows instead of failing")
+    pr.set_defaults(func=cmd_profile)
+
+    rp = sub.add_parser("replay", help="replay a trace against an OpenAI-compatible endpoint and report latencies")
+    rp.add_argument("--trace", required=True)
+    rp.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
+    rp.add_argument("--model", required=True, help="the served model name")
+    rp.add_argument("--tokenizer", default=None, help="local model whose vocabulary prompts are drawn from")
+    rp.add_argument("--vocab-size", type=int, default=None)
+    rp.add_argument("--format", choices=["mooncake", "azure", "capture"], default=None)
+    rp.add_argument("--lenient", action="store_true")
+    rp.add_argument("--max-requests", type=int, default=None)
+    rp.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (0 sends all at once)")
+    rp.add_argument("--max-input", type=int, default=None, help="clip prompt lengths")
+    rp.add_argument("--max-output", type=int, default=None, help="clip output lengths")
+    rp.add_argument("--max-concurrency", type=int, default=None)
+    rp.add_argument("--slo-ttft-ms", type=float, default=None)
+    rp.add_argument("--slo-tpot-ms", type=float, default=None)
+    rp.add_argument("--seed", type=int, default=0)
+    rp.add_argument("--json", default=None, help="also write the report as JSON here")
+    rp.set_defaults(func=cmd_replay)
 
     v = sub.add_parser("variants", help="engine variants (VariantSpec JSON)")
     vsub = v.add_subparsers(dest="variants_command", required=True)

@@ -1,0 +1,161 @@
+"""The engine behind the server: one thread runs the step loop; requests arrive from any thread.
+
+Each request gets an asyncio queue in the caller's event loop; the loop thread pushes every
+new RequestOutput into it. Requests are validated in the caller's thread (so a bad request is
+refused at once) and added and aborted by the loop thread, which alone touches the engine's
+scheduler. Finished requests are counted in the metrics and appended to the capture.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+
+from engine.block_manager import chain_hash
+from engine.capture import CaptureWriter
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.metrics import EngineMetrics
+from engine.sampling_params import SamplingParams
+from engine.trace_record import TraceRecord
+
+
+@dataclass
+class _Tracked:
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    prompt_ids: list[int]
+    arrival: float
+    prompt_text: str | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    tokens: int = 0
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None,
+                 capture: CaptureWriter | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics or EngineMetrics()
+        self.capture = capture
+        self.start_time = time.time()
+        self._ids = itertools.count()
+        self._cond = threading.Condition()
+        self._pending: list[tuple[str, list[int], SamplingParams]] = []
+        self._aborts: list[str] = []
+        self._tracked: dict[str, _Tracked] = {}
+        self._stop = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- called from request handlers -----------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, prompt_text: str | None = None) -> tuple[str, asyncio.Queue]:
+        """Validates and queues a request; raises RequestError at once if it cannot be served."""
+        self.engine.validate(prompt_ids, params)
+        rid = f"req-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._cond:
+            self._tracked[rid] = _Tracked(queue, loop, prompt_ids, time.time(), prompt_text)
+            self._pending.append((rid, prompt_ids, params))
+            self._cond.notify()
+        return rid, queue
+
+    def abort(self, rid: str) -> None:
+        with self._cond:
+            self._aborts.append(rid)
+            self._cond.notify()
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    # ---- the loop thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        eng = self.engine
+        while True:
+            with self._cond:
+                while not self._stop and not self._pending and not self._aborts and not eng.has_unfinished():
+                    self._cond.wait()
+                if self._stop:
+                    return
+                pending, self._pending = self._pending, []
+                aborts, self._aborts = self._aborts, []
+            for rid, ids, params in pending:
+                eng.add_request(ids, params, request_id=rid)
+            for rid in aborts:
+                eng.abort(rid)
+                self._tracked.pop(rid, None)
+            try:
+                outputs = eng.step()
+            except BaseException as e:  # keep serving the ones that can be; fail the batch that broke
+                self.error = e
+                for rid in list(self._tracked):
+                    eng.abort(rid)
+                    self._deliver(rid, e)
+                continue
+            now = time.time()
+            for out in outputs:
+                self._on_output(out, now)
+            self._update_gauges()
+
+    def _on_output(self, out: RequestOutput, now: float) -> None:
+        t = self._tracked.get(out.request_id)
+        if t is None:
+            return  # aborted meanwhile
+        new = len(out.token_ids) - t.tokens
+        if new > 0:
+            if t.first_token is None:
+                t.first_token = now
+                self.metrics.ttft.observe(now - t.arrival)
+            elif t.last_token is not None:
+                self.metrics.itl.observe(now - t.last_token)
+            t.last_token = now
+            t.tokens = len(out.token_ids)
+        if out.finished:
+            self._tracked.pop(out.request_id, None)
+            self._finish(out, t, now)
+        self._deliver(out.request_id, out, t)
+
+    def _finish(self, out: RequestOutput, t: _Tracked, now: float) -> None:
+        m = self.metrics
+        m.e2e.observe(now - t.arrival)
+        m.prompt_tokens.inc(len(out.prompt_token_ids))
+        m.generation_tokens.inc(len(out.token_ids))
+        m.request_success.labels(finished_reason=out.finish_reason or "unknown").inc()
+        if self.capture is not None:
+            n = len(out.token_ids)
+            ttft = (t.first_token - t.arrival) if t.first_token else None
+            self.capture.write(TraceRecord(
+                arrival_s=max(0.0, t.arrival - self.start_time), input_tokens=len(out.prompt_token_ids),
+                output_tokens=n, prefix_block_hashes=prefix_hashes(out.prompt_token_ids, self.engine.kv.block_size),
+                block_tokens=self.engine.kv.block_size, ttft_s=ttft,
+                tpot_s=((now - t.first_token) / (n - 1)) if t.first_token and n > 1 else None,
+                e2e_s=now - t.arrival, source="capture", prompt_text=t.prompt_text,
+            ))
+
+    def _deliver(self, rid: str, item, t: _Tracked | None = None) -> None:
+        t = t or self._tracked.pop(rid, None)
+        if t is not None:
+            t.loop.call_soon_threadsafe(t.queue.put_nowait, item)
+
+    def _update_gauges(self) -> None:
+        eng, m = self.engine, self.metrics
+        m.running.set(len(eng.scheduler.running))
+        m.waiting.set(len(eng.scheduler.waiting))
+        m.kv_usage.set(eng.block_manager.usage())
+        stats = eng.block_manager.stats
+        m.sync_prefix_cache(stats.queries, stats.hits)
+
+
+def prefix_hashes(token_ids: list[int], block_size: int) -> tuple[int, ...]:
+    """Chained hashes of the prompt's full blocks, as 63-bit integers (the capture format)."""
+    out, parent = [], None
+    for i in range(len(token_ids) // block_size):
+        parent = chain_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
+        out.append(int.from_bytes(parent[:8], "big") >> 1)
+    return tuple(out)
