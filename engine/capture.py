@@ -32,13 +32,12 @@ class CaptureWriter:
 
     def _open(self):
         path = self.dir / CURRENT
-        f = open(path, "ab")
-        if f.tell() > 0:  # a previous run may have died mid-line: start ours on a fresh line
-            with open(path, "rb") as r:
-                r.seek(-1, os.SEEK_END)
-                if r.read(1) != b"\n":
-                    f.write(b"\n")
-        return f
+        if path.is_file():  # a previous run may have died mid-line: drop the torn tail it left
+            data = path.read_bytes()
+            if data and not data.endswith(b"\n"):
+                with open(path, "r+b") as f:
+                    f.truncate(data.rfind(b"\n") + 1)
+        return open(path, "ab")
 
     def write(self, record: TraceRecord) -> None:
         d = record.to_json()
@@ -74,9 +73,8 @@ def capture_files(directory: str | Path) -> list[Path]:
 
 def read_capture_lines(path: str | Path) -> Iterator[tuple[int, dict | Exception]]:
     """(line number, parsed object or the error) for each line; a torn final line is skipped."""
-    data = Path(path).read_bytes()
-    lines = data.split(b"\n")
-    torn = lines[-1]  # text after the last newline: empty, or a write cut short
+    lines = Path(path).read_bytes().split(b"\n")
+    # lines[-1] is what follows the last newline: empty, or a write cut short, which is skipped
     for lineno, raw in enumerate(lines[:-1], 1):
         if not raw.strip():
             continue
@@ -84,7 +82,6 @@ def read_capture_lines(path: str | Path) -> Iterator[tuple[int, dict | Exception
             yield lineno, json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             yield lineno, ValueError(f"not a JSON line ({e})")
-    del torn
 
 
 def read_capture_dir(directory: str | Path) -> list[TraceRecord]:
