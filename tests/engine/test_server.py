@@ -1,0 +1,217 @@
+"""The real server on a loopback port, driven by the real openai client and raw HTTP."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine import SamplingParams
+from engine.capture import read_capture_dir
+
+TOKEN = "test-admin-token"
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "traces"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    cap = tmp_path_factory.mktemp("capture")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipelines.cli", "serve", "--model", "smollm2", "--port", str(port),
+         "--capture-dir", str(cap), "--admin-token", TOKEN, "--num-kv-blocks", "1024", "--max-num-seqs", "32"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stdout.read())
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        raise RuntimeError("server did not come up")
+    yield {"url": url, "capture": cap, "proc": proc}
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server["url"] + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _captured(server) -> int:
+    return len(read_capture_dir(server["capture"]))
+
+
+def test_models_completion_chat_and_streaming_match_the_engine(server, client, smollm2_engine_factory):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["smollm2"]
+    eng = smollm2_engine_factory(num_kv_blocks=64)
+    offline = eng.generate(["The capital of France is"], SamplingParams(max_tokens=12))[0]
+    c = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=12, temperature=0)
+    assert c.choices[0].text == offline.text and c.usage.completion_tokens == len(offline.token_ids)
+    chat_offline = eng.generate(["What is the capital of France?"], SamplingParams(max_tokens=24), chat=True)[0]
+    chat = client.chat.completions.create(model="smollm2", max_tokens=24, temperature=0,
+                                          messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert chat.choices[0].message.content == chat_offline.text == "The capital of France is Paris."
+    assert chat.choices[0].finish_reason == "stop"
+    pieces = [ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        model="smollm2", max_tokens=24, temperature=0, stream=True,
+        messages=[{"role": "user", "content": "What is the capital of France?"}])]
+    assert "".join(pieces) == chat_offline.text and len([p for p in pieces if p]) > 3
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+        model="smollm2", prompt="The capital of France is", max_tokens=12, temperature=0, stream=True))
+    assert streamed == offline.text
+    raw = httpx.post(server["url"] + "/v1/completions", json={"model": "smollm2", "prompt": "Hi", "max_tokens": 3,
+                                                              "stream": True}, timeout=60).text
+    assert raw.rstrip().endswith("data: [DONE]")
+
+
+def _err(resp) -> dict:
+    body = resp.json()
+    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"])
+    return body["error"]
+
+
+def test_bad_requests_get_openai_errors_and_nothing_is_captured(server):
+    url = server["url"]
+    before = _captured(server)
+    r = httpx.post(url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in _err(r)["message"]
+    r = httpx.post(url + "/v1/completions", json={"model": "gpt-9", "prompt": "hi"})
+    assert r.status_code == 404 and _err(r)["code"] == "model_not_found"
+    r = httpx.post(url + "/v1/completions", json={"model": "smollm2", "prompt": "hi", "max_tokens": -1})
+    assert r.status_code == 400 and "max_tokens" in _err(r)["message"]
+    r = httpx.post(url + "/v1/completions", json={"model": "smollm2", "prompt": "hi", "max_tokens": 10**9})
+    assert r.status_code == 400 and "context" in _err(r)["message"]
+    r = httpx.post(url + "/v1/completions", json={"model": "smollm2", "prompt": "word " * 9000, "max_tokens": 4})
+    assert r.status_code == 400 and _err(r)["code"] == "context_length_exceeded"
+    r = httpx.post(url + "/v1/completions", json={"model": "smollm2", "prompt": "hi", "frobnicate": True})
+    assert r.status_code == 400 and "frobnicate" in _err(r)["message"]
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "smollm2", "messages": [{"role": "robot",
+                                                                                         "content": "x"}]})
+    assert r.status_code == 400
+    r = httpx.post(url + "/v1/completions", json={"model": "smollm2", "prompt": "hi", "temperature": -2})
+    assert r.status_code == 400 and "temperature" in _err(r)["message"]
+    assert _captured(server) == before
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+
+
+def test_client_disconnect_mid_stream_is_not_captured(server, client):
+    before = _captured(server)
+    with httpx.stream("POST", server["url"] + "/v1/completions", timeout=60,
+                      json={"model": "smollm2", "prompt": "Count to one hundred:", "max_tokens": 400,
+                            "ignore_eos": True, "stream": True}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 6:
+                break  # hang up
+    deadline = time.time() + 30
+    while time.time() < deadline and _metric(server["url"], "vllm:num_requests_running") > 0:
+        time.sleep(0.3)
+    assert _metric(server["url"], "vllm:num_requests_running") == 0  # the engine stopped working on it
+    c = client.completions.create(model="smollm2", prompt="Hello", max_tokens=3, temperature=0)
+    assert c.choices[0].text
+    assert _captured(server) == before + 1  # only the finished request
+
+
+def test_bounded_load_every_request_answered_and_captured_once(server):
+    from openai import AsyncOpenAI
+
+    before = _captured(server)
+    before_ok = _metric(server["url"], "vllm:request_success_total")
+
+    async def run():
+        client = AsyncOpenAI(base_url=server["url"] + "/v1", api_key="none", max_retries=0, timeout=120)
+        sem = asyncio.Semaphore(32)
+
+        async def one(i):
+            async with sem:
+                r = await client.completions.create(model="smollm2", prompt=f"Request {i}: the number after {i} is",
+                                                    max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+                return r.usage.completion_tokens
+
+        out = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(200))), timeout=600)
+        await client.close()
+        return out
+
+    tokens = asyncio.run(run())
+    assert tokens == [4] * 200
+    assert _captured(server) == before + 200
+    assert _metric(server["url"], "vllm:request_success_total") == before_ok + 200
+
+
+@pytest.mark.parametrize("trace", ["AzureLLMInferenceTrace_conv.csv", "mooncake_conversation_trace.jsonl"])
+def test_replay_report_agrees_with_server_metrics(server, trace, tmp_path):
+    url = server["url"]
+    names = ["vllm:request_success_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total"]
+    before = {n: _metric(url, n) for n in names}
+    out = tmp_path / "report.json"
+    r = subprocess.run([sys.executable, "-m", "pipelines.cli", "replay", "--trace", str(SHARED / trace),
+                        "--base-url", url + "/v1", "--model", "smollm2", "--tokenizer", "smollm2",
+                        "--max-requests", "100", "--time-scale", "0.001", "--max-input", "48", "--max-output", "4",
+                        "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--json", str(out)],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr
+    assert "TTFT ms" in r.stdout and "goodput" in r.stdout
+    rep = json.loads(out.read_text())
+    assert rep["completed"] == 100 and rep["failed"] == 0
+    after = {n: _metric(url, n) for n in names}
+    assert after["vllm:request_success_total"] - before["vllm:request_success_total"] == 100
+    assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == rep["total_input_tokens"]
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == rep["total_output_tokens"]
+    assert rep["goodput"] == pytest.approx(rep["request_throughput"])  # generous SLOs: every request is good
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert rep[key]["p50"] <= rep[key]["p90"] <= rep[key]["p99"]
+
+
+def test_admin_endpoints_need_the_token(server):
+    url = server["url"]
+    assert httpx.get(url + "/admin/variant").status_code == 401
+    assert httpx.get(url + "/admin/variant", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.post(url + "/admin/rollback", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    active = httpx.get(url + "/admin/variant", headers=auth).json()["active"]
+    spec = {**active, "max_num_seqs": 8}
+    spec.pop("variant_id")
+    r = httpx.post(url + "/admin/variant", headers=auth, json=spec, timeout=60)
+    assert r.status_code == 200 and r.json()["scopes"] == ["scheduler"]
+    assert httpx.get(url + "/admin/variant", headers=auth).json()["active"]["max_num_seqs"] == 8
+    bad = {**spec, "kernels": {"silu_and_mul": "generated:m.f"}, "generated_source": {"m": "import os\n"}}
+    r = httpx.post(url + "/admin/variant", headers=auth, json=bad, timeout=60)
+    assert r.status_code == 422 and "previous variant stays active" in _err(r)["message"]
+    r = httpx.post(url + "/admin/rollback", headers=auth, timeout=60)
+    assert r.status_code == 200
+    assert httpx.get(url + "/admin/variant", headers=auth).json()["active"]["variant_id"] == active["variant_id"]
