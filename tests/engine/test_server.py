@@ -215,3 +215,44 @@ def test_admin_endpoints_need_the_token(server):
     r = httpx.post(url + "/admin/rollback", headers=auth, timeout=60)
     assert r.status_code == 200
     assert httpx.get(url + "/admin/variant", headers=auth).json()["active"]["variant_id"] == active["variant_id"]
+
+
+def test_capture_survives_kill_and_restart(tmp_path):
+    """SIGKILL loses no finished request; a restarted server appends to the same capture."""
+    tiny = Path(__file__).parent / "tiny_moe"
+
+    def start():
+        port = _free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "serve", "--model", str(tiny), "--synthetic",
+                                 "--port", str(port), "--capture-dir", str(tmp_path), "--capture-prompts"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(240):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    return proc, url
+            except httpx.HTTPError:
+                time.sleep(0.25)
+        proc.kill()
+        raise RuntimeError("server did not come up")
+
+    def send(url, n):
+        for i in range(n):
+            r = httpx.post(url + "/v1/completions", json={"model": str(tiny), "prompt": [1, 2, 3, i + 4],
+                                                          "max_tokens": 3, "ignore_eos": True}, timeout=60)
+            assert r.status_code == 200, r.text
+
+    proc, url = start()
+    send(url, 5)
+    proc.kill()  # SIGKILL: no shutdown hooks run
+    proc.wait()
+    assert len(read_capture_dir(tmp_path)) == 5
+    proc, url = start()
+    try:
+        send(url, 3)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    recs = read_capture_dir(tmp_path)
+    assert len(recs) == 8 and all(r.input_tokens == 4 and r.output_tokens == 3 for r in recs)
+    assert all(r.ttft_s is not None and r.e2e_s >= r.ttft_s for r in recs)
