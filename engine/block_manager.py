@@ -49,6 +49,8 @@ class BlockManager:
         # request_id -> hashes of the sequence's full, written blocks, in order
         self._seq_hashes: dict[str, list[bytes]] = {}
         self.stats = PrefixCacheStats()
+        # Called with the ids of blocks handed out for new data (the contamination gate poisons them).
+        self.on_allocate = None
 
     @property
     def num_blocks(self) -> int:
@@ -77,7 +79,7 @@ class BlockManager:
         parent = None
         for i in range(usable):
             chunk = tokens[i * self.block_size : (i + 1) * self.block_size]
-            h = chain_hash(parent, chunk)
+            h = self._hash(parent, chunk)
             bid = self._by_hash.get(h)
             if bid is None or self.blocks[bid].token_ids != chunk:
                 break
@@ -94,6 +96,9 @@ class BlockManager:
         seq.num_cached_tokens = cached
         return cached
 
+    def _hash(self, parent: bytes | None, token_ids: list[int]) -> bytes:
+        return chain_hash(parent, token_ids)
+
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
@@ -102,6 +107,7 @@ class BlockManager:
         need = self.blocks_needed(seq, num_tokens)
         if need > len(self._free):
             return False
+        first_new = len(seq.block_table)
         for _ in range(need):
             bid, _ = self._free.popitem(last=False)
             block = self.blocks[bid]
@@ -111,6 +117,8 @@ class BlockManager:
                 block.hash, block.token_ids = None, []
             block.ref_count = 1
             seq.block_table.append(bid)
+        if need and self.on_allocate is not None:
+            self.on_allocate(seq.block_table[first_new:])
         return True
 
     def commit(self, seq: Sequence) -> None:
@@ -122,7 +130,7 @@ class BlockManager:
         tokens = seq.token_ids
         for i in range(len(hashes), full):
             chunk = tokens[i * self.block_size : (i + 1) * self.block_size]
-            h = chain_hash(hashes[-1] if hashes else None, chunk)
+            h = self._hash(hashes[-1] if hashes else None, chunk)
             hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if h not in self._by_hash and block.hash is None:

@@ -98,6 +98,8 @@ class LLMEngine:
         self._compile(self.variant)
         self.runner.graphs = self._graphs_for(self.variant, self.ops, self.kv)
         self._lock = threading.RLock()  # a swap happens between two steps, never inside one
+        # Observer of every step's logits: (request ids, (N, vocab) float32). Used by the quality gates.
+        self.logits_sink = None
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -192,7 +194,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         logits = self.runner.run(batch, self.ops)
         samplers = [s.seq for s in batch.scheduled if s.samples]
-        tokens = sample(logits, [s.params for s in samplers], [self._generators.get(s.request_id) for s in samplers])
+        if self.logits_sink is not None:
+            self.logits_sink([s.request_id for s in samplers], logits)
+        tokens = sample(logits, [s.params for s in samplers], [self._generators.get(s.request_id) for s in samplers],
+                        [len(s.output_token_ids) for s in samplers])
         self.stats.forward_seconds += time.perf_counter() - t0
         return self._postprocess(batch, dict(zip((s.request_id for s in samplers), tokens)))
 

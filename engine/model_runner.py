@@ -25,6 +25,10 @@ class KVCache:
         shape = (cfg.num_hidden_layers, 2, num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.pool = torch.zeros(shape, device=device, dtype=dtype)
 
+    def poison(self, block_ids: list[int], value: float = float("nan")) -> None:
+        """Fills blocks with garbage: a correct engine overwrites every slot before it reads it."""
+        self.pool[:, :, block_ids] = value
+
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(self.pool[i, 0], self.pool[i, 1]) for i in range(self.pool.shape[0])]
 

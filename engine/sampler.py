@@ -10,12 +10,16 @@ def sample(
     logits: torch.Tensor,  # (N, vocab) float32
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    positions: list[int] | None = None,  # tokens generated so far per row (for forced tokens)
 ) -> list[int]:
     """One token per row. Greedy rows take the argmax; the others sample with their own generator,
-    so a request's draw never depends on which requests share its batch."""
+    so a request's draw never depends on which requests share its batch. Rows with forced tokens
+    emit the forced one (teacher forcing)."""
     tokens = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
-        if not p.greedy:
+        if p.forced_tokens and positions is not None and positions[i] < len(p.forced_tokens):
+            tokens[i] = p.forced_tokens[positions[i]]
+        elif not p.greedy:
             tokens[i] = _sample_row(logits[i], p, generators[i])
     return tokens
 

@@ -16,6 +16,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings; the output text is cut before the first one
     ignore_eos: bool = False
+    # Teacher forcing, for quality gates: emit these tokens instead of sampling (logits are still computed).
+    forced_tokens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -30,6 +32,7 @@ class SamplingParams:
             raise RequestError("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise RequestError("stop_token_ids must be non-negative integers")
+        object.__setattr__(self, "forced_tokens", tuple(self.forced_tokens))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 

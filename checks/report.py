@@ -1,0 +1,76 @@
+"""QualityReport: what the gates measured, their verdict and the reasons (design section 3)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class QualityThresholds:
+    """Limits a candidate must stay within against the reference variant."""
+
+    min_greedy_agreement: float  # mean share of each prompt's reference tokens matched before divergence
+    max_abs_logit_delta: float  # along the reference's tokens (teacher forcing)
+    max_mean_kl: float  # KL(reference || candidate) per position, averaged
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min_greedy_agreement <= 1.0:
+            raise ValueError("min_greedy_agreement must be in [0, 1]")
+        if self.max_abs_logit_delta < 0 or self.max_mean_kl < 0:
+            raise ValueError("thresholds must be >= 0")
+
+
+# Per dtype; configuration may replace any of them.
+DEFAULT_THRESHOLDS = {
+    "float32": QualityThresholds(min_greedy_agreement=0.95, max_abs_logit_delta=1e-3, max_mean_kl=1e-6),
+    "bfloat16": QualityThresholds(min_greedy_agreement=0.75, max_abs_logit_delta=0.5, max_mean_kl=5e-3),
+    "float16": QualityThresholds(min_greedy_agreement=0.85, max_abs_logit_delta=0.2, max_mean_kl=1e-3),
+}
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str  # e.g. "batched", "prefix caching", "poisoned reuse"
+    passed: bool
+    detail: str
+
+
+@dataclass
+class QualityReport:
+    reference_variant: str
+    candidate_variant: str
+    dtype: str
+    prompts: int
+    max_tokens: int
+    exact: bool
+    greedy_agreement: float | None = None
+    max_abs_logit_delta: float | None = None
+    mean_kl: float | None = None
+    quality: list[CheckResult] = field(default_factory=list)
+    contamination: list[CheckResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def reasons(self) -> list[str]:
+        return [f"{c.name}: {c.detail}" for c in self.quality + self.contamination if not c.passed]
+
+    @property
+    def verdict(self) -> str:
+        return "pass" if not self.reasons else "fail"
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["verdict"], d["reasons"] = self.verdict, self.reasons
+        return d
+
+    def summary(self) -> str:
+        lines = [f"verdict: {self.verdict.upper()}  (candidate {self.candidate_variant} vs reference "
+                 f"{self.reference_variant}, {self.prompts} prompts x {self.max_tokens} tokens, {self.dtype}, "
+                 f"{self.seconds:.1f} s)"]
+        if self.greedy_agreement is not None:
+            lines.append(f"greedy agreement {self.greedy_agreement:.3f}, max |dlogit| {self.max_abs_logit_delta:.3g}, "
+                         f"mean KL {self.mean_kl:.3g}")
+        for c in self.quality + self.contamination:
+            lines.append(f"  [{'ok' if c.passed else 'FAIL'}] {c.name}: {c.detail}")
+        return "\n".join(lines)

@@ -1,0 +1,157 @@
+"""The gates reject planted faults, each with a reason naming the failure, and pass clean variants (SmolLM2)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from checks.gates import GateSettings, factory_for, run_gates
+from engine import EngineConfig, LLMEngine, resolve
+from engine.block_manager import BlockManager
+from engine.variant import REFERENCE_VARIANT, VariantSpec
+from kernels.activation import silu_and_mul_ref
+from kernels.attention import paged_attention_ref
+
+GEN_SILU = ("import torch.nn.functional as F\n\ndef silu_and_mul(x):\n"
+            "    half = x.shape[-1] // 2\n    return F.silu(x[..., :half]) * x[..., half:]\n")
+
+
+@pytest.fixture(scope="module")
+def base(smollm2_engine_factory):
+    return smollm2_engine_factory(num_kv_blocks=8)
+
+
+def _gate(base, make):
+    report = run_gates(factory_for(base, REFERENCE_VARIANT), make, reference_id="reference", candidate_id="planted",
+                       dtype="float32")
+    print(report.summary())
+    return report
+
+
+def _with_ops(base, **ops):
+    ref = factory_for(base, REFERENCE_VARIANT)
+
+    def make(s: GateSettings) -> LLMEngine:
+        eng = ref(s)
+        eng.ops = dataclasses.replace(eng.ops, **ops)
+        return eng
+    return make
+
+
+def _with_block_manager(base, cls):
+    ref = factory_for(base, REFERENCE_VARIANT)
+
+    def make(s: GateSettings) -> LLMEngine:
+        eng = ref(s)
+        bm = cls(eng.block_manager.num_blocks, eng.block_manager.block_size, eng.block_manager.enable_prefix_caching)
+        eng.block_manager = eng.scheduler.block_manager = bm
+        return eng
+    return make
+
+
+def _attention_keeping(keep):
+    """Reference attention over a context whose key count is changed by ``keep(ctx, block_size)``."""
+    def attn(q, k_cache, v_cache, meta, scale):
+        out = torch.empty_like(q)
+        bs, kvh, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        group = q.shape[1] // kvh
+        for i, ctx in enumerate(meta.context_lens):
+            qs, qe = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            n, nk = qe - qs, keep(ctx, bs)
+            nb = -(-nk // bs)
+            table = meta.block_tables[i].long().tolist() + [0] * nb  # past the table: block 0
+            blocks = torch.tensor(table[:nb])
+            k = k_cache.index_select(0, blocks).view(-1, kvh, d)[:nk].permute(1, 2, 0)
+            v = v_cache.index_select(0, blocks).view(-1, kvh, d)[:nk].transpose(0, 1)
+            qi = q[qs:qe].view(n, kvh, group, d).permute(1, 0, 2, 3).reshape(kvh, n * group, d)
+            scores = torch.matmul(qi, k) * scale
+            qpos = torch.arange(ctx - n, ctx).repeat_interleave(group)[:, None]
+            kpos = torch.arange(nk)[None, :]
+            scores.masked_fill_((kpos > qpos) & (kpos < ctx), float("-inf"))
+            o = torch.matmul(torch.softmax(scores, -1), v)
+            out[qs:qe] = o.view(kvh, n, group, d).permute(1, 0, 2, 3).reshape(n, kvh * group, d)
+        return out
+    return attn
+
+
+class StaleReuse(BlockManager):
+    """Hands a cached block to a request whose prefix it does not hold, and skips computing it."""
+
+    def match_prefix(self, seq):
+        cached = super().match_prefix(seq)
+        usable = (seq.num_tokens - 1) // self.block_size
+        if len(seq.block_table) < usable:
+            stale = next((b for b in self._free if self.blocks[b].hash is not None), None)
+            if stale is not None:
+                del self._free[stale]
+                self.blocks[stale].ref_count += 1
+                seq.block_table.append(stale)
+                cached += self.block_size
+                seq.num_computed_tokens = seq.num_cached_tokens = cached
+        return cached
+
+
+class PositionBlindHash(BlockManager):
+    """Hashes a block's tokens without its prefix, so equal blocks at different positions collide."""
+
+    def _hash(self, parent, token_ids):
+        return super()._hash(None, token_ids)
+
+
+def _wrong_when_batched(q, k_cache, v_cache, meta, scale):
+    out = paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    if len(meta.context_lens) > 1:
+        out[meta.query_start_loc[1]:] *= 1.05  # every sequence but the first is off
+    return out
+
+
+PLANTED = {
+    "attention reads one block past the block table": (
+        lambda base: _with_ops(base, attention=_attention_keeping(lambda ctx, bs: ctx + bs)),
+        ("max |dlogit|",)),
+    "attention drops the last partial block": (
+        lambda base: _with_ops(base, attention=_attention_keeping(lambda ctx, bs: ctx - ctx % bs or ctx)),
+        ("max |dlogit|",)),
+    "cache hands out a reused block without the request's data": (
+        lambda base: _with_block_manager(base, StaleReuse), ("prefix cache hits",)),
+    "prefix-cache hash ignores the block's position": (
+        lambda base: _with_block_manager(base, PositionBlindHash), ("interleaved, shared prefixes",)),
+    "kernel with 1e-2 relative drift": (
+        lambda base: _with_ops(base, silu_and_mul=lambda x: silu_and_mul_ref(x) * 1.01), ("max |dlogit|", "mean KL")),
+    "right alone, wrong when batched": (lambda base: _with_ops(base, attention=_wrong_when_batched), ("batched",)),
+}
+
+
+@pytest.mark.parametrize("fault", list(PLANTED))
+def test_planted_fault_is_rejected_with_a_reason(base, fault):
+    build, names = PLANTED[fault]
+    report = _gate(base, build(base))
+    assert report.verdict == "fail"
+    failed = " | ".join(report.reasons)
+    for name in names:
+        assert name in failed, f"{fault}: expected a failure naming {name!r}, got: {failed}"
+
+
+@pytest.mark.parametrize("spec", [
+    VariantSpec(name="generated silu", kernels={"silu_and_mul": "generated:gate_silu.silu_and_mul"},
+                generated_source={"gate_silu": GEN_SILU}),
+    VariantSpec(name="chunked prefill", max_num_batched_tokens=24, max_num_seqs=3),
+])
+def test_clean_variants_pass(base, spec):
+    report = run_gates(factory_for(base, REFERENCE_VARIANT), factory_for(base, spec), reference_id="reference",
+                       candidate_id=spec.variant_id, dtype="float32")
+    print(report.summary())
+    assert report.verdict == "pass", report.reasons
+    assert len(report.contamination) == 5 and all(c.passed for c in report.contamination)
+    print(f"gate run time on SmolLM2, CPU: {report.seconds:.1f} s")
+
+
+def test_exact_mode_demands_bit_identity(base):
+    drift = _with_ops(base, silu_and_mul=lambda x: silu_and_mul_ref(x) * (1 + 1e-6))
+    report = run_gates(factory_for(base, REFERENCE_VARIANT), drift, reference_id="reference", candidate_id="tiny",
+                       dtype="float32", exact=True)
+    assert report.verdict == "fail" and any(r.startswith("exact") for r in report.reasons)
+    same = run_gates(factory_for(base, REFERENCE_VARIANT), factory_for(base, REFERENCE_VARIANT),
+                     reference_id="reference", candidate_id="reference", dtype="float32", exact=True)
+    assert same.verdict == "pass"
