@@ -78,6 +78,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    from checks.gates import gate_variant
+    from checks.prompts import shipped_prompts, trace_prompts
+    from engine import LLMEngine
+    from engine.variant import VariantSpec
+
+    if not args.variant:
+        print("polyinf: error: check needs --variant FILE", file=sys.stderr)
+        return 2
+    spec = VariantSpec.load(args.variant)
+    config = _engine_config(args)
+    import dataclasses
+
+    base = LLMEngine(dataclasses.replace(config, variant=None, num_kv_blocks=8))
+    prompts = shipped_prompts(base)
+    if args.trace:
+        from ops.traces import TraceError, load_trace
+
+        try:
+            records = load_trace(args.trace, lenient=args.lenient)[: args.trace_prompts]
+        except TraceError as e:
+            print(f"polyinf: error: {e}", file=sys.stderr)
+            return 2
+        prompts += trace_prompts([min(r.input_tokens, args.max_input) for r in records], base.model_config.vocab_size)
+    report = gate_variant(base, spec, prompts=prompts, max_tokens=args.max_tokens, exact=args.exact)
+    print(report.summary())
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_json(), indent=2))
+    return 0 if report.verdict == "pass" else 1
+
+
 def cmd_variants_show(args: argparse.Namespace) -> int:
     from engine.variant import REFERENCE_VARIANT, VariantSpec
 
@@ -215,6 +246,17 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--seed", type=int, default=0)
     rp.add_argument("--json", default=None, help="also write the report as JSON here")
     rp.set_defaults(func=cmd_replay)
+
+    ck = sub.add_parser("check", help="run the quality and KV-cache contamination gates on a variant")
+    _add_model_args(ck)
+    ck.add_argument("--trace", default=None, help="add prompts shaped like this trace's requests")
+    ck.add_argument("--trace-prompts", type=int, default=4, help="how many trace-shaped prompts")
+    ck.add_argument("--max-input", type=int, default=256, help="clip trace-shaped prompts to this length")
+    ck.add_argument("--lenient", action="store_true")
+    ck.add_argument("--max-tokens", type=int, default=12, help="tokens generated per prompt")
+    ck.add_argument("--exact", action="store_true", help="the variant claims bit-identical results")
+    ck.add_argument("--json", default=None, help="also write the QualityReport here")
+    ck.set_defaults(func=cmd_check)
 
     v = sub.add_parser("variants", help="engine variants (VariantSpec JSON)")
     vsub = v.add_subparsers(dest="variants_command", required=True)

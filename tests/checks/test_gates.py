@@ -155,3 +155,30 @@ def test_exact_mode_demands_bit_identity(base):
     same = run_gates(factory_for(base, REFERENCE_VARIANT), factory_for(base, REFERENCE_VARIANT),
                      reference_id="reference", candidate_id="reference", dtype="float32", exact=True)
     assert same.verdict == "pass"
+
+
+def test_check_cli_passes_clean_and_fails_drift(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tiny = Path(__file__).resolve().parents[1] / "engine" / "tiny_moe"
+    drift = ("import torch\n\ndef rms_norm(x, weight, eps):\n    h = x.float()\n"
+             "    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)\n"
+             "    return weight * h.to(x.dtype) * 1.01\n")
+    cases = {"clean": (VariantSpec(max_num_batched_tokens=16), 0),
+             "drift": (VariantSpec(kernels={"rms_norm": "generated:drift.rms_norm"},
+                                   generated_source={"drift": drift}), 1)}
+    for name, (spec, rc) in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(spec.to_json()))
+        out = tmp_path / f"{name}.report.json"
+        r = subprocess.run([sys.executable, "-m", "pipelines.cli", "check", "--model", str(tiny), "--synthetic",
+                            "--variant", str(path), "--json", str(out)], capture_output=True, text=True, timeout=600)
+        assert r.returncode == rc, r.stdout + r.stderr
+        report = json.loads(out.read_text())
+        assert report["candidate_variant"] == spec.variant_id
+        assert report["verdict"] == ("pass" if rc == 0 else "fail")
+        if rc:
+            assert any("max |dlogit|" in x for x in report["reasons"])
