@@ -102,7 +102,15 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(f"polyinf: error: {e}", file=sys.stderr)
             return 2
         prompts += trace_prompts([min(r.input_tokens, args.max_input) for r in records], base.model_config.vocab_size)
-    report = gate_variant(base, spec, prompts=prompts, max_tokens=args.max_tokens, exact=args.exact)
+    from checks.report import DEFAULT_THRESHOLDS, QualityThresholds
+
+    t = DEFAULT_THRESHOLDS[config.dtype]
+    thresholds = QualityThresholds(
+        min_greedy_agreement=t.min_greedy_agreement if args.min_agreement is None else args.min_agreement,
+        max_abs_logit_delta=t.max_abs_logit_delta if args.max_logit_delta is None else args.max_logit_delta,
+        max_mean_kl=t.max_mean_kl if args.max_kl is None else args.max_kl)
+    report = gate_variant(base, spec, prompts=prompts, max_tokens=args.max_tokens, exact=args.exact,
+                          thresholds=thresholds)
     print(report.summary())
     if args.json:
         Path(args.json).write_text(json.dumps(report.to_json(), indent=2))
@@ -255,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--lenient", action="store_true")
     ck.add_argument("--max-tokens", type=int, default=12, help="tokens generated per prompt")
     ck.add_argument("--exact", action="store_true", help="the variant claims bit-identical results")
+    ck.add_argument("--min-agreement", type=float, default=None, help="override the dtype's greedy-agreement floor")
+    ck.add_argument("--max-logit-delta", type=float, default=None, help="override the dtype's max |delta logit|")
+    ck.add_argument("--max-kl", type=float, default=None, help="override the dtype's mean-KL ceiling")
     ck.add_argument("--json", default=None, help="also write the QualityReport here")
     ck.set_defaults(func=cmd_check)
 
