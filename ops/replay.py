@@ -83,7 +83,8 @@ def synthesize_prompts(records: list[TraceRecord], vocab_size: int, max_input: i
     prefixes in the trace are shared prefixes here; the rest is random per request."""
     rng = random.Random(seed)
     blocks: dict[int, list[int]] = {}
-    high = max(low + 1, vocab_size - 1)
+    low = min(low, vocab_size // 4)  # skip the (often special) first ids, but stay inside small vocabularies
+    high = vocab_size - 1
     out = []
     for r in records:
         n = r.input_tokens if max_input is None else min(r.input_tokens, max_input)

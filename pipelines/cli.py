@@ -117,6 +117,34 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if report.verdict == "pass" else 1
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from engine import LLMEngine
+    from ops.bench import SLO, fast_tier, slow_tier
+
+    engine = LLMEngine(_engine_config(args))
+    if args.tier == "fast":
+        result = fast_tier(engine, args.prefill_lengths, [(b, args.context) for b in args.decode_batches],
+                           repeats=args.repeats)
+    else:
+        from ops.replay import synthesize_prompts
+        from ops.traces import TraceError, load_trace
+
+        if not args.trace:
+            print("polyinf: error: the slow tier needs --trace", file=sys.stderr)
+            return 2
+        try:
+            records = load_trace(args.trace, lenient=args.lenient)[: args.requests]
+        except TraceError as e:
+            print(f"polyinf: error: {e}", file=sys.stderr)
+            return 2
+        prompts = synthesize_prompts(records, engine.model_config.vocab_size, max_input=args.max_input)
+        result = slow_tier(engine, records, prompts, f"{Path(args.trace).name}[:{len(records)}]",
+                           repeats=args.repeats, time_scale=args.time_scale, max_output=args.max_output,
+                           slo=SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3))
+    print(json.dumps(result.to_json(), indent=2))
+    return 0
+
+
 def cmd_variants_show(args: argparse.Namespace) -> int:
     from engine.variant import REFERENCE_VARIANT, VariantSpec
 
@@ -268,6 +296,23 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--max-kl", type=float, default=None, help="override the dtype's mean-KL ceiling")
     ck.add_argument("--json", default=None, help="also write the QualityReport here")
     ck.set_defaults(func=cmd_check)
+
+    bn = sub.add_parser("bench", help="measure the engine (one variant) on the fast or slow tier; prints a BenchResult")
+    _add_model_args(bn)
+    bn.add_argument("--tier", choices=["fast", "slow"], default="slow")
+    bn.add_argument("--trace", default=None, help="slow tier: the trace whose slice is replayed")
+    bn.add_argument("--lenient", action="store_true")
+    bn.add_argument("--requests", type=int, default=16, help="slow tier: requests from the start of the trace")
+    bn.add_argument("--time-scale", type=float, default=1.0, help="slow tier: multiply arrival times")
+    bn.add_argument("--max-input", type=int, default=None, help="slow tier: clip prompt lengths")
+    bn.add_argument("--max-output", type=int, default=None, help="slow tier: clip output lengths")
+    bn.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    bn.add_argument("--slo-tpot-ms", type=float, default=200.0)
+    bn.add_argument("--prefill-lengths", type=int, nargs="+", default=[128, 512], help="fast tier")
+    bn.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8, 32], help="fast tier")
+    bn.add_argument("--context", type=int, default=256, help="fast tier: decode context length")
+    bn.add_argument("--repeats", type=int, default=3)
+    bn.set_defaults(func=cmd_bench)
 
     v = sub.add_parser("variants", help="engine variants (VariantSpec JSON)")
     vsub = v.add_subparsers(dest="variants_command", required=True)
