@@ -1,0 +1,1 @@
+"""Thin Dagster assets and asset checks over ops/ and checks/."""

@@ -145,6 +145,67 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_optimize(model: str, trace: str, requests: int, max_input: int, max_output: int, time_scale: float,
+                 candidates: int, device: str = "cpu", dtype: str = "float32", fast_layers: int = 4,
+                 artifacts: str = ".polyinf/artifacts", endpoint_url: str = "", admin_token: str = ""):
+    """Materializes the whole graph in-process; returns the Dagster result."""
+    import dagster as dg
+
+    from assets import pipeline
+    from pipelines.resources import ArtifactStore, Endpoint, EngineRunner, TrafficSource, VariantSource
+
+    resources = {
+        "runner": EngineRunner(model=model, device=device, dtype=dtype, fast_layers=fast_layers),
+        "traffic": TrafficSource(trace=trace, max_requests=requests, max_input=max_input, max_output=max_output,
+                                 time_scale=time_scale),
+        "source": VariantSource(candidates=candidates),
+        "artifacts": ArtifactStore(root=artifacts),
+        "endpoint": Endpoint(url=endpoint_url, admin_token=admin_token),
+    }
+    definitions = [*dg.load_assets_from_modules([pipeline]), *dg.load_asset_checks_from_modules([pipeline])]
+    return dg.materialize(definitions, resources=resources, raise_on_error=False)
+
+
+def cmd_optimize(args: argparse.Namespace) -> int:
+    from pipelines.resources import stop_embedded_servers
+
+    t0 = time.perf_counter()
+    try:
+        result = run_optimize(args.model, args.trace, args.requests, args.max_input, args.max_output, args.time_scale,
+                              args.candidates, args.device, args.dtype, args.fast_layers, args.artifacts,
+                              args.endpoint_url, args.admin_token or "")
+        if not result.success:
+            failed = [e.message for e in result.all_events if e.is_failure][:3]
+            print("polyinf: error: the optimization run failed: " + " | ".join(failed), file=sys.stderr)
+            return 1
+        build = result.output_for_node("engine_build")
+        dep = result.output_for_node("deployed_endpoint")
+        checks = {e.asset_check_key.name: e.passed for e in result.get_asset_check_evaluations()}
+        base, best = build.baseline_bench, build.bench
+        print(f"{'':28}{'baseline (default)':>22}{'chosen ' + build.variant.variant_id:>26}")
+        for label, key, scale, fmt in (("output tokens/s", "output_tok_s", 1, ".1f"),
+                                       ("goodput (req/s)", "goodput", 1, ".2f"),
+                                       ("TTFT p50 / p99 (ms)", ("ttft_p50", "ttft_p99"), 1e3, ".0f"),
+                                       ("TPOT p50 / p99 (ms)", ("tpot_p50", "tpot_p99"), 1e3, ".1f")):
+            def cell(b):
+                if isinstance(key, tuple):
+                    return " / ".join(format(b[k] * scale, fmt) for k in key)
+                return format(b[key] * scale, fmt)
+            print(f"{label:28}{cell(base):>22}{cell(best):>26}")
+        print(f"spread (output tok/s)       {base['spread']:>22.2f}{best['spread']:>26.2f}")
+        print(f"why: {build.reason}")
+        print("gates: " + ", ".join(f"{k} {'passed' if v else 'FAILED'}" for k, v in checks.items()))
+        if build.quality:
+            print(f"quality: {build.quality['verdict']} (greedy agreement {build.quality['greedy_agreement']}, "
+                  f"max |dlogit| {build.quality['max_abs_logit_delta']})")
+        print(f"deployment: {dep.status} at {dep.endpoint}: {dep.reason}")
+        print(f"[optimization run took {time.perf_counter() - t0:.0f} s]")
+        return 0
+    finally:
+        if not args.keep_serving:
+            stop_embedded_servers()
+
+
 def cmd_variants_show(args: argparse.Namespace) -> int:
     from engine.variant import REFERENCE_VARIANT, VariantSpec
 
@@ -313,6 +374,23 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--context", type=int, default=256, help="fast tier: decode context length")
     bn.add_argument("--repeats", type=int, default=3)
     bn.set_defaults(func=cmd_bench)
+
+    op = sub.add_parser("optimize", help="materialize the whole optimization graph in-process (embedded defaults)")
+    op.add_argument("--model", default="smollm2")
+    op.add_argument("--trace", required=True, help="the traffic to tune for (Azure CSV, Mooncake JSONL, capture)")
+    op.add_argument("--requests", type=int, default=24, help="requests from the start of the trace")
+    op.add_argument("--max-input", type=int, default=256)
+    op.add_argument("--max-output", type=int, default=32)
+    op.add_argument("--time-scale", type=float, default=0.02, help="compress the trace's arrival times")
+    op.add_argument("--candidates", type=int, default=6, help="variants proposed besides the baseline")
+    op.add_argument("--device", default="cpu")
+    op.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    op.add_argument("--fast-layers", type=int, default=4, help="layers loaded for the fast tier")
+    op.add_argument("--artifacts", default=".polyinf/artifacts")
+    op.add_argument("--endpoint-url", default="", help="deploy to this server (default: start one on loopback)")
+    op.add_argument("--admin-token", default=None, help="the endpoint's admin token")
+    op.add_argument("--keep-serving", action="store_true", help="leave the embedded server running")
+    op.set_defaults(func=cmd_optimize)
 
     v = sub.add_parser("variants", help="engine variants (VariantSpec JSON)")
     vsub = v.add_subparsers(dest="variants_command", required=True)

@@ -1,0 +1,196 @@
+"""The continuous-compilation graph: thin assets over ops/ and checks/ (design section 1)."""
+
+import dataclasses
+import json
+
+import dagster as dg
+
+from pipelines.resources import ArtifactStore, Endpoint, EngineRunner, TrafficSource, VariantSource
+
+
+def _md_table(rows: list[dict]) -> dg.MetadataValue:
+    if not rows:
+        return dg.MetadataValue.md("(none)")
+    cols = list(dict.fromkeys(c for r in rows for c in r))  # union of columns, first-seen order
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
+    return dg.MetadataValue.md("\n".join(lines))
+
+
+def _scatter(points: list[tuple[float, float, str]], width: int = 48, height: int = 12) -> str:
+    """A text plot of output tokens/s (x) against TPOT p50 in ms (y), one letter per variant."""
+    if not points:
+        return ""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    x0, x1, y0, y1 = min(xs), max(xs) or 1, min(ys), max(ys) or 1
+    grid = [[" "] * width for _ in range(height)]
+    for x, y, label in points:
+        cx = int((x - x0) / ((x1 - x0) or 1) * (width - 1))
+        cy = height - 1 - int((y - y0) / ((y1 - y0) or 1) * (height - 1))
+        grid[cy][cx] = label
+    body = "\n".join("|" + "".join(r) for r in grid)
+    return f"TPOT p50 {y1:.1f} ms (top) .. {y0:.1f} ms (bottom)\n{body}\n+{'-' * width}\n" \
+           f" output tok/s {x0:.1f} .. {x1:.1f}"
+
+
+@dg.asset(description="The trace slice this optimization run tunes for.")
+def traffic_traces(context: dg.AssetExecutionContext, traffic: TrafficSource) -> list:
+    from ops.traces import load_trace
+
+    records = load_trace(traffic.trace)[: traffic.max_requests]
+    context.add_output_metadata({
+        "requests": len(records), "source": traffic.trace,
+        "preview": _md_table([{"arrival_s": round(r.arrival_s, 3), "input": r.input_tokens,
+                               "output": r.output_tokens, "prefix blocks": len(r.prefix_block_hashes)}
+                              for r in records[:10]]),
+    })
+    return records
+
+
+@dg.asset(description="Arrival rate, burstiness, length percentiles and prefix reuse of the traffic.")
+def traffic_profile(context: dg.AssetExecutionContext, traffic_traces: list):
+    from ops.traces import profile
+
+    prof = profile(traffic_traces)
+    context.add_output_metadata({k: dg.MetadataValue.float(float(v)) for k, v in prof.to_json().items()
+                                 if isinstance(v, (int, float))})
+    return prof
+
+
+@dg.asset(description="The served model's shape, bytes per token and weights hash.")
+def model_spec(context: dg.AssetExecutionContext, runner: EngineRunner):
+    from engine import resolve
+    from ops.model_spec import model_spec as spec_of
+
+    spec = spec_of(resolve(runner.model), runner.dtype)
+    context.add_output_metadata({k: v for k, v in spec.to_json().items() if isinstance(v, (int, str))})
+    return spec
+
+
+@dg.asset(description="Measured memory bandwidth, matmul FLOP/s and launch overhead of this machine.")
+def hardware_profile(context: dg.AssetExecutionContext, runner: EngineRunner):
+    from ops.hardware import probe
+
+    hw = probe(runner.device)
+    context.add_output_metadata({"device": hw.device, "memory bandwidth GB/s": hw.memory_bandwidth / 1e9,
+                                 "launch overhead us": hw.launch_overhead_s * 1e6,
+                                 **{f"matmul {k} GFLOP/s": v / 1e9 for k, v in hw.matmul_flops.items()}})
+    return hw
+
+
+@dg.asset(description="Knob variants ranked by the roofline cost model for this model, machine and traffic.")
+def cost_model_plan(context: dg.AssetExecutionContext, model_spec, hardware_profile, traffic_profile,
+                    runner: EngineRunner):
+    from ops.cost_model import plan
+
+    base = runner.engine(layers=1).variant  # the engine's default configuration: the static baseline
+    p = plan(model_spec, hardware_profile, traffic_profile, dataclasses.replace(base, name="baseline (default)"))
+    context.add_output_metadata({"candidates ranked": len(p.entries), "top": _md_table([
+        {"variant": e.variant.name, "id": e.variant.variant_id, "pred tok/s": round(e.prediction.output_tok_s, 1),
+         "pred TTFT ms": round(1e3 * e.prediction.ttft_s), "pred TPOT ms": round(1e3 * e.prediction.tpot_s, 1)}
+        for e in p.entries[:10]])})
+    return p
+
+
+@dg.asset(description="The variants to measure: the baseline and the variant source's proposals.")
+def variant_candidates(context: dg.AssetExecutionContext, cost_model_plan, source: VariantSource) -> list:
+    variants = source.propose(cost_model_plan)
+    context.add_output_metadata({"variants": _md_table([{"name": v.name, "id": v.variant_id} for v in variants])})
+    return variants
+
+
+@dg.asset(description="Fast tier: step times of the traffic's shape mix on a few layers, one hot-swapped engine.",
+          op_tags={"polyinf/tier": "fast", "polyinf/gpu": "1"})
+def fast_bench_results(context: dg.AssetExecutionContext, variant_candidates: list, traffic_profile,
+                       runner: EngineRunner) -> list:
+    from ops.bench import fast_tier
+
+    eng = runner.engine(layers=runner.fast_layers)
+    prefill = sorted({max(8, int(traffic_profile.input_p50)) , max(8, int(traffic_profile.input_p90))})
+    prefill = [min(n, 256) for n in prefill]
+    conc = max(1, round(traffic_profile.estimated_concurrency))
+    results = []
+    for v in variant_candidates:
+        eng.apply_variant(v)
+        batches = sorted({1, min(conc, v.max_num_seqs), min(2 * conc, v.max_num_seqs)})
+        results.append((v, fast_tier(eng, prefill, [(b, min(256, int(traffic_profile.input_p50) + 8))
+                                                    for b in batches], repeats=3)))
+    context.add_output_metadata({"results": _md_table([
+        {"variant": v.name, "decode tok/s": round(r.output_tok_s, 1), "spread": round(r.spread, 1),
+         **{k: round(t, 2) for k, t in r.step_times_ms.items()}} for v, r in results][:12])})
+    return results
+
+
+@dg.asset(description="Slow tier: the trace slice replayed through the full model for the best fast-tier variants.",
+          op_tags={"polyinf/tier": "slow", "polyinf/gpu": "1"})
+def slow_bench_results(context: dg.AssetExecutionContext, fast_bench_results: list, traffic_traces: list,
+                       traffic: TrafficSource, runner: EngineRunner) -> list:
+    from ops.bench import slow_tier
+    from ops.replay import synthesize_prompts
+
+    baseline = fast_bench_results[0]
+    ranked = sorted(fast_bench_results[1:], key=lambda vr: -vr[1].output_tok_s)
+    chosen = [baseline] + ranked[:2]
+    eng = runner.engine()
+    prompts = synthesize_prompts(traffic_traces, eng.model_config.vocab_size, max_input=traffic.max_input)
+    results = []
+    for v, _ in chosen:
+        eng.apply_variant(v)
+        results.append((v, slow_tier(eng, traffic_traces, prompts, f"{traffic.trace}[:{len(traffic_traces)}]",
+                                     repeats=2, time_scale=traffic.time_scale, max_output=traffic.max_output)))
+    letters = "BABCDEFGH"
+    plot = _scatter([(r.output_tok_s, 1e3 * r.tpot_p50, letters[i]) for i, (_, r) in enumerate(results)])
+    context.add_output_metadata({
+        "results": _md_table([{"": letters[i], "variant": v.name, "output tok/s": round(r.output_tok_s, 1),
+                               "spread": round(r.spread, 1), "goodput req/s": round(r.goodput, 2),
+                               "TTFT p50/p99 ms": f"{1e3 * r.ttft_p50:.0f}/{1e3 * r.ttft_p99:.0f}",
+                               "TPOT p50/p99 ms": f"{1e3 * r.tpot_p50:.1f}/{1e3 * r.tpot_p99:.1f}"}
+                              for i, (v, r) in enumerate(results)]),
+        "throughput vs latency": dg.MetadataValue.md(f"```\n{plot}\n```"),
+    })
+    return results
+
+
+@dg.asset(description="The chosen variant, why, and its measurements; gated by the quality checks.")
+def engine_build(context: dg.AssetExecutionContext, slow_bench_results: list, traffic_profile, model_spec,
+                 artifacts: ArtifactStore):
+    from ops.optimize import EngineBuild, choose
+
+    choice = choose(slow_bench_results[1:], slow_bench_results[0])
+    build = EngineBuild(variant=choice.variant, source_hash=choice.variant.variant_id,
+                        bench=choice.result.to_json(), baseline_bench=choice.baseline.to_json(), reason=choice.reason,
+                        traffic_profile=traffic_profile.to_json(), model_weights_hash=model_spec.weights_hash,
+                        provenance={"run_id": context.run_id, "variant_source": "cost-model grid"})
+    path = artifacts.put(f"builds/{build.source_hash}.json", json.dumps(build.to_json(), indent=2))
+    context.add_output_metadata({"chosen variant": choice.variant.variant_id, "name": choice.variant.name,
+                                 "why": dg.MetadataValue.md(choice.reason), "artifact": path})
+    return build
+
+
+@dg.asset_check(asset=engine_build, blocking=True, description="Quality and KV-cache contamination gates.")
+def engine_build_gates(engine_build, runner: EngineRunner) -> dg.AssetCheckResult:
+    from checks.gates import gate_variant
+
+    report = gate_variant(runner.engine(), engine_build.variant, max_tokens=8)
+    engine_build.attach_quality(report)
+    return dg.AssetCheckResult(passed=report.verdict == "pass", metadata={
+        "verdict": report.verdict, "report": dg.MetadataValue.md(f"```\n{report.summary()}\n```"),
+        "seconds": report.seconds})
+
+
+@dg.asset(description="The build hot-swapped into the serving endpoint, watched, and rolled back on regression.")
+def deployed_endpoint(context: dg.AssetExecutionContext, engine_build, runner: EngineRunner, endpoint: Endpoint):
+    from ops.deploy import deploy
+    from ops.replay import synthesize_prompts
+
+    url, token = endpoint.connect(runner)
+    records = [type("R", (), {"input_tokens": 16 + 4 * i, "prefix_block_hashes": (), "block_tokens": 0})()
+               for i in range(endpoint.watch_requests)]
+    probes = synthesize_prompts(records, 1000, seed=7)
+    spread = engine_build.bench.get("spread", 0.0) / max(1.0, engine_build.bench.get("output_tok_s", 1.0)) * \
+        engine_build.bench.get("tpot_p50", 0.0)
+    dep = deploy(url, token, endpoint.served_model_name, engine_build.variant, probes,
+                 max_tokens=endpoint.watch_max_tokens, tolerance=endpoint.tolerance, spread=spread)
+    context.add_output_metadata({"endpoint": url, "status": dep.status, "serving": dep.build_id,
+                                 "previous": str(dep.previous_build), "why": dg.MetadataValue.md(dep.reason)})
+    return dep

@@ -1,0 +1,112 @@
+"""Dagster resources: the outside systems the assets use, each behind a small interface."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+
+import dagster as dg
+
+_LOCK = threading.Lock()
+_LOADED: dict[tuple, object] = {}  # weights loaded once per process, shared by every engine the run builds
+_SERVERS: dict[str, object] = {}  # embedded endpoints started by this process
+
+
+class EngineRunner(dg.ConfigurableResource):
+    """Builds engines of a model with the weights loaded once; the fast tier uses the first few layers."""
+
+    model: str = "smollm2"
+    device: str = "cpu"
+    dtype: str = "float32"
+    fast_layers: int = 4
+    num_kv_blocks: int = 512
+
+    def config(self, layers: int | None = None, variant=None):
+        from engine import EngineConfig, resolve
+
+        return EngineConfig(source=resolve(self.model), device=self.device, dtype=self.dtype, layers=layers,
+                            num_kv_blocks=self.num_kv_blocks, variant=variant, load_tokenizer=layers is None)
+
+    def engine(self, layers: int | None = None, variant=None):
+        from engine.llm_engine import LLMEngine, LoadedModel
+
+        key = (self.model, self.device, self.dtype, layers)
+        with _LOCK:
+            loaded = _LOADED.get(key)
+            if loaded is None:
+                loaded = _LOADED[key] = LoadedModel.load(self.config(layers))
+        return LLMEngine(self.config(layers, variant), loaded)
+
+    def model_args(self) -> list[str]:
+        return ["--model", self.model, "--device", self.device, "--dtype", self.dtype,
+                "--num-kv-blocks", str(self.num_kv_blocks)]
+
+
+class TrafficSource(dg.ConfigurableResource):
+    """Where traffic comes from: a trace file (capture, Mooncake or Azure) and the slice the run uses."""
+
+    trace: str
+    max_requests: int = 24
+    max_input: int = 256  # clip prompt lengths to what the machine can replay in time
+    max_output: int = 32
+    time_scale: float = 0.02
+
+
+class VariantSource(dg.ConfigurableResource):
+    """Proposes candidates. Now: the cost model's top knob variants; agents plug in here later."""
+
+    candidates: int = 6
+
+    def propose(self, plan) -> list:
+        seen, out = {plan.baseline.variant_id}, [plan.baseline]
+        for entry in plan.entries:
+            if entry.variant.variant_id not in seen:
+                seen.add(entry.variant.variant_id)
+                out.append(entry.variant)
+            if len(out) > self.candidates:
+                break
+        return out
+
+
+class ArtifactStore(dg.ConfigurableResource):
+    """Build artifacts (variant JSON, reports). The local filesystem by default."""
+
+    root: str = ".polyinf/artifacts"
+
+    def put(self, key: str, text: str) -> str:
+        path = Path(self.root) / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+        return str(path)
+
+
+class Endpoint(dg.ConfigurableResource):
+    """The serving endpoint to deploy to: an existing one (url + admin token), or, embedded, a
+    `polyinf serve` this process starts on loopback."""
+
+    url: str = ""
+    admin_token: str = ""
+    served_model_name: str = "polyinf"
+    watch_requests: int = 8
+    watch_max_tokens: int = 8
+    tolerance: float = 0.25
+
+    def connect(self, runner: EngineRunner) -> tuple[str, str]:
+        if self.url:
+            return self.url, self.admin_token
+        from ops.deploy import ServerProcess
+
+        with _LOCK:
+            server = _SERVERS.get(runner.model)
+            if server is None or server.proc.poll() is not None:
+                server = _SERVERS[runner.model] = ServerProcess(runner.model_args(), self.served_model_name)
+        return server.url, server.token
+
+
+def stop_embedded_servers() -> None:
+    with _LOCK:
+        for server in _SERVERS.values():
+            server.stop()
+        _SERVERS.clear()
