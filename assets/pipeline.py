@@ -160,7 +160,7 @@ def engine_build(context: dg.AssetExecutionContext, slow_bench_results: list, tr
     build = EngineBuild(variant=choice.variant, source_hash=choice.variant.variant_id,
                         bench=choice.result.to_json(), baseline_bench=choice.baseline.to_json(), reason=choice.reason,
                         traffic_profile=traffic_profile.to_json(), model_weights_hash=model_spec.weights_hash,
-                        provenance={"run_id": context.run_id, "variant_source": "cost-model grid"})
+                        provenance={"run_id": context.run.run_id, "variant_source": "cost-model grid"})
     path = artifacts.put(f"builds/{build.source_hash}.json", json.dumps(build.to_json(), indent=2))
     context.add_output_metadata({"chosen variant": choice.variant.variant_id, "name": choice.variant.name,
                                  "why": dg.MetadataValue.md(choice.reason), "artifact": path})

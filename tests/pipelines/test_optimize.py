@@ -1,0 +1,91 @@
+"""The optimization graph end to end, and a deployment that regresses being rolled back."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine.variant import VariantSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+AZURE = ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+TINY = ROOT / "tests" / "engine" / "tiny_moe"
+
+
+def test_definitions_load():
+    from pipelines.definitions import defs
+
+    keys = {k.to_user_string() for k in defs.resolve_asset_graph().get_all_asset_keys()}
+    assert keys == {"traffic_traces", "traffic_profile", "model_spec", "hardware_profile", "cost_model_plan",
+                    "variant_candidates", "fast_bench_results", "slow_bench_results", "engine_build",
+                    "deployed_endpoint"}
+    assert {k.name for k in defs.resolve_asset_graph().asset_check_keys} == {"engine_build_gates"}
+
+
+def test_materialize_the_whole_graph(tmp_path):
+    from pipelines.cli import run_optimize
+    from pipelines.resources import stop_embedded_servers
+
+    try:
+        result = run_optimize("smollm2", str(AZURE), requests=8, max_input=128, max_output=8, time_scale=0.02,
+                              candidates=3, artifacts=str(tmp_path / "artifacts"))
+        assert result.success
+        profile = result.output_for_node("traffic_profile")
+        assert profile.requests == 8
+        plan = result.output_for_node("cost_model_plan")
+        assert len(plan.entries) >= 8 and plan.entries[0].prediction.output_tok_s >= plan.entries[-1].prediction.output_tok_s
+        candidates = result.output_for_node("variant_candidates")
+        assert len(candidates) == 4 and candidates[0].name.startswith("baseline")
+        fast = result.output_for_node("fast_bench_results")
+        assert [v.variant_id for v, _ in fast] == [v.variant_id for v in candidates]
+        assert all(r.tier == "fast" and r.layers == 4 and r.output_tok_s > 0 for _, r in fast)
+        slow = result.output_for_node("slow_bench_results")
+        assert len(slow) == 3 and all(r.tier == "slow" and r.layers == 30 for _, r in slow)
+        build = result.output_for_node("engine_build")
+        assert build.variant.variant_id in {v.variant_id for v, _ in slow} and build.reason
+        assert (tmp_path / "artifacts" / "builds" / f"{build.source_hash}.json").is_file()
+        checks = list(result.get_asset_check_evaluations())
+        assert [(c.asset_check_key.name, c.passed) for c in checks] == [("engine_build_gates", True)]
+        dep = result.output_for_node("deployed_endpoint")
+        assert dep.status in ("deployed", "rolled back")
+        from pipelines.resources import _SERVERS
+
+        server = _SERVERS["smollm2"]
+        active = httpx.get(dep.endpoint + "/admin/variant", headers={"Authorization": f"Bearer {server.token}"}
+                           ).json()["active"]["variant_id"]
+        assert active == dep.build_id  # the real server runs what the deployment says it runs
+        if dep.status == "deployed":
+            assert active == build.variant.variant_id
+    finally:
+        stop_embedded_servers()
+
+
+SLOW_NORM = ("import torch\n\ndef rms_norm(x, weight, eps):\n    for _ in range(300):\n        h = x.float()\n"
+             "        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)\n    return weight * h.to(x.dtype)\n")
+
+
+def test_a_regressing_deployment_is_rolled_back():
+    from ops.deploy import ServerProcess, deploy
+
+    server = ServerProcess(["--model", str(TINY), "--synthetic", "--num-kv-blocks", "256"], "tiny")
+    try:
+        auth = {"Authorization": f"Bearer {server.token}"}
+        before = httpx.get(server.url + "/admin/variant", headers=auth).json()["active"]
+        probes = [[1, 2, 3, 4 + i] * 3 for i in range(6)]
+        slow = VariantSpec(**{k: before[k] for k in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                                                     "enable_prefix_caching")},
+                           kernels={"rms_norm": "generated:slow_norm.rms_norm"},
+                           generated_source={"slow_norm": SLOW_NORM})
+        dep = deploy(server.url, server.token, "tiny", slow, probes, max_tokens=8, concurrency=2)
+        assert dep.status == "rolled back" and "regressed" in dep.reason
+        assert httpx.get(server.url + "/admin/variant", headers=auth).json()["active"]["variant_id"] == \
+            before["variant_id"]
+        fine = VariantSpec(**{**{k: before[k] for k in ("block_size", "enable_prefix_caching")},
+                              "max_num_seqs": before["max_num_seqs"], "max_num_batched_tokens": 256})
+        dep = deploy(server.url, server.token, "tiny", fine, probes, max_tokens=8, concurrency=2, tolerance=1.0)
+        assert dep.status == "deployed", dep.reason
+        assert httpx.get(server.url + "/admin/variant", headers=auth).json()["active"]["variant_id"] == \
+            fine.variant_id
+    finally:
+        server.stop()
