@@ -179,11 +179,16 @@ def engine_build_gates(engine_build, runner: EngineRunner) -> dg.AssetCheckResul
 
 
 @dg.asset(description="The build hot-swapped into the serving endpoint, watched, and rolled back on regression.")
-def deployed_endpoint(context: dg.AssetExecutionContext, engine_build, runner: EngineRunner, endpoint: Endpoint):
+def deployed_endpoint(context: dg.AssetExecutionContext, engine_build, runner: EngineRunner, endpoint: Endpoint,
+                      artifacts: ArtifactStore):
+    import time
+    from pathlib import Path
+
     from ops.deploy import deploy
+    from ops.drift import DeploymentRecord
     from ops.replay import synthesize_prompts
 
-    url, token = endpoint.connect(runner)
+    url, token = endpoint.connect(runner, capture_dir=str(Path(artifacts.root) / "capture"))
     records = [type("R", (), {"input_tokens": 16 + 4 * i, "prefix_block_hashes": (), "block_tokens": 0})()
                for i in range(endpoint.watch_requests)]
     probes = synthesize_prompts(records, 1000, seed=7)
@@ -191,6 +196,12 @@ def deployed_endpoint(context: dg.AssetExecutionContext, engine_build, runner: E
         engine_build.bench.get("tpot_p50", 0.0)
     dep = deploy(url, token, endpoint.served_model_name, engine_build.variant, probes,
                  max_tokens=endpoint.watch_max_tokens, tolerance=endpoint.tolerance, spread=spread)
+    if dep.status == "deployed":  # what the drift sensors compare live traffic and the model against
+        DeploymentRecord(endpoint=url, variant_id=dep.build_id, traffic_profile=engine_build.traffic_profile,
+                         model_weights_hash=engine_build.model_weights_hash, model=runner.model,
+                         deployed_at=time.time(), capture_dir=endpoint.capture_dir or
+                         str(Path(artifacts.root) / "capture")).save(
+            Path(artifacts.root) / "deployments" / "current.json")
     context.add_output_metadata({"endpoint": url, "status": dep.status, "serving": dep.build_id,
                                  "previous": str(dep.previous_build), "why": dg.MetadataValue.md(dep.reason)})
     return dep

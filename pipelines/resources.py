@@ -88,12 +88,13 @@ class Endpoint(dg.ConfigurableResource):
 
     url: str = ""
     admin_token: str = ""
+    capture_dir: str = ""  # where an existing endpoint captures its traffic (for the drift sensor)
     served_model_name: str = "polyinf"
     watch_requests: int = 8
     watch_max_tokens: int = 8
     tolerance: float = 0.25
 
-    def connect(self, runner: EngineRunner) -> tuple[str, str]:
+    def connect(self, runner: EngineRunner, capture_dir: str | None = None) -> tuple[str, str]:
         if self.url:
             return self.url, self.admin_token
         from ops.deploy import ServerProcess
@@ -101,7 +102,8 @@ class Endpoint(dg.ConfigurableResource):
         with _LOCK:
             server = _SERVERS.get(runner.model)
             if server is None or server.proc.poll() is not None:
-                server = _SERVERS[runner.model] = ServerProcess(runner.model_args(), self.served_model_name)
+                server = _SERVERS[runner.model] = ServerProcess(
+                    runner.model_args(), self.served_model_name, Path(capture_dir) if capture_dir else None)
         return server.url, server.token
 
 
