@@ -8,6 +8,16 @@ import dagster as dg
 from pipelines.resources import ArtifactStore, Endpoint, EngineRunner, TrafficSource, VariantSource
 
 
+# dagster-k8s/config for the benchmark steps: on Kubernetes their pods land on GPU nodes
+# (the same as infra/helm/gpu-op-tags.yaml; a test keeps the two equal and validates them).
+GPU_OP_TAGS = {"dagster-k8s/config": {
+    "container_config": {"resources": {"limits": {"nvidia.com/gpu": "1"},
+                                       "requests": {"nvidia.com/gpu": "1", "cpu": "8", "memory": "64Gi"}}},
+    "pod_spec_config": {"node_selector": {"nvidia.com/gpu.present": "true"},
+                        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
+}}
+
+
 def _md_table(rows: list[dict]) -> dg.MetadataValue:
     if not rows:
         return dg.MetadataValue.md("(none)")
@@ -100,7 +110,7 @@ def variant_candidates(context: dg.AssetExecutionContext, cost_model_plan, sourc
 
 
 @dg.asset(description="Fast tier: step times of the traffic's shape mix on a few layers, one hot-swapped engine.",
-          op_tags={"polyinf/tier": "fast", "polyinf/gpu": "1"})
+          op_tags={"polyinf/tier": "fast", **GPU_OP_TAGS})
 def fast_bench_results(context: dg.AssetExecutionContext, variant_candidates: list, traffic_profile,
                        runner: EngineRunner) -> list:
     from ops.bench import fast_tier
@@ -122,7 +132,7 @@ def fast_bench_results(context: dg.AssetExecutionContext, variant_candidates: li
 
 
 @dg.asset(description="Slow tier: the trace slice replayed through the full model for the best fast-tier variants.",
-          op_tags={"polyinf/tier": "slow", "polyinf/gpu": "1"})
+          op_tags={"polyinf/tier": "slow", **GPU_OP_TAGS})
 def slow_bench_results(context: dg.AssetExecutionContext, fast_bench_results: list, traffic_traces: list,
                        traffic: TrafficSource, runner: EngineRunner) -> list:
     from ops.bench import slow_tier

@@ -1,0 +1,68 @@
+"""infra/: the Dagster parts validated with dagster-k8s's own config schemas; manifests consistent with the CLI."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import yaml
+from dagster._config import process_config
+from dagster_k8s import K8sRunLauncher
+from dagster_k8s.job import USER_DEFINED_K8S_JOB_CONFIG_SCHEMA
+
+INFRA = Path(__file__).resolve().parents[2] / "infra"
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def test_run_launcher_config_validates_against_dagster_k8s():
+    instance = yaml.safe_load((INFRA / "helm" / "dagster-instance.yaml").read_text())
+    launcher = instance["run_launcher"]
+    assert (launcher["module"], launcher["class"]) == ("dagster_k8s", "K8sRunLauncher")
+    result = process_config(K8sRunLauncher.config_type(), launcher["config"])
+    assert result.success, result.errors
+    bad = process_config(K8sRunLauncher.config_type(), {**launcher["config"], "job_namespacee": "x"})
+    assert not bad.success  # the schema does reject what it does not know
+
+
+def test_helm_values_match_the_instance_config():
+    values = yaml.safe_load((INFRA / "helm" / "values.yaml").read_text())
+    instance = yaml.safe_load((INFRA / "helm" / "dagster-instance.yaml").read_text())["run_launcher"]["config"]
+    assert values["runLauncher"]["type"] == "K8sRunLauncher"
+    helm = values["runLauncher"]["config"]["k8sRunLauncher"]
+    fields = set(K8sRunLauncher.config_type())
+    for key in helm:
+        assert _snake(key) in fields, f"{key} is not a K8sRunLauncher field"
+    assert helm["jobNamespace"] == instance["job_namespace"]
+    assert [s["name"] for s in helm["envSecrets"]] == instance["env_secrets"]
+    user = values["dagster-user-deployments"]["deployments"][0]
+    assert user["dagsterApiGrpcArgs"] == ["-m", "pipelines.definitions"]
+
+
+def test_gpu_op_tags_validate_and_are_on_the_benchmark_assets():
+    from assets.pipeline import GPU_OP_TAGS, fast_bench_results, slow_bench_results
+
+    tags = yaml.safe_load((INFRA / "helm" / "gpu-op-tags.yaml").read_text())
+    assert tags == GPU_OP_TAGS
+    result = process_config(USER_DEFINED_K8S_JOB_CONFIG_SCHEMA, tags["dagster-k8s/config"])
+    assert result.success, result.errors
+    for asset in (fast_bench_results, slow_bench_results):
+        tag = asset.op.tags["dagster-k8s/config"]  # Dagster keeps structured tags as JSON text
+        assert (json.loads(tag) if isinstance(tag, str) else tag) == GPU_OP_TAGS["dagster-k8s/config"]
+
+
+def test_engine_manifest_runs_a_valid_serve_command():
+    from pipelines.cli import build_parser
+
+    docs = list(yaml.safe_load_all((INFRA / "k8s" / "engine-deployment.yaml").read_text()))
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    cmd = container["command"]
+    assert cmd[:2] == ["polyinf", "serve"]
+    args = build_parser().parse_args(cmd[1:])
+    assert args.port == 8000 and args.capture_dir == "/capture" and args.device == "cuda"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert any(e["name"] == "POLYINF_ADMIN_TOKEN" for e in container["env"])
+    assert "dagster" in (INFRA / "Dockerfile").read_text() and "pipelines.definitions" in (INFRA / "Dockerfile").read_text()
