@@ -177,6 +177,33 @@ def engine_build(context: dg.AssetExecutionContext, slow_bench_results: list, tr
     return build
 
 
+def _expectation_result(outcome) -> dg.AssetCheckResult:
+    return dg.AssetCheckResult(passed=outcome.passed, metadata={
+        "expectations evaluated": outcome.evaluated,
+        "failures": dg.MetadataValue.md("\n".join(f"- {f}" for f in outcome.failures) or "none")})
+
+
+@dg.asset_check(asset=traffic_traces, blocking=True, description="Great Expectations: trace schema and ranges.")
+def traffic_traces_expectations(traffic_traces: list) -> dg.AssetCheckResult:
+    from checks.expectations import expect_traces
+
+    return _expectation_result(expect_traces(traffic_traces))
+
+
+@dg.asset_check(asset=fast_bench_results, blocking=True, description="Great Expectations: complete, finite results.")
+def fast_bench_expectations(fast_bench_results: list) -> dg.AssetCheckResult:
+    from checks.expectations import expect_bench_results
+
+    return _expectation_result(expect_bench_results([r for _, r in fast_bench_results]))
+
+
+@dg.asset_check(asset=slow_bench_results, blocking=True, description="Great Expectations: complete, finite results.")
+def slow_bench_expectations(slow_bench_results: list) -> dg.AssetCheckResult:
+    from checks.expectations import expect_bench_results
+
+    return _expectation_result(expect_bench_results([r for _, r in slow_bench_results]))
+
+
 @dg.asset_check(asset=engine_build, blocking=True, description="Quality and KV-cache contamination gates.")
 def engine_build_gates(engine_build, runner: EngineRunner) -> dg.AssetCheckResult:
     from checks.gates import gate_variant

@@ -20,7 +20,10 @@ def test_definitions_load():
     assert keys == {"traffic_traces", "traffic_profile", "model_spec", "hardware_profile", "cost_model_plan",
                     "variant_candidates", "fast_bench_results", "slow_bench_results", "engine_build",
                     "deployed_endpoint"}
-    assert {k.name for k in defs.resolve_asset_graph().asset_check_keys} == {"engine_build_gates"}
+    assert {k.name for k in defs.resolve_asset_graph().asset_check_keys} == {
+        "engine_build_gates", "traffic_traces_expectations", "fast_bench_expectations", "slow_bench_expectations"}
+    assert {s.name for s in defs.sensors} == {"traffic_drift_sensor", "model_drift_sensor"}
+    assert [s.cron_schedule for s in defs.schedules] == ["0 3 * * *"]
 
 
 def test_materialize_the_whole_graph(tmp_path):
@@ -46,7 +49,9 @@ def test_materialize_the_whole_graph(tmp_path):
         assert build.variant.variant_id in {v.variant_id for v, _ in slow} and build.reason
         assert (tmp_path / "artifacts" / "builds" / f"{build.source_hash}.json").is_file()
         checks = list(result.get_asset_check_evaluations())
-        assert [(c.asset_check_key.name, c.passed) for c in checks] == [("engine_build_gates", True)]
+        assert sorted((c.asset_check_key.name, c.passed) for c in checks) == [
+            ("engine_build_gates", True), ("fast_bench_expectations", True), ("slow_bench_expectations", True),
+            ("traffic_traces_expectations", True)]
         dep = result.output_for_node("deployed_endpoint")
         assert dep.status in ("deployed", "rolled back")
         from pipelines.resources import _SERVERS
