@@ -69,17 +69,40 @@ class VariantSource(dg.ConfigurableResource):
 
 
 class ArtifactStore(dg.ConfigurableResource):
-    """Build artifacts (variant JSON, reports). The local filesystem by default."""
+    """Build artifacts (variant JSON, reports): the local filesystem by default, S3 (boto3) when a bucket is set.
+
+    Credentials come from the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or
+    dg.EnvVar in the resource config), never from code.
+    """
 
     root: str = ".polyinf/artifacts"
+    s3_bucket: str = ""
+    s3_prefix: str = "polyinf"
+    s3_endpoint_url: str = ""  # an S3-compatible server; empty: AWS
+    s3_region: str = "us-east-1"
+
+    def _s3(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.s3_endpoint_url or None, region_name=self.s3_region)
 
     def put(self, key: str, text: str) -> str:
+        if self.s3_bucket:
+            name = f"{self.s3_prefix}/{key}"
+            self._s3().put_object(Bucket=self.s3_bucket, Key=name, Body=text.encode())
+            return f"s3://{self.s3_bucket}/{name}"
         path = Path(self.root) / key
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(text)
         tmp.replace(path)
         return str(path)
+
+    def get(self, key: str) -> str:
+        if self.s3_bucket:
+            obj = self._s3().get_object(Bucket=self.s3_bucket, Key=f"{self.s3_prefix}/{key}")
+            return obj["Body"].read().decode()
+        return (Path(self.root) / key).read_text()
 
 
 class Endpoint(dg.ConfigurableResource):
