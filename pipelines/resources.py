@@ -46,16 +46,16 @@ class TrafficSource(dg.ConfigurableResource):
     """Where traffic comes from: a trace file (capture, Mooncake or Azure) and the slice the run uses."""
 
     trace: str
-    max_requests: int = 24
-    max_input: int = 256  # clip prompt lengths to what the machine can replay in time
-    max_output: int = 32
+    max_requests: int = 16
+    max_input: int = 128  # clip prompt lengths to what the machine can replay in time
+    max_output: int = 16
     time_scale: float = 0.02
 
 
 class VariantSource(dg.ConfigurableResource):
     """Proposes candidates. Now: the cost model's top knob variants; agents plug in here later."""
 
-    candidates: int = 6
+    candidates: int = 4
 
     def propose(self, plan) -> list:
         seen, out = {plan.baseline.variant_id}, [plan.baseline]
