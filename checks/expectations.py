@@ -18,11 +18,13 @@ def _validate(rows: list[dict], name: str, expectations: list) -> ExpectationOut
     import os
 
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")  # no network calls
-    os.environ.setdefault("TQDM_DISABLE", "1")  # no progress bars in logs
     import great_expectations as gx
     import pandas as pd
 
+    from great_expectations.data_context.types.base import ProgressBarsConfig
+
     context = gx.get_context(mode="ephemeral")
+    context.variables.progress_bars = ProgressBarsConfig(globally=False, metric_calculations=False)
     source = context.data_sources.add_pandas(name)
     batch_def = source.add_dataframe_asset(name).add_batch_definition_whole_dataframe(name)
     batch = batch_def.get_batch(batch_parameters={"dataframe": pd.DataFrame(rows)})
