@@ -152,7 +152,7 @@ def copy_bandwidth() -> float:
     s = timed(lambda: b.copy_(a), iters=20)
     bw = 2 * n / s
     row("copy bandwidth (read + write)", f"{bw / 1e9:,.0f} GB/s")
-    del a, b
+    a = b = None
     return bw
 
 

@@ -11,7 +11,7 @@ import asyncio
 import itertools
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.block_manager import chain_hash
 from engine.capture import CaptureWriter

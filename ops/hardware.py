@@ -39,7 +39,7 @@ def probe(device: str = "cpu", size_mb: int = 256, matmul_n: int = 1024) -> Hard
     a = torch.empty(n, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
     bw = 2 * n / _time(lambda: b.copy_(a), dev, 5)
-    del a, b
+    a = b = None  # free the buffers before the matmul probe
     dtypes = [torch.float32] if dev.type == "cpu" else [torch.float32, torch.bfloat16, torch.float16]
     flops = {}
     for dt in dtypes:

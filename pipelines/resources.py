@@ -1,7 +1,6 @@
 """Dagster resources: the outside systems the assets use, each behind a small interface."""
 from __future__ import annotations
 
-import dataclasses
 import threading
 from pathlib import Path
 
