@@ -2,10 +2,21 @@
 
 import dataclasses
 import json
+import re
 
 import dagster as dg
 
 from pipelines.resources import ArtifactStore, Endpoint, EngineRunner, TrafficSource, VariantSource
+
+
+# One partition per deployment: served model x hardware x endpoint.
+DEPLOYMENTS = dg.DynamicPartitionsDefinition(name="deployments")
+
+
+def deployment_key(model: str, device: str, endpoint: str) -> str:
+    """A partition key for a deployment, e.g. 'smollm2|cpu|embedded'."""
+    clean = lambda x: re.sub(r"[^A-Za-z0-9_.:@/-]", "_", x)  # noqa: E731
+    return "|".join(clean(x) for x in (model, device, endpoint or "embedded"))
 
 
 # dagster-k8s/config for the benchmark steps: on Kubernetes their pods land on GPU nodes
@@ -43,7 +54,8 @@ def _scatter(points: list[tuple[float, float, str]], width: int = 48, height: in
            f" output tok/s {x0:.1f} .. {x1:.1f}"
 
 
-@dg.asset(description="The trace slice this optimization run tunes for.")
+@dg.asset(partitions_def=DEPLOYMENTS,
+          description="The trace slice this optimization run tunes for.")
 def traffic_traces(context: dg.AssetExecutionContext, traffic: TrafficSource) -> list:
     from ops.traces import load_trace
 
@@ -57,7 +69,8 @@ def traffic_traces(context: dg.AssetExecutionContext, traffic: TrafficSource) ->
     return records
 
 
-@dg.asset(description="Arrival rate, burstiness, length percentiles and prefix reuse of the traffic.")
+@dg.asset(partitions_def=DEPLOYMENTS,
+          description="Arrival rate, burstiness, length percentiles and prefix reuse of the traffic.")
 def traffic_profile(context: dg.AssetExecutionContext, traffic_traces: list):
     from ops.traces import profile
 
@@ -67,7 +80,8 @@ def traffic_profile(context: dg.AssetExecutionContext, traffic_traces: list):
     return prof
 
 
-@dg.asset(description="The served model's shape, bytes per token and weights hash.")
+@dg.asset(partitions_def=DEPLOYMENTS,
+          description="The served model's shape, bytes per token and weights hash.")
 def model_spec(context: dg.AssetExecutionContext, runner: EngineRunner):
     from engine import resolve
     from ops.model_spec import model_spec as spec_of
@@ -77,7 +91,8 @@ def model_spec(context: dg.AssetExecutionContext, runner: EngineRunner):
     return spec
 
 
-@dg.asset(description="Measured memory bandwidth, matmul FLOP/s and launch overhead of this machine.")
+@dg.asset(partitions_def=DEPLOYMENTS,
+          description="Measured memory bandwidth, matmul FLOP/s and launch overhead of this machine.")
 def hardware_profile(context: dg.AssetExecutionContext, runner: EngineRunner):
     from ops.hardware import probe
 
@@ -88,7 +103,8 @@ def hardware_profile(context: dg.AssetExecutionContext, runner: EngineRunner):
     return hw
 
 
-@dg.asset(description="Knob variants ranked by the roofline cost model for this model, machine and traffic.")
+@dg.asset(partitions_def=DEPLOYMENTS,
+          description="Knob variants ranked by the roofline cost model for this model, machine and traffic.")
 def cost_model_plan(context: dg.AssetExecutionContext, model_spec, hardware_profile, traffic_profile,
                     runner: EngineRunner):
     from ops.cost_model import plan
@@ -102,14 +118,16 @@ def cost_model_plan(context: dg.AssetExecutionContext, model_spec, hardware_prof
     return p
 
 
-@dg.asset(description="The variants to measure: the baseline and the variant source's proposals.")
+@dg.asset(partitions_def=DEPLOYMENTS,
+          description="The variants to measure: the baseline and the variant source's proposals.")
 def variant_candidates(context: dg.AssetExecutionContext, cost_model_plan, source: VariantSource) -> list:
     variants = source.propose(cost_model_plan)
     context.add_output_metadata({"variants": _md_table([{"name": v.name, "id": v.variant_id} for v in variants])})
     return variants
 
 
-@dg.asset(description="Fast tier: step times of the traffic's shape mix on a few layers, one hot-swapped engine.",
+@dg.asset(partitions_def=DEPLOYMENTS,
+          description="Fast tier: step times of the traffic's shape mix on a few layers, one hot-swapped engine.",
           op_tags={"polyinf/tier": "fast", **GPU_OP_TAGS})
 def fast_bench_results(context: dg.AssetExecutionContext, variant_candidates: list, traffic_profile,
                        runner: EngineRunner) -> list:
@@ -131,7 +149,8 @@ def fast_bench_results(context: dg.AssetExecutionContext, variant_candidates: li
     return results
 
 
-@dg.asset(description="Slow tier: the trace slice replayed through the full model for the best fast-tier variants.",
+@dg.asset(partitions_def=DEPLOYMENTS,
+          description="Slow tier: the trace slice replayed through the full model for the best fast-tier variants.",
           op_tags={"polyinf/tier": "slow", **GPU_OP_TAGS})
 def slow_bench_results(context: dg.AssetExecutionContext, fast_bench_results: list, traffic_traces: list,
                        traffic: TrafficSource, runner: EngineRunner) -> list:
@@ -161,7 +180,8 @@ def slow_bench_results(context: dg.AssetExecutionContext, fast_bench_results: li
     return results
 
 
-@dg.asset(description="The chosen variant, why, and its measurements; gated by the quality checks.")
+@dg.asset(partitions_def=DEPLOYMENTS,
+          description="The chosen variant, why, and its measurements; gated by the quality checks.")
 def engine_build(context: dg.AssetExecutionContext, slow_bench_results: list, traffic_profile, model_spec,
                  artifacts: ArtifactStore):
     from ops.optimize import EngineBuild, choose
@@ -183,28 +203,32 @@ def _expectation_result(outcome) -> dg.AssetCheckResult:
         "failures": dg.MetadataValue.md("\n".join(f"- {f}" for f in outcome.failures) or "none")})
 
 
-@dg.asset_check(asset=traffic_traces, blocking=True, description="Great Expectations: trace schema and ranges.")
+@dg.asset_check(asset=traffic_traces, blocking=True, partitions_def=DEPLOYMENTS,
+                description="Great Expectations: trace schema and ranges.")
 def traffic_traces_expectations(traffic_traces: list) -> dg.AssetCheckResult:
     from checks.expectations import expect_traces
 
     return _expectation_result(expect_traces(traffic_traces))
 
 
-@dg.asset_check(asset=fast_bench_results, blocking=True, description="Great Expectations: complete, finite results.")
+@dg.asset_check(asset=fast_bench_results, blocking=True, partitions_def=DEPLOYMENTS,
+                description="Great Expectations: complete, finite results.")
 def fast_bench_expectations(fast_bench_results: list) -> dg.AssetCheckResult:
     from checks.expectations import expect_bench_results
 
     return _expectation_result(expect_bench_results([r for _, r in fast_bench_results]))
 
 
-@dg.asset_check(asset=slow_bench_results, blocking=True, description="Great Expectations: complete, finite results.")
+@dg.asset_check(asset=slow_bench_results, blocking=True, partitions_def=DEPLOYMENTS,
+                description="Great Expectations: complete, finite results.")
 def slow_bench_expectations(slow_bench_results: list) -> dg.AssetCheckResult:
     from checks.expectations import expect_bench_results
 
     return _expectation_result(expect_bench_results([r for _, r in slow_bench_results]))
 
 
-@dg.asset_check(asset=engine_build, blocking=True, description="Quality and KV-cache contamination gates.")
+@dg.asset_check(asset=engine_build, blocking=True, partitions_def=DEPLOYMENTS,
+                description="Quality and KV-cache contamination gates.")
 def engine_build_gates(engine_build, runner: EngineRunner) -> dg.AssetCheckResult:
     from checks.gates import gate_variant
 
@@ -215,7 +239,8 @@ def engine_build_gates(engine_build, runner: EngineRunner) -> dg.AssetCheckResul
         "seconds": report.seconds})
 
 
-@dg.asset(description="The build hot-swapped into the serving endpoint, watched, and rolled back on regression.")
+@dg.asset(partitions_def=DEPLOYMENTS,
+          description="The build hot-swapped into the serving endpoint, watched, and rolled back on regression.")
 def deployed_endpoint(context: dg.AssetExecutionContext, engine_build, runner: EngineRunner, endpoint: Endpoint,
                       artifacts: ArtifactStore):
     import time
@@ -235,6 +260,7 @@ def deployed_endpoint(context: dg.AssetExecutionContext, engine_build, runner: E
                  max_tokens=endpoint.watch_max_tokens, tolerance=endpoint.tolerance, spread=spread)
     if dep.status == "deployed":  # what the drift sensors compare live traffic and the model against
         DeploymentRecord(endpoint=url, variant_id=dep.build_id, traffic_profile=engine_build.traffic_profile,
+                         partition_key=context.partition_key,
                          model_weights_hash=engine_build.model_weights_hash, model=runner.model,
                          deployed_at=time.time(), capture_dir=endpoint.capture_dir or
                          str(Path(artifacts.root) / "capture")).save(

@@ -55,6 +55,7 @@ class DeploymentRecord:
     model: str
     deployed_at: float
     capture_dir: str = ""
+    partition_key: str = ""  # the deployment's Dagster partition (model x hardware x endpoint)
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -163,7 +163,11 @@ def run_optimize(model: str, trace: str, requests: int, max_input: int, max_outp
         "endpoint": Endpoint(url=endpoint_url, admin_token=admin_token),
     }
     definitions = [*dg.load_assets_from_modules([pipeline]), *dg.load_asset_checks_from_modules([pipeline])]
-    return dg.materialize(definitions, resources=resources, raise_on_error=False)
+    instance = dg.DagsterInstance.ephemeral()
+    key = pipeline.deployment_key(model, device, endpoint_url)
+    instance.add_dynamic_partitions(pipeline.DEPLOYMENTS.name, [key])
+    return dg.materialize(definitions, resources=resources, raise_on_error=False, instance=instance,
+                          partition_key=key)
 
 
 def cmd_optimize(args: argparse.Namespace) -> int:

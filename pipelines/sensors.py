@@ -8,10 +8,17 @@ from pathlib import Path
 import dagster as dg
 
 OPTIMIZE_JOB = dg.define_asset_job("reoptimize", selection=dg.AssetSelection.all(),
-                                   description="Re-run the whole optimization graph.")
+                                   description="Re-run the whole optimization graph for one deployment.")
 
-nightly = dg.ScheduleDefinition(name="nightly_reoptimization", job=OPTIMIZE_JOB, cron_schedule="0 3 * * *",
-                                description="Re-optimize every night on the traffic captured since.")
+
+@dg.schedule(job=OPTIMIZE_JOB, cron_schedule="0 3 * * *", name="nightly_reoptimization",
+             description="Re-optimize every deployment every night on the traffic captured since.")
+def nightly(context: dg.ScheduleEvaluationContext):
+    keys = context.instance.get_dynamic_partitions("deployments")
+    if not keys:
+        return dg.SkipReason("no deployments yet")
+    return [dg.RunRequest(run_key=f"nightly-{key}-{context.scheduled_execution_time:%Y%m%d}", partition_key=key,
+                          tags={"polyinf/trigger": "nightly schedule"}) for key in keys]
 
 
 class DriftConfig(dg.ConfigurableResource):
@@ -82,7 +89,7 @@ def traffic_drift_sensor(context: dg.SensorEvaluationContext, drift: DriftConfig
                              + "; ".join(reasons))
     state["last_fired"], state["streak"], state["window"] = now, 0, []
     context.update_cursor(json.dumps(state))
-    return dg.RunRequest(run_key=f"traffic-drift-{int(now)}",
+    return dg.RunRequest(run_key=f"traffic-drift-{int(now)}", partition_key=record.partition_key or None,
                          tags={"polyinf/trigger": "traffic drift", "polyinf/reason": "; ".join(reasons)[:200]})
 
 
@@ -105,6 +112,6 @@ def model_drift_sensor(context: dg.SensorEvaluationContext, drift: DriftConfig):
     if current == record.model_weights_hash or cur.get("fired_for") == current:
         return dg.SkipReason("the model's weights and config are unchanged")
     context.update_cursor(json.dumps({"fired_for": current}))
-    return dg.RunRequest(run_key=f"model-drift-{current}", tags={
+    return dg.RunRequest(run_key=f"model-drift-{current}", partition_key=record.partition_key or None, tags={
         "polyinf/trigger": "model drift",
         "polyinf/reason": f"weights hash {record.model_weights_hash} -> {current} for {record.model}"})

@@ -34,6 +34,7 @@ def test_materialize_the_whole_graph(tmp_path):
         result = run_optimize("smollm2", str(AZURE), requests=8, max_input=128, max_output=8, time_scale=0.02,
                               candidates=3, artifacts=str(tmp_path / "artifacts"))
         assert result.success
+        assert result.dagster_run.tags.get("dagster/partition") == "smollm2|cpu|embedded"  # one per deployment
         profile = result.output_for_node("traffic_profile")
         assert profile.requests == 8
         plan = result.output_for_node("cost_model_plan")

@@ -31,7 +31,7 @@ def _setup(tmp_path, scale: float, deployed_ago: float = 7200.0, n: int = 200):
     rec = tmp_path / "deployments" / "current.json"
     DeploymentRecord(endpoint="http://127.0.0.1:1", variant_id="v1", traffic_profile=tuned.to_json(),
                      model_weights_hash="h", model=str(TINY), deployed_at=time.time() - deployed_ago,
-                     capture_dir=str(cap)).save(rec)
+                     capture_dir=str(cap), partition_key="smollm2|cpu|embedded").save(rec)
     return DriftConfig(deployment_record=str(rec), min_interval_s=3600.0)
 
 
@@ -47,6 +47,7 @@ def test_grown_prompts_fire_and_unchanged_do_not(tmp_path):
     assert isinstance(result, dg.RunRequest)
     assert "input_p50" in result.tags["polyinf/reason"] and "+80%" in result.tags["polyinf/reason"]
     assert result.tags["polyinf/trigger"] == "traffic drift"
+    assert result.partition_key == "smollm2|cpu|embedded"  # re-optimizes the deployment that drifted
     # the same records are not counted again: the cursor holds what was seen
     again, _ = _evaluate(traffic_drift_sensor, drift, cursor)
     assert isinstance(again, dg.SkipReason) and "live requests so far" in again.skip_message
@@ -98,3 +99,17 @@ def test_changed_weights_fire_the_model_drift_sensor(tmp_path):
     assert "weights hash" in result.tags["polyinf/reason"]
     again, _ = _evaluate(model_drift_sensor, drift, cursor)  # fired once for this change, not on every tick
     assert isinstance(again, dg.SkipReason)
+
+
+def test_nightly_schedule_requests_every_deployment():
+    from pipelines.sensors import nightly
+
+    with dg.instance_for_test() as instance:
+        assert isinstance(nightly(dg.build_schedule_context(instance=instance)), dg.SkipReason)
+        instance.add_dynamic_partitions("deployments", ["smollm2|cpu|embedded", "llama|cuda|http://x"])
+        import datetime
+
+        when = datetime.datetime(2026, 12, 1, 3, 0, tzinfo=datetime.timezone.utc)
+        requests = nightly(dg.build_schedule_context(instance=instance, scheduled_execution_time=when))
+        assert {r.run_key for r in requests} == {"nightly-smollm2|cpu|embedded-20261201", "nightly-llama|cuda|http://x-20261201"}
+        assert sorted(r.partition_key for r in requests) == ["llama|cuda|http://x", "smollm2|cpu|embedded"]
