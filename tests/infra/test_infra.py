@@ -66,3 +66,20 @@ def test_engine_manifest_runs_a_valid_serve_command():
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
     assert any(e["name"] == "POLYINF_ADMIN_TOKEN" for e in container["env"])
     assert "dagster" in (INFRA / "Dockerfile").read_text() and "pipelines.definitions" in (INFRA / "Dockerfile").read_text()
+
+
+def test_k8s_job_executor_is_used_on_kubernetes():
+    import subprocess
+    import sys
+
+    values = yaml.safe_load((INFRA / "helm" / "values.yaml").read_text())
+    env = values["dagster-user-deployments"]["deployments"][0]["env"]
+    assert {"name": "POLYINF_EXECUTOR", "value": "k8s"} in env
+    code = ("from pipelines.definitions import defs; "
+            "print(defs.resolve_job_def('reoptimize').executor_def.name)")
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+                         env={**__import__("os").environ, "POLYINF_EXECUTOR": "k8s"})
+    assert out.stdout.strip().splitlines()[-1] == "k8s", out.stderr
+    local = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+    assert local.stdout.strip().splitlines()[-1] != "k8s"
