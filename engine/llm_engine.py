@@ -286,8 +286,7 @@ class LLMEngine:
                     raise VariantError(f"variant {spec.variant_id} failed its warm-up: {type(e).__name__}: {e}") from None
             # Everything that can fail has run; commit.
             if rebuilt is not None:
-                for seq in sorted(self.scheduler.running, key=lambda s: -s.arrival):
-                    self.scheduler._preempt(seq, SchedulerOutput())  # recomputed under the new layout
+                self.scheduler.preempt_all()  # running sequences are recomputed under the new layout
                 self.kv, self.block_manager = rebuilt
                 self.scheduler.block_manager = self.block_manager
                 self.runner.set_kv(self.kv)

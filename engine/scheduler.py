@@ -122,6 +122,12 @@ class Scheduler:
         if len(self.waiting) > 1 and self.waiting[0].arrival > self.waiting[1].arrival:
             self.waiting = deque(sorted(self.waiting, key=lambda s: s.arrival))
 
+    def preempt_all(self) -> None:
+        """Sends every running sequence back to the queue to be recomputed (e.g. after the KV pool changes)."""
+        out = SchedulerOutput()
+        for seq in sorted(self.running, key=lambda s: -s.arrival):
+            self._preempt(seq, out)
+
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)

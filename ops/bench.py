@@ -6,7 +6,6 @@ spread (max - min); a difference smaller than the spread is no difference.
 """
 from __future__ import annotations
 
-import math
 import platform
 import statistics
 import time
@@ -17,6 +16,7 @@ import torch
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.trace_record import TraceRecord
+from ops.traces import percentile
 
 
 @dataclass
@@ -52,15 +52,6 @@ def hardware_label(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"{platform.machine()} cpu x{torch.get_num_threads()}"
-
-
-def _pct(v: list[float], q: float) -> float:
-    if not v:
-        return 0.0
-    s = sorted(v)
-    k = (len(s) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 @dataclass(frozen=True)
@@ -122,9 +113,9 @@ def slow_tier(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[
         variant_id=engine.variant.variant_id, tier="slow", layers=engine.model_config.num_hidden_layers,
         trace_id=trace_id, output_tok_s=statistics.median(rates),
         total_tok_s=(m["out"] + m["in"]) / m["wall"],
-        ttft_p50=_pct(m["ttft"], .5), ttft_p90=_pct(m["ttft"], .9), ttft_p99=_pct(m["ttft"], .99),
-        tpot_p50=_pct(m["tpot"], .5), tpot_p90=_pct(m["tpot"], .9), tpot_p99=_pct(m["tpot"], .99),
-        e2e_p50=_pct(m["e2e"], .5), e2e_p90=_pct(m["e2e"], .9), e2e_p99=_pct(m["e2e"], .99),
+        ttft_p50=percentile(m["ttft"], .5), ttft_p90=percentile(m["ttft"], .9), ttft_p99=percentile(m["ttft"], .99),
+        tpot_p50=percentile(m["tpot"], .5), tpot_p90=percentile(m["tpot"], .9), tpot_p99=percentile(m["tpot"], .99),
+        e2e_p50=percentile(m["e2e"], .5), e2e_p90=percentile(m["e2e"], .9), e2e_p99=percentile(m["e2e"], .99),
         goodput=m["good"] / m["wall"], repeats=repeats, spread=max(rates) - min(rates),
         hardware=hardware_label(engine.device), wall_s=time.perf_counter() - t0,
     )

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
 
 from engine.trace_record import TraceRecord
+from ops.traces import percentile
 
 
 @dataclass
@@ -65,16 +65,8 @@ class ReplayReport:
 
 
 def _stats(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
-    v = sorted(values)
-
-    def pct(q):
-        k = (len(v) - 1) * q
-        lo, hi = math.floor(k), math.ceil(k)
-        return v[lo] + (v[hi] - v[lo]) * (k - lo)
-
-    return {"mean": 1e3 * sum(v) / len(v), "p50": 1e3 * pct(0.5), "p90": 1e3 * pct(0.9), "p99": 1e3 * pct(0.99)}
+    mean = sum(values) / len(values) if values else 0.0
+    return {"mean": 1e3 * mean, **{f"p{int(100 * q)}": 1e3 * percentile(values, q) for q in (0.5, 0.9, 0.99)}}
 
 
 def synthesize_prompts(records: list[TraceRecord], vocab_size: int, max_input: int | None = None,

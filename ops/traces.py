@@ -163,12 +163,14 @@ class TrafficProfile:
         return d
 
 
-def _pct(sorted_vals: list[float], q: float) -> float:
-    if not sorted_vals:
+def percentile(values, q: float) -> float:
+    """The q-quantile (0..1) with linear interpolation between ranks, as numpy's default; 0 for no values."""
+    v = sorted(values)
+    if not v:
         return 0.0
-    k = (len(sorted_vals) - 1) * q
+    k = (len(v) - 1) * q
     lo, hi = math.floor(k), math.ceil(k)
-    return float(sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (k - lo))
+    return float(v[lo] + (v[hi] - v[lo]) * (k - lo))
 
 
 def profile(records: list[TraceRecord], nominal_tpot_s: float = 0.05) -> TrafficProfile:
@@ -202,8 +204,8 @@ def profile(records: list[TraceRecord], nominal_tpot_s: float = 0.05) -> Traffic
     return TrafficProfile(
         window_s=window, requests=len(recs), arrival_rate=rate, interarrival_cv=cv,
         peak_second_rate=float(max(per_second.values())),
-        input_p50=_pct(ins, 0.5), input_p90=_pct(ins, 0.9), input_p99=_pct(ins, 0.99), input_max=ins[-1],
-        output_p50=_pct(outs, 0.5), output_p90=_pct(outs, 0.9), output_p99=_pct(outs, 0.99), output_max=outs[-1],
+        input_p50=percentile(ins, 0.5), input_p90=percentile(ins, 0.9), input_p99=percentile(ins, 0.99), input_max=ins[-1],
+        output_p50=percentile(outs, 0.5), output_p90=percentile(outs, 0.9), output_p99=percentile(outs, 0.99), output_max=outs[-1],
         prefix_reuse=reused / total_in if total_in else 0.0,
         estimated_concurrency=rate * (sum(e2e) / len(e2e)),
         sources=tuple(sorted({r.source for r in recs})),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from checks.gates import GateSettings, factory_for, run_gates
-from engine import EngineConfig, LLMEngine, resolve
+from engine import LLMEngine
 from engine.block_manager import BlockManager
 from engine.variant import REFERENCE_VARIANT, VariantSpec
 from kernels.activation import silu_and_mul_ref

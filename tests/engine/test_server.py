@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from ops.deploy import free_port
 import pytest
 
 from engine import SamplingParams
@@ -20,16 +20,10 @@ TOKEN = "test-admin-token"
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "traces"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     cap = tmp_path_factory.mktemp("capture")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pipelines.cli", "serve", "--model", "smollm2", "--port", str(port),
          "--capture-dir", str(cap), "--admin-token", TOKEN, "--num-kv-blocks", "1024", "--max-num-seqs", "32"],
@@ -222,7 +216,7 @@ def test_capture_survives_kill_and_restart(tmp_path):
     tiny = Path(__file__).parent / "tiny_moe"
 
     def start():
-        port = _free_port()
+        port = free_port()
         proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "serve", "--model", str(tiny), "--synthetic",
                                  "--port", str(port), "--capture-dir", str(tmp_path), "--capture-prompts"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

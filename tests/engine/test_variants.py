@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import ConfigError
@@ -17,7 +16,6 @@ from engine.variant import REFERENCE_VARIANT, VariantSpec
 TINY = Path(__file__).parent / "tiny_moe" / "config.json"
 
 GOOD_SILU = '''
-import torch
 import torch.nn.functional as F
 
 def silu_and_mul(x):

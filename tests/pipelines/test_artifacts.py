@@ -1,23 +1,17 @@
 """The artifact store on the local filesystem and on a real S3-compatible server (moto) on loopback."""
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from ops.deploy import free_port
 import pytest
 
 from pipelines.resources import ArtifactStore
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_local_store(tmp_path):
@@ -28,7 +22,7 @@ def test_local_store(tmp_path):
 
 @pytest.fixture()
 def s3_server(monkeypatch):
-    port = _free_port()
+    port = free_port()
     exe = Path(sys.executable).parent / "moto_server"
     proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

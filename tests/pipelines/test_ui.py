@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from ops.deploy import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"
@@ -18,12 +19,6 @@ ASSETS = ["traffic_traces", "traffic_profile", "model_spec", "hardware_profile",
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--window-size=1600,1000",
                   "--virtual-time-budget=30000"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _chromium() -> str:
@@ -36,7 +31,7 @@ def test_asset_graph_in_the_dagster_ui(tmp_path):
     home = tmp_path / "dagster_home"
     home.mkdir()
     (home / "dagster.yaml").write_text("nux:\n  enabled: false\ntelemetry:\n  enabled: false\n")
-    port = _free_port()
+    port = free_port()
     web = subprocess.Popen([str(Path(sys.executable).parent / "dagster-webserver"), "-h", "127.0.0.1", "-p", str(port),
                             "-w", "workspace.yaml"], cwd=ROOT, env={**os.environ, "DAGSTER_HOME": str(home)},
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
