@@ -6,6 +6,11 @@ smaller than a captured size is padded: padding rows write their KV into the poo
 block and their logits are dropped. Only kernels that read sequence lengths from device
 tensors can be captured (the Triton attention kernels do; the plain-torch reference loops
 over host values).
+
+Each graph also takes the greedy token of every row (argmax of its logits) and writes it into
+the input-ids buffer, so the next step of the same rows can be replayed before the host has
+seen those tokens ("ahead"): only positions, slots and block tables come from the host, and
+they do not depend on token values.
 """
 from __future__ import annotations
 
@@ -21,16 +26,17 @@ class DecodeGraphs:
         self.device = device
         n = self.sizes[-1]
         scratch_slot = kv.scratch_block * kv.block_size
-        # rows: input ids, positions, KV slots, context lengths; staged on the host, copied in one transfer
+        # rows: positions, KV slots, context lengths, input ids; staged on the host, copied in one transfer
+        # (an ahead step copies the first three rows only: its input ids are the previous replay's tokens)
         self.inputs = torch.zeros((4, n), dtype=torch.int64, device=device)
-        self.input_ids, self.positions, self.slot_mapping, self.context_lens = self.inputs
+        self.positions, self.slot_mapping, self.context_lens, self.input_ids = self.inputs
         self.slot_mapping.fill_(scratch_slot)
         self.context_lens.fill_(1)
         self.block_tables = torch.full((n, max_blocks_per_seq), kv.scratch_block, dtype=torch.int32, device=device)
-        pin = torch.cuda.is_available()
-        self._stage = torch.zeros((4, n), dtype=torch.int64, pin_memory=pin)
-        self._tables = torch.full((n, max_blocks_per_seq), kv.scratch_block, dtype=torch.int32, pin_memory=pin)
-        self._stage_np, self._tables_np = self._stage.numpy(), self._tables.numpy()
+        # Two pinned staging buffers used in turn; each one's event marks its last copy done, so the host
+        # never rewrites a buffer whose copy to the device is still queued.
+        self._stages = [_Staging(n, max_blocks_per_seq, kv.scratch_block) for _ in range(2)]
+        self._turn = 0
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = None
@@ -49,8 +55,10 @@ class DecodeGraphs:
                     model.compute_logits(model(*args))  # warm-up: Triton compiles outside the capture
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                # thread_local: the engine may keep serving from another thread while this captures
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     logits = model.compute_logits(model(*args))
+                    self.input_ids[:b].copy_(logits.argmax(dim=-1))
                 pool = graph.pool()
                 self.graphs[b] = (graph, logits)
         # padding rows must not keep the capture's values pointing at real blocks
@@ -62,28 +70,56 @@ class DecodeGraphs:
         return len(batch.scheduled) <= self.sizes[-1] and all(
             s.num_new_tokens == 1 and s.samples for s in batch.scheduled)
 
-    def run(self, batch) -> torch.Tensor:
-        """Replays the smallest captured graph that holds the batch; returns (B, vocab) float32 logits."""
+    def run(self, batch, ahead: bool = False, prev_tokens: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replays the smallest captured graph that holds the batch.
+
+        ``ahead``: every row computes the position after its ``num_computed_tokens`` (the step before is
+        still in flight) from ``prev_tokens`` (B,), that step's greedy tokens on the device.
+        Returns (B, vocab) float32 logits and the (B,) greedy tokens, both views of static buffers
+        that the next replay overwrites.
+        """
         b = len(batch.scheduled)
         size = next(s for s in self.sizes if s >= b)
         bs, scratch = self.block_size, self.kv.scratch_block
-        stage, tables = self._stage_np, self._tables_np
+        staging = self._stages[self._turn]
+        self._turn ^= 1
+        staging.done.synchronize()
+        stage, tables = staging.stage_np, staging.tables_np
         width = 1
         for i, item in enumerate(batch.scheduled):
             seq = item.seq
-            p = seq.num_computed_tokens
+            p = seq.num_computed_tokens + int(ahead)
             table = seq.block_table
-            stage[0, i], stage[1, i] = seq.token_ids[p], p
-            stage[2, i], stage[3, i] = table[p // bs] * bs + p % bs, p + 1
+            stage[0, i], stage[1, i], stage[2, i] = p, table[p // bs] * bs + p % bs, p + 1
+            if not ahead:
+                n_prompt = len(seq.prompt_token_ids)
+                stage[3, i] = seq.prompt_token_ids[p] if p < n_prompt else seq.output_token_ids[p - n_prompt]
             tables[i, : len(table)] = table
             width = max(width, len(table))
         # padding rows: token 0 at position 0, writing into the scratch block
-        stage[:, b:size] = 0
-        stage[2, b:size] = scratch * bs
-        stage[3, b:size] = 1
+        stage[0, b:size] = 0
+        stage[1, b:size] = scratch * bs
+        stage[2, b:size] = 1
+        stage[3, b:size] = 0
         tables[b:size, :width] = scratch
-        self.inputs[:, :size].copy_(self._stage[:, :size], non_blocking=True)
-        self.block_tables[:size, :width].copy_(self._tables[:size, :width], non_blocking=True)
+        rows = 3 if ahead else 4
+        self.inputs[:rows].copy_(staging.stage[:rows], non_blocking=True)
+        self.block_tables[:size, :width].copy_(staging.tables[:size, :width], non_blocking=True)
+        staging.done.record()
+        if ahead and (prev_tokens is None or prev_tokens.data_ptr() != self.input_ids.data_ptr()):
+            self.input_ids[:b].copy_(prev_tokens)  # the tokens came from an eager step, not from a replay
         graph, logits = self.graphs[size]
         graph.replay()
-        return logits[:b]
+        return logits[:b], self.input_ids[:b]
+
+
+class _Staging:
+    """A pinned host copy of the graph inputs, and the event of its last transfer to the device."""
+
+    def __init__(self, n: int, max_blocks_per_seq: int, scratch_block: int) -> None:
+        self.stage = torch.zeros((4, n), dtype=torch.int64, pin_memory=True)
+        self.tables = torch.full((n, max_blocks_per_seq), scratch_block, dtype=torch.int32, pin_memory=True)
+        self.stage_np, self.tables_np = self.stage.numpy(), self.tables.numpy()
+        self.done = torch.cuda.Event()
+        self.done.record()

@@ -26,6 +26,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     load_tokenizer: bool = True
+    # Launch a greedy decode step before the previous one's tokens reach the host (see llm_engine).
+    async_decode: bool = True
     # The engine form to start with; its knobs override block_size, prefix caching and scheduler above.
     variant: VariantSpec | None = None
 

@@ -1,6 +1,7 @@
 """The table of operations a forward pass calls. Variants swap the whole table between two steps."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -9,7 +10,7 @@ from kernels.attention import paged_attention_ref
 from kernels.kv_store import store_kv_ref
 from kernels.moe import moe_ref
 from kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
-from kernels.rotary import rotary_ref
+from kernels.rotary import rotary_ref, rotary_store_kv_ref
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class ForwardOps:
     rotary: Callable
     silu_and_mul: Callable
     store_kv: Callable
+    rotary_store_kv: Callable  # rotary then store_kv, fused or composed from the two fields above
     attention: Callable
     moe: Callable
 
@@ -33,6 +35,7 @@ REFERENCE_OPS = ForwardOps(
     rotary=rotary_ref,
     silu_and_mul=silu_and_mul_ref,
     store_kv=store_kv_ref,
+    rotary_store_kv=rotary_store_kv_ref,
     attention=paged_attention_ref,
     moe=moe_ref,
 )
@@ -40,12 +43,10 @@ REFERENCE_OPS = ForwardOps(
 
 def _builtin(op: str, impl: str, params: dict) -> Callable:
     """Imports Triton kernels only when a variant asks for them."""
-    import functools
-
     try:
         if op in ("rms_norm", "fused_add_rms_norm"):
             from kernels import norm_triton as m
-        elif op == "rotary":
+        elif op in ("rotary", "rotary_store_kv"):
             from kernels import rotary_triton as m
         elif op == "silu_and_mul":
             from kernels import activation_triton as m
@@ -67,6 +68,13 @@ def _builtin(op: str, impl: str, params: dict) -> Callable:
     return functools.partial(fn, **params) if params else fn
 
 
+def _rotary_then_store(rotary, store_kv, q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
+    """``rotary_store_kv`` composed from a table's own rotary and store_kv (generated ones included)."""
+    q, k = rotary(q, k, positions, cos_sin)
+    store_kv(k, v.contiguous(), k_cache, v_cache, slot_mapping)
+    return q
+
+
 def build_ops(spec) -> ForwardOps:
     """The ForwardOps table a VariantSpec describes; generated source is checked and smoke-run first.
 
@@ -76,9 +84,12 @@ def build_ops(spec) -> ForwardOps:
 
     sources = dict(spec.generated_source)
     table = {}
-    for op in ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "store_kv", "attention", "moe"):
+    for op in ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "store_kv", "rotary_store_kv", "attention",
+               "moe"):
         impl, params = spec.impl(op), spec.params(op)
-        if impl == "reference":
+        if op == "rotary_store_kv" and impl == "reference":
+            table[op] = functools.partial(_rotary_then_store, table["rotary"], table["store_kv"])
+        elif impl == "reference":
             table[op] = getattr(REFERENCE_OPS, op)
         elif impl.startswith("generated:"):
             module, _, function = impl.split(":", 1)[1].rpartition(".")

@@ -1,6 +1,13 @@
 """The engine: requests in, tokens out, one step at a time.
 
-``step`` is schedule -> run -> sample -> postprocess; everything else hides behind those names.
+``step`` is schedule -> launch -> collect (sample, postprocess); everything else hides behind those names.
+
+Decode runs one step ahead of the host: when a greedy decode step is launched and nothing waits
+for admission, the next step of the same sequences is launched right behind it, its input tokens
+taken on the device from the first one's, before the host reads the first one's tokens. The
+host's work (postprocess, scheduling, staging) then overlaps the device's. A sequence that
+stopped meanwhile has its ahead token dropped: its KV went into a slot of its own that no
+prefix hash covers, so nothing else ever reads it.
 """
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ from engine.model_runner import KVCache, ModelRunner
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.sequence import FinishReason, Sequence
+from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.tokenizer import Tokenizer
 from engine.variant import FORWARD, KV_LAYOUT, PARALLEL, SCHEDULER, VariantSpec
 
@@ -43,6 +50,28 @@ class RequestOutput:
 class SwapReport:
     variant_id: str
     scopes: list[str]  # the scopes the swap touched
+    seconds: float
+
+
+@dataclass
+class _Launched:
+    """A step whose forward pass is queued on the device; its tokens are read when it is collected."""
+
+    batch: SchedulerOutput
+    starts: list[int]  # per scheduled row: the sequence's num_computed_tokens when this step's results apply
+    tokens: list[int] | None  # sampled on the host at launch (sampling params, forced tokens, a logits sink)
+    host_tokens: torch.Tensor | None  # (N,) int64 greedy tokens, filled by a copy queued behind the step
+    ready: torch.cuda.Event | None  # recorded after that copy (GPU only)
+
+
+@dataclass(frozen=True)
+class PreparedVariant:
+    """A variant's forward pass built, compiled, warmed up and captured, not yet active."""
+
+    spec: VariantSpec
+    ops: ForwardOps
+    forward_fn: object  # the model, or its torch.compile'd wrapper
+    graphs: object  # DecodeGraphs, or None
     seconds: float
 
 
@@ -95,9 +124,11 @@ class LLMEngine:
         self.previous_variant: VariantSpec | None = None
         self.notes: list[str] = []  # what the engine skipped or could not honour, for the operator
         self.ops: ForwardOps = build_ops(self.variant)
-        self._compile(self.variant)
+        self.runner.forward_fn = self._forward_fn(self.variant)
         self.runner.graphs = self._graphs_for(self.variant, self.ops, self.kv)
         self._lock = threading.RLock()  # a swap happens between two steps, never inside one
+        self._inflight: _Launched | None = None  # a step launched ahead, not yet collected
+        self._drained: list[RequestOutput] = []  # outputs of an ahead step collected by a swap, for the next step
         # Observer of every step's logits: (request ids, (N, vocab) float32). Used by the quality gates.
         self.logits_sink = None
         self.stats = EngineStats()
@@ -180,7 +211,7 @@ class LLMEngine:
         self._generators.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._drained)
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -188,18 +219,84 @@ class LLMEngine:
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        if batch.is_empty:
-            return []
+        if self._drained:
+            out, self._drained = self._drained, []
+            return out
+        launched, self._inflight = self._inflight, None
+        if launched is None or not any(self._live(launched)):
+            batch = self.scheduler.schedule()
+            if batch.is_empty:
+                return []
+            launched = self._launch(batch)
+        if self._can_run_ahead(launched):
+            self._inflight = self._launch(SchedulerOutput(list(launched.batch.scheduled)), ahead=True)
+        return self._collect(launched)
+
+    def _launch(self, batch: SchedulerOutput, ahead: bool = False) -> _Launched:
+        """Queues the step's forward pass. Greedy steps leave their tokens on the device (copied back
+        asynchronously); others sample on the host now."""
         t0 = time.perf_counter()
-        logits = self.runner.run(batch, self.ops)
+        logits = self.runner.run(batch, self.ops, ahead)
+        starts = [s.seq.num_computed_tokens + int(ahead) for s in batch.scheduled]
         samplers = [s.seq for s in batch.scheduled if s.samples]
-        if self.logits_sink is not None:
-            self.logits_sink([s.request_id for s in samplers], logits)
-        tokens = sample(logits, [s.params for s in samplers], [self._generators.get(s.request_id) for s in samplers],
-                        [len(s.output_token_ids) for s in samplers])
+        if self.logits_sink is None and all(s.params.greedy and not s.params.forced_tokens for s in samplers):
+            greedy = self.runner.greedy(logits)
+            cuda = self.device.type == "cuda"
+            host = torch.empty(greedy.shape, dtype=torch.int64, pin_memory=cuda)
+            host.copy_(greedy, non_blocking=cuda)
+            ready = torch.cuda.Event() if cuda else None
+            if ready is not None:
+                ready.record()
+            launched = _Launched(batch, starts, None, host, ready)
+        else:
+            if self.logits_sink is not None:
+                self.logits_sink([s.request_id for s in samplers], logits)
+            tokens = sample(logits, [s.params for s in samplers],
+                            [self._generators.get(s.request_id) for s in samplers],
+                            [len(s.output_token_ids) for s in samplers])
+            launched = _Launched(batch, starts, tokens, None, None)
         self.stats.forward_seconds += time.perf_counter() - t0
-        return self._postprocess(batch, dict(zip((s.request_id for s in samplers), tokens)))
+        return launched
+
+    def _live(self, launched: _Launched) -> list[bool]:
+        """Per row: its sequence still runs from where the step expects (not stopped, aborted or preempted)."""
+        return [item.seq.status is SequenceStatus.RUNNING and item.seq.finish_reason is None
+                and item.seq.num_computed_tokens == start
+                for item, start in zip(launched.batch.scheduled, launched.starts)]
+
+    def _can_run_ahead(self, launched: _Launched) -> bool:
+        """Whether the next step can be launched before this one's tokens are read: a greedy decode of
+        every running sequence, nothing waiting for admission, and a KV slot for each next token."""
+        rows = launched.batch.scheduled
+        if (not self.config.async_decode or launched.tokens is not None or self.scheduler.waiting
+                or len(rows) != len(self.scheduler.running) or not all(self._live(launched))):
+            return False
+        if any(item.num_new_tokens != 1 or not item.samples or start + 2 > self.max_model_len
+               for item, start in zip(rows, launched.starts)):
+            return False
+        return all(self.block_manager.ensure_slots(item.seq, start + 2) for item, start in zip(rows, launched.starts))
+
+    def _collect(self, launched: _Launched) -> list[RequestOutput]:
+        """Reads the step's tokens (waiting for the device if needed) and postprocesses its live rows."""
+        tokens = launched.tokens
+        if tokens is None:
+            if launched.ready is not None:
+                launched.ready.synchronize()
+            tokens = launched.host_tokens.tolist()
+        samplers = [item for item in launched.batch.scheduled if item.samples]
+        new_tokens = {item.seq.request_id: tok for item, tok in zip(samplers, tokens)}
+        live = self._live(launched)
+        batch = launched.batch
+        if not all(live):
+            batch = SchedulerOutput([item for item, ok in zip(batch.scheduled, live) if ok], batch.preempted)
+        return self._postprocess(batch, new_tokens)
+
+    def _drain(self) -> None:
+        """Collects a step launched ahead, keeping its outputs for the next ``step``."""
+        launched, self._inflight = self._inflight, None
+        if launched is not None:
+            self._drained.extend(self._collect(launched))
+        self.runner.greedy_tokens = None
 
     def _postprocess(self, batch: SchedulerOutput, new_tokens: dict[str, int]) -> list[RequestOutput]:
         self.stats.steps += 1
@@ -258,32 +355,43 @@ class LLMEngine:
         )
 
     # ---- variants -------------------------------------------------------------------------
-    def apply_variant(self, spec: VariantSpec) -> "SwapReport":
+    def prepare_variant(self, spec: VariantSpec, kv: KVCache | None = None) -> PreparedVariant:
+        """Builds, compiles, warms up and captures ``spec``'s forward pass without touching the active one.
+
+        Safe to call from another thread while the engine serves: it reads the weights and writes only
+        the KV pool's scratch block. Raises VariantError when any part fails.
+        """
+        t0 = time.perf_counter()
+        kv = kv or self.kv
+        ops = build_ops(spec) if FORWARD in spec.changed_scopes(self.variant) else self.ops
+        try:
+            forward_fn = self._forward_fn(spec)
+            self.runner.warm_up(ops, kv, forward_fn)
+        except VariantError:
+            raise
+        except Exception as e:
+            raise VariantError(f"variant {spec.variant_id} failed its warm-up: {type(e).__name__}: {e}") from None
+        graphs = self._graphs_for(spec, ops, kv)
+        return PreparedVariant(spec, ops, forward_fn, graphs, time.perf_counter() - t0)
+
+    def apply_variant(self, spec: VariantSpec, prepared: PreparedVariant | None = None) -> "SwapReport":
         """Makes ``spec`` the active variant with the least work its changed scopes need, between two steps.
 
         Requests in flight continue. On any failure the previous variant stays active and
-        VariantError says why. Weights are never reloaded.
+        VariantError says why. Weights are never reloaded. With ``prepared`` (from ``prepare_variant``,
+        possibly run while serving) a forward swap only switches tables: serving pauses for one step's drain.
         """
         with self._lock:
             t0 = time.perf_counter()
             scopes = spec.changed_scopes(self.variant)
             if PARALLEL in scopes:
                 raise VariantError(f"variant {spec.variant_id} changes tp/dp: that needs a restart (re-shard)")
-            ops = build_ops(spec) if FORWARD in scopes else self.ops
+            if prepared is not None and prepared.spec != spec:
+                raise VariantError(f"the prepared variant is {prepared.spec.variant_id}, not {spec.variant_id}")
+            self._drain()
             rebuilt = self._build_kv(spec) if KV_LAYOUT in scopes else None
-            old_graphs = graphs = self.runner.graphs
-            old_forward = self.runner.forward_fn
-            if scopes & {FORWARD, KV_LAYOUT}:
-                self.runner.graphs = None
-                try:
-                    self._compile(spec)
-                    self.runner.warm_up(ops, rebuilt[0] if rebuilt else self.kv)
-                    graphs = self._graphs_for(spec, ops, rebuilt[0] if rebuilt else self.kv)
-                except Exception as e:
-                    self.runner.graphs, self.runner.forward_fn = old_graphs, old_forward
-                    if isinstance(e, VariantError):
-                        raise
-                    raise VariantError(f"variant {spec.variant_id} failed its warm-up: {type(e).__name__}: {e}") from None
+            if scopes & {FORWARD, KV_LAYOUT} and (prepared is None or rebuilt is not None):
+                prepared = self.prepare_variant(spec, rebuilt[0] if rebuilt else None)
             # Everything that can fail has run; commit.
             if rebuilt is not None:
                 self.scheduler.preempt_all()  # running sequences are recomputed under the new layout
@@ -296,16 +404,16 @@ class LLMEngine:
                                                         prefill_chunk_size=spec.prefill_chunk_size)
             if FORWARD in scopes and rebuilt is None:
                 self.block_manager.reset_prefix_cache()  # cached KV came from the previous kernels
-            self.ops = ops
-            self.runner.graphs = graphs
+            if scopes & {FORWARD, KV_LAYOUT}:
+                self.ops, self.runner.forward_fn, self.runner.graphs = prepared.ops, prepared.forward_fn, prepared.graphs
             self.previous_variant, self.variant = self.variant, spec
             return SwapReport(spec.variant_id, sorted(scopes), time.perf_counter() - t0)
 
-    def _compile(self, spec: VariantSpec) -> None:
+    def _forward_fn(self, spec: VariantSpec):
+        """The eager forward for ``spec``: the model, or torch.compile of it (GPU only)."""
         if spec.compile_mode == "none" or self.device.type != "cuda":
-            self.runner.set_compile_mode("none")
-        else:
-            self.runner.set_compile_mode(spec.compile_mode)
+            return self.model
+        return torch.compile(self.model, mode=spec.compile_mode, dynamic=True)
 
     def _graphs_for(self, spec: VariantSpec, ops: ForwardOps, kv: KVCache):
         """Captured decode graphs for the spec, or None. On a CPU, graphs and compile modes are skipped with a note."""

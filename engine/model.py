@@ -50,8 +50,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = ops.rms_norm(q, self.q_norm, self.eps)
             k = ops.rms_norm(k, self.k_norm, self.eps)
-        q, k = ops.rotary(q, k, positions, cos_sin)
-        ops.store_kv(k, v.contiguous(), kv[0], kv[1], attn.slot_mapping)
+        q = ops.rotary_store_kv(q, k, v, positions, cos_sin, kv[0], kv[1], attn.slot_mapping)
         o = ops.attention(q, kv[0], kv[1], attn, self.scale)
         return self.o_proj(o.reshape(t, q_size))
 

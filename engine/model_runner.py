@@ -46,13 +46,12 @@ class ModelRunner:
         self.kv_layers = kv.layers()
         self.graphs: DecodeGraphs | None = None  # captured decode steps of the active variant, on a GPU
         self.forward_fn = model  # the model itself, or a torch.compile'd wrapper of it
-
-    def set_compile_mode(self, mode: str) -> None:
-        """torch.compile the eager forward (prefill and batches no graph holds); 'none' restores plain eager."""
-        self.forward_fn = self.model if mode == "none" else torch.compile(self.model, mode=mode, dynamic=True)
+        # (N,) int64 on the device: the greedy token of each sampling row of the last step, once asked for
+        # (a graph replay computes it itself); the input of a step run ahead of that one's results
+        self.greedy_tokens: torch.Tensor | None = None
 
     @torch.inference_mode()
-    def warm_up(self, ops: ForwardOps, kv: KVCache | None = None) -> None:
+    def warm_up(self, ops: ForwardOps, kv: KVCache | None = None, forward_fn=None) -> None:
         """One forward of a single token through ``ops`` over the pool's scratch block: compiles the
         kernels of a new variant before it serves anyone, and surfaces their errors."""
         kv = kv or self.kv
@@ -61,7 +60,7 @@ class ModelRunner:
                                        torch.tensor([[kv.scratch_block]], dtype=torch.int32, device=self.device),
                                        [1], [0, 1], self.device)
         ids = torch.zeros(1, dtype=torch.int64, device=self.device)
-        hidden = self.forward_fn(ids, ids, self.cos_sin, kv.layers(), meta, ops)
+        hidden = (forward_fn or self.forward_fn)(ids, ids, self.cos_sin, kv.layers(), meta, ops)
         self.model.compute_logits(hidden)
 
     def set_kv(self, kv: KVCache) -> None:
@@ -73,7 +72,10 @@ class ModelRunner:
         return DecodeGraphs(self.model, kv, kv.layers(), self.cos_sin, ops, batch_sizes,
                             -(-self.max_model_len // kv.block_size), self.device)
 
-    def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def prepare(self, batch: SchedulerOutput, ahead: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Packed inputs of the batch. ``ahead``: each row starts one token past its ``num_computed_tokens``,
+        whose value is not known on the host yet (the returned ids are then placeholders)."""
         bs = self.kv.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -83,8 +85,8 @@ class ModelRunner:
         logits_idx: list[int] = []
         for item in batch.scheduled:
             seq, n = item.seq, item.num_new_tokens
-            start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start : start + n])
+            start = seq.num_computed_tokens + int(ahead)
+            ids.extend(seq.token_ids[start : start + n] if not ahead else [0] * n)
             for p in range(start, start + n):
                 pos.append(p)
                 slots.append(seq.block_table[p // bs] * bs + p % bs)
@@ -103,12 +105,29 @@ class ModelRunner:
                 attn, logits_idx)
 
     @torch.inference_mode()
-    def run(self, batch: SchedulerOutput, ops: ForwardOps) -> torch.Tensor:
-        """Returns float32 logits for the sequences that sample, in schedule order: (N, vocab)."""
+    def run(self, batch: SchedulerOutput, ops: ForwardOps, ahead: bool = False) -> torch.Tensor:
+        """Returns float32 logits for the sequences that sample, in schedule order: (N, vocab).
+
+        ``ahead``: a decode batch of the same rows as the step before, launched before that step's
+        tokens reached the host; its input tokens are that step's ``greedy_tokens``.
+        """
+        prev = self.greedy_tokens
+        self.greedy_tokens = None
         if self.graphs is not None and self.graphs.fits(batch):
-            return self.graphs.run(batch)
-        input_ids, positions, attn, logits_idx = self.prepare(batch)
+            logits, self.greedy_tokens = self.graphs.run(batch, ahead, prev)
+            return logits
+        input_ids, positions, attn, logits_idx = self.prepare(batch, ahead)
+        if ahead:
+            input_ids = prev
         hidden = self.forward_fn(input_ids, positions, self.cos_sin, self.kv_layers, attn, ops)
         if not logits_idx:
             return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
+        if len(logits_idx) == hidden.shape[0]:  # every token samples (decode): no gather
+            return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[torch.tensor(logits_idx, device=hidden.device)])
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """(N,) int64 on the device: the argmax of each row of the last step's logits."""
+        if self.greedy_tokens is None:
+            self.greedy_tokens = logits.argmax(dim=-1)
+        return self.greedy_tokens

@@ -21,13 +21,16 @@ FORWARD, SCHEDULER, KV_LAYOUT, PARALLEL = "forward", "scheduler", "kv_layout", "
 # The order in which scopes grow in cost; a swap does the work of the largest scope it touches.
 SCOPE_ORDER = (SCHEDULER, FORWARD, KV_LAYOUT, PARALLEL)
 
-OP_NAMES = ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "store_kv", "attention", "moe")
+OP_NAMES = ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "store_kv", "rotary_store_kv", "attention",
+            "moe")
 BUILTIN_IMPLS = {
     "rms_norm": ("reference", "triton"),
     "fused_add_rms_norm": ("reference", "triton"),
     "rotary": ("reference", "triton"),
     "silu_and_mul": ("reference", "triton"),
     "store_kv": ("reference", "triton"),
+    # "reference": the variant's rotary, then its store_kv; "triton": one fused launch
+    "rotary_store_kv": ("reference", "triton"),
     "attention": ("reference", "triton_paged", "triton_split_kv"),
     "moe": ("reference", "triton"),
 }

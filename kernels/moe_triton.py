@@ -1,8 +1,12 @@
-"""Triton mixture-of-experts: routed tokens grouped by expert, then two grouped matmuls.
+"""Triton mixture-of-experts; same signature as ``kernels.moe.moe_ref``. Two paths:
 
-Same signature as ``kernels.moe.moe_ref``. Routing (softmax, top-k, renormalization) is the
-reference's; the (token, slot) pairs are sorted by expert and padded to whole BLOCK_M tiles,
-so every program of the grouped matmul multiplies rows of one expert only.
+- few routed (token, slot) pairs (decode): a fused routing kernel (softmax, top-k,
+  renormalization) and two matrix-vector kernels that read each pair's expert from a device
+  tensor. Nothing goes back to the host, so the step can be captured in a CUDA graph, and
+  each routed expert's weights are read once per pair: the bytes a decode step must move.
+- many pairs (prefill): routing is the reference's; the pairs are sorted by expert and padded
+  to whole BLOCK_M tiles, so every program of the grouped matmul multiplies rows of one
+  expert only (the grouping reads the counts on the host).
 """
 from __future__ import annotations
 
@@ -83,15 +87,127 @@ def _grouped_matmul(a, w, pairs, tile_expert, num_pairs, a_div, weights, block_m
     return out
 
 
+@triton.jit
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One token: softmax over the experts in float32, the top k (lowest index on ties), optionally renormalized."""
+    t = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + t * E + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)
+    p = tl.where(offs < E, p, -1.0)
+    total = 0.0
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, axis=0)
+        idx = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)
+        tl.store(w_ptr + t * TOP_K + j, best)
+        tl.store(ids_ptr + t * TOP_K + j, idx)
+        total += best
+        p = tl.where(offs == idx, -1.0, p)
+    if RENORM:
+        for j in tl.static_range(TOP_K):
+            tl.store(w_ptr + t * TOP_K + j, tl.load(w_ptr + t * TOP_K + j) / total)
+
+
+@triton.jit
+def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, TOP_K, stride_we, stride_wn,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[pair, n] = x[pair // TOP_K] . w13[expert(pair), n] for one block of n."""
+    pair = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    row = x_ptr + (pair // TOP_K) * K
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    k0 = 0
+    while k0 < K:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        a = tl.load(row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :],
+                    mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        k0 += BLOCK_K
+    tl.store(out_ptr + pair * N + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _pair_down_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, I, stride_we, stride_wn,
+                      TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[t, n] = sum_j weight[t, j] * (silu(gate) * up)[t, j] . w2[expert(t, j), n]: the activation, the
+    routing weights and the sum over the k experts, in one pass per block of n."""
+    t = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = t * TOP_K + j
+        e = tl.load(ids_ptr + pair).to(tl.int64)
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        k0 = 0
+        while k0 < I:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < I
+            g = tl.load(gu_ptr + pair * 2 * I + offs_k, mask=mask_k, other=0.0)
+            u = tl.load(gu_ptr + pair * 2 * I + I + offs_k, mask=mask_k, other=0.0)
+            gf = g.to(tl.float32)
+            act = ((gf / (1.0 + tl.exp(-gf))).to(g.dtype) * u).to(tl.float32)
+            w = tl.load(w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :],
+                        mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * act[None, :], axis=1)
+            k0 += BLOCK_K
+        total += acc * tl.load(rw_ptr + pair)
+    tl.store(out_ptr + t * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+def moe_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``kernels.moe.moe_route_ref`` (ids as int32): weights (T, k) float32, ids (T, k)."""
+    t, e = router_logits.shape
+    logits = router_logits.contiguous()
+    weights = torch.empty((t, top_k), device=logits.device, dtype=torch.float32)
+    ids = torch.empty((t, top_k), device=logits.device, dtype=torch.int32)
+    if t:
+        _route_kernel[(t,)](logits, weights, ids, e, TOP_K=top_k, RENORM=renormalize,
+                            BLOCK_E=triton.next_power_of_2(e))
+    return weights, ids
+
+
+def _moe_pairs(x, router_logits, w13, w2, top_k, renormalize, block_n, block_k, down_block_n, num_warps):
+    """The decode path: per (token, slot) pair matrix-vector products, no host synchronization."""
+    t, h = x.shape
+    i = w2.shape[2]
+    assert w13.is_contiguous() and w2.is_contiguous()
+    weights, ids = moe_route_triton(router_logits, top_k, renormalize)
+    x = x.contiguous()
+    gate_up = torch.empty((t * top_k, 2 * i), device=x.device, dtype=x.dtype)
+    _pair_gate_up_kernel[(t * top_k, triton.cdiv(2 * i, block_n))](
+        x, w13, ids, gate_up, 2 * i, h, top_k, w13.stride(0), w13.stride(1),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+    out = torch.empty_like(x)
+    _pair_down_kernel[(t, triton.cdiv(h, down_block_n))](
+        gate_up, w2, ids, weights, out, h, i, w2.stride(0), w2.stride(1),
+        TOP_K=top_k, BLOCK_N=down_block_n, BLOCK_K=block_k, num_warps=num_warps)
+    return out
+
+
 def moe_triton(
     x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool,
     block_m: int = 16, block_n: int = 32, block_k: int = 32,
+    max_decode_pairs: int = 64, decode_block_n: int = 16, decode_block_k: int = 256, decode_down_block_n: int = 8,
+    decode_warps: int = 4,
 ) -> torch.Tensor:
-    """x: (T, H); router_logits: (T, E); w13: (E, 2I, H) holding [gate | up]; w2: (E, H, I). Returns (T, H)."""
+    """x: (T, H); router_logits: (T, E); w13: (E, 2I, H) holding [gate | up]; w2: (E, H, I). Returns (T, H).
+
+    Up to ``max_decode_pairs`` routed pairs take the device-only decode path (``decode_*`` parameters);
+    more take the grouped matmul (``block_*``).
+    """
     t, h = x.shape
     assert w13.shape[2] == h and w2.shape[1] == h and w13.shape[1] == 2 * w2.shape[2]
     if t == 0:
         return torch.empty_like(x)
+    if t * top_k <= max_decode_pairs:
+        return _moe_pairs(x, router_logits, w13, w2, top_k, renormalize, decode_block_n, decode_block_k,
+                          decode_down_block_n, decode_warps)
     weights, ids = moe_route_ref(router_logits, top_k, renormalize)
     pairs, tile_expert = _group_by_expert(ids, w13.shape[0], block_m)
     num_pairs = t * top_k

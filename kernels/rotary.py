@@ -20,3 +20,19 @@ def rotary_ref(
     cos = torch.cat((cs[:, 0], cs[:, 0]), dim=-1).to(q.dtype)[:, None, :]  # (T, 1, D)
     sin = torch.cat((cs[:, 1], cs[:, 1]), dim=-1).to(q.dtype)[:, None, :]
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def rotary_store_kv_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotates q and k, writes the rotated k and v into the paged cache; returns the rotated q, (T, H, D).
+
+    q: (T, H, D), k, v: (T, KVH, D) (strided views allowed); caches: (num_blocks, block_size, KVH, D);
+    slot_mapping: (T,) int64.
+    """
+    from kernels.kv_store import store_kv_ref
+
+    q, k = rotary_ref(q, k, positions, cos_sin)
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q

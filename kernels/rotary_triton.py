@@ -55,3 +55,63 @@ def rotary_triton(
         out = _rotate(both, positions, cos_sin)
         return out[:, :h], out[:, h:]
     return _rotate(q, positions, cos_sin), _rotate(k, positions, cos_sin)
+
+
+@triton.jit
+def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr, slot_ptr, cs_ptr,
+                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, H, KVH, HALF,
+                            BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """One program per token: rotated q to qo, rotated k and v into their cache slot."""
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t)
+    slot = tl.load(slot_ptr + t)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask_d = offs_d < HALF
+    cos = tl.load(cs_ptr + pos * 2 * HALF + offs_d, mask=mask_d, other=0.0)
+    sin = tl.load(cs_ptr + pos * 2 * HALF + HALF + offs_d, mask=mask_d, other=0.0)
+    # q heads
+    offs_h = tl.arange(0, BLOCK_H)
+    mask = (offs_h[:, None] < H) & mask_d[None, :]
+    base = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    c = cos.to(x1.dtype)[None, :]
+    s = sin.to(x1.dtype)[None, :]
+    o = qo_ptr + t * H * 2 * HALF + offs_h[:, None] * 2 * HALF + offs_d[None, :]
+    tl.store(o, x1 * c - x2 * s, mask=mask)
+    tl.store(o + HALF, x2 * c + x1 * s, mask=mask)
+    # k heads, rotated, and v heads, as they are, into the cache slot
+    offs_kh = tl.arange(0, BLOCK_KVH)
+    kmask = (offs_kh[:, None] < KVH) & mask_d[None, :]
+    kbase = k_ptr + t * stride_kt + offs_kh[:, None] * stride_kh + offs_d[None, :]
+    k1 = tl.load(kbase, mask=kmask, other=0.0)
+    k2 = tl.load(kbase + HALF, mask=kmask, other=0.0)
+    dst = slot * KVH * 2 * HALF + offs_kh[:, None] * 2 * HALF + offs_d[None, :]
+    tl.store(kc_ptr + dst, k1 * c - k2 * s, mask=kmask)
+    tl.store(kc_ptr + dst + HALF, k2 * c + k1 * s, mask=kmask)
+    vbase = v_ptr + t * stride_vt + offs_kh[:, None] * stride_vh + offs_d[None, :]
+    tl.store(vc_ptr + dst, tl.load(vbase, mask=kmask, other=0.0), mask=kmask)
+    tl.store(vc_ptr + dst + HALF, tl.load(vbase + HALF, mask=kmask, other=0.0), mask=kmask)
+
+
+def rotary_store_kv_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Same signature as ``kernels.rotary.rotary_store_kv_ref``: one launch replaces rotary + store_kv
+    (and the copy that made v contiguous)."""
+    t, h, d = q.shape
+    kvh = k.shape[1]
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1, "the head dimension must be contiguous"
+    assert k.shape == v.shape == (t, kvh, d) and d % 2 == 0
+    assert cos_sin.is_contiguous() and cos_sin.shape[-1] * 2 == d
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[2:] == (kvh, d)
+    assert slot_mapping.shape == (t,)
+    out = torch.empty((t, h, d), device=q.device, dtype=q.dtype)
+    if t:
+        _rotary_store_kv_kernel[(t,)](
+            q, k, v, out, k_cache, v_cache, positions, slot_mapping, cos_sin,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), h, kvh, d // 2,
+            BLOCK_H=triton.next_power_of_2(h), BLOCK_KVH=triton.next_power_of_2(kvh),
+            BLOCK_HALF=triton.next_power_of_2(d // 2))
+    return out

@@ -63,6 +63,32 @@ def test_rotary(t, h, kvh, d):
     torch.testing.assert_close(got[1], ref[1], **TOL)
 
 
+@pytest.mark.parametrize("t,h,kvh,d,bs", [(1, 4, 4, 8, 4), (7, 9, 3, 64, 16), (5, 6, 2, 40, 5)])
+def test_rotary_store_kv(t, h, kvh, d, bs):
+    from engine.config import ModelConfig
+    from engine.rope import rope_cos_sin
+    from kernels.rotary import rotary_store_kv_ref
+    from kernels.rotary_triton import rotary_store_kv_triton
+
+    cfg = ModelConfig(model_type="llama", vocab_size=10, hidden_size=h * d, intermediate_size=8,
+                      num_hidden_layers=1, num_attention_heads=h, num_key_value_heads=kvh, head_dim=d)
+    cs = rope_cos_sin(cfg, 300, "cpu")
+    qkv = torch.randn(t, (h + 2 * kvh) * d)  # strided q/k/v views of the fused projection
+    q = qkv[:, : h * d].view(t, h, d)
+    k = qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)
+    v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
+    pos = torch.randint(0, 300, (t,))
+    nb = 6
+    slots = torch.randperm(nb * bs)[:t]
+    kc, vc = torch.randn(nb, bs, kvh, d), torch.randn(nb, bs, kvh, d)
+    caches = [kc.clone(), vc.clone(), kc.clone(), vc.clone()]
+    got = rotary_store_kv_triton(q, k, v, pos, cs, caches[0], caches[1], slots)
+    ref = rotary_store_kv_ref(q, k, v, pos, cs, caches[2], caches[3], slots)
+    torch.testing.assert_close(got, ref, **TOL)
+    torch.testing.assert_close(caches[0], caches[2], **TOL)
+    torch.testing.assert_close(caches[1], caches[3], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("kvh,d,bs", [(1, 8, 4), (3, 64, 16), (2, 40, 5)])
 def test_store_kv(kvh, d, bs):
     t, nb = 11, 9
@@ -136,5 +162,21 @@ def test_moe_grouped_matmul(t, h, e, k, i, renorm):
     x, logits = torch.randn(t, h), torch.randn(t, e)
     w13, w2 = torch.randn(e, 2 * i, h) * 0.2, torch.randn(e, h, i) * 0.2
     ref = moe_ref(x, logits, w13, w2, k, renorm)
-    torch.testing.assert_close(moe_triton(x, logits, w13, w2, k, renorm, block_m=16, block_n=16, block_k=16), ref,
-                               rtol=1e-4, atol=1e-4)
+    grouped = moe_triton(x, logits, w13, w2, k, renorm, block_m=16, block_n=16, block_k=16, max_decode_pairs=0)
+    torch.testing.assert_close(grouped, ref, rtol=1e-4, atol=1e-4)
+    # the device-only decode path (fused routing, per-pair matrix-vector kernels), partial blocks included
+    pairs = moe_triton(x, logits, w13, w2, k, renorm, max_decode_pairs=t * k, decode_block_n=16, decode_block_k=16,
+                       decode_down_block_n=8)
+    torch.testing.assert_close(pairs, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("t,e,k,renorm", [(1, 4, 2, True), (6, 128, 8, True), (3, 60, 3, False)])
+def test_moe_route(t, e, k, renorm):
+    from kernels.moe import moe_route_ref
+    from kernels.moe_triton import moe_route_triton
+
+    logits = torch.randn(t, e)
+    w, ids = moe_route_triton(logits, k, renorm)
+    rw, rids = moe_route_ref(logits, k, renorm)
+    assert torch.equal(ids.long(), rids)
+    torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
