@@ -73,6 +73,8 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    # accepted for compatibility with OpenAI clients; decoding is not constrained to the format
+    response_format: dict[str, Any] | None = None
 
 
 def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = None) -> FastAPI:

@@ -42,6 +42,9 @@ class BenchResult:
     hardware: str = ""
     wall_s: float = 0.0
     step_times_ms: dict[str, float] = field(default_factory=dict)  # fast tier: shape -> median step time
+    goodput_spread: float = 0.0  # max - min of goodput over repeats
+    # slow tier: every engine step of the median run as [new tokens, KV tokens, sequences, attended pairs, seconds]
+    step_samples: list[list[float]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -68,6 +71,8 @@ def _replay_once(engine: LLMEngine, records: list[TraceRecord], prompts: list[li
     arrival: dict[str, float] = {}
     first: dict[str, float] = {}
     done: dict[str, tuple[float, int]] = {}
+    run: dict[str, int] = {}  # tokens run per request so far (cached prefix included)
+    samples: list[list[float]] = []
     start = time.perf_counter()
     while pending or engine.has_unfinished():
         now = time.perf_counter() - start
@@ -79,8 +84,22 @@ def _replay_once(engine: LLMEngine, records: list[TraceRecord], prompts: list[li
         if not engine.has_unfinished():
             time.sleep(max(0.0, (records[pending[0]].arrival_s - t0) * time_scale - now))
             continue
-        for o in engine.step():
-            t = time.perf_counter()
+        ts = time.perf_counter()
+        outs = engine.step()
+        te = time.perf_counter()
+        shape = [0, 0, len(outs), 0, te - ts]
+        for o in outs:
+            before = run.get(o.request_id, o.num_cached_tokens)
+            now_run = o.num_cached_tokens + o.num_tokens_run
+            n = max(0, now_run - before)
+            run[o.request_id] = now_run
+            shape[0] += n
+            shape[1] += now_run
+            shape[3] += n * (before + (n + 1) // 2)
+        if shape[0]:
+            samples.append(shape)
+        for o in outs:
+            t = te
             if o.token_ids and o.request_id not in first:
                 first[o.request_id] = t
             if o.finished:
@@ -93,7 +112,7 @@ def _replay_once(engine: LLMEngine, records: list[TraceRecord], prompts: list[li
     in_tokens = sum(len(p) for p in prompts)
     good = sum(1 for r in done if ttft[r] <= slo.ttft_s and tpot.get(r, 0.0) <= slo.tpot_s)
     return {"wall": wall, "out": out_tokens, "in": in_tokens, "ttft": list(ttft.values()),
-            "tpot": list(tpot.values()), "e2e": list(e2e.values()), "good": good}
+            "tpot": list(tpot.values()), "e2e": list(e2e.values()), "good": good, "samples": samples}
 
 
 def slow_tier(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[int]], trace_id: str,
@@ -117,6 +136,8 @@ def slow_tier(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[
         tpot_p50=percentile(m["tpot"], .5), tpot_p90=percentile(m["tpot"], .9), tpot_p99=percentile(m["tpot"], .99),
         e2e_p50=percentile(m["e2e"], .5), e2e_p90=percentile(m["e2e"], .9), e2e_p99=percentile(m["e2e"], .99),
         goodput=m["good"] / m["wall"], repeats=repeats, spread=max(rates) - min(rates),
+        goodput_spread=max(r["good"] / r["wall"] for r in runs) - min(r["good"] / r["wall"] for r in runs),
+        step_samples=m["samples"],
         hardware=hardware_label(engine.device), wall_s=time.perf_counter() - t0,
     )
 
@@ -180,3 +201,14 @@ def fast_tier(engine: LLMEngine, prefill_lengths: list[int], decode_batches: lis
         repeats=repeats, spread=rate * max(spreads, default=0.0), hardware=hardware_label(engine.device),
         wall_s=time.perf_counter() - t0, step_times_ms=times,
     )
+
+
+def fast_shapes(traffic, variant, max_input: int = 256) -> tuple[list[int], list[tuple[int, int]]]:
+    """The shape mix a traffic profile implies for a variant: prefill of a short, the median and the p90
+    prompt (clipped to ``max_input``); decode at batch 1, the profile's concurrency and twice it (capped
+    by the variant's max_num_seqs) at the median context."""
+    prefill = sorted({16, min(max_input, max(8, int(traffic.input_p50))), min(max_input, max(8, int(traffic.input_p90)))})
+    conc = max(1, round(traffic.estimated_concurrency))
+    ctx = min(max_input, int(traffic.input_p50)) + 8
+    batches = sorted({1, min(conc, variant.max_num_seqs), min(2 * conc, variant.max_num_seqs)})
+    return prefill, [(b, ctx) for b in batches]

@@ -1,58 +1,348 @@
-"""A first cost model in the roofline style, and the grid of knob variants it ranks (design section 6).
+"""The cost model (design section 6): roofline step times, composed over a simulated batching of
+the traffic into throughput, TTFT, TPOT and goodput; calibrated against measured forward passes.
 
-Per step: time = max(bytes moved / measured bandwidth, FLOPs / measured FLOP/s) + kernel launches x
-measured launch overhead. Composed over the traffic profile: decode batches of the concurrency
-the profile implies (capped by max_num_seqs), prefill in chunks of the token budget.
+Step time, uncalibrated: max(bytes moved / measured bandwidth, FLOPs / measured FLOP/s)
++ kernels per layer x layers x measured launch overhead. Calibrated, an additive form with
+non-negative factors fitted to measured step times:
+    a * bytes/bandwidth + b * FLOPs/FLOP/s + c * launches x overhead + d * sequences in the step.
+Tensor parallelism divides weights, KV and FLOPs by ``tp`` and adds two all-reduces per layer
+over the interconnect.
+
+The simulation runs the engine's scheduling policy (engine/scheduler.py) on the requests of a
+trace slice, or on requests drawn from a TrafficProfile, with the variant's knobs.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
+import random
+from collections import deque
 from dataclasses import asdict, dataclass, field
+from itertools import combinations
 
+import numpy as np
+
+from engine.trace_record import TraceRecord
 from engine.variant import VariantSpec
 from ops.hardware import HardwareProfile
 from ops.model_spec import ModelSpec
-from ops.traces import TrafficProfile
+from ops.traces import TrafficProfile, percentile
 
 KERNELS_PER_LAYER = 12
+ALLREDUCE_LATENCY_S = 10e-6
 
 
-def step_time(spec: ModelSpec, hw: HardwareProfile, new_tokens: int, kv_tokens: int) -> float:
-    """Seconds for one forward pass computing ``new_tokens`` while reading ``kv_tokens`` of KV."""
-    elem = 2 if spec.dtype in ("bfloat16", "float16") else 4
-    params = spec.param_bytes / elem
-    moved = spec.param_bytes + kv_tokens * spec.kv_bytes_per_token
-    flops = 2 * params * new_tokens
-    rate = hw.matmul_flops.get(spec.dtype) or next(iter(hw.matmul_flops.values()))
-    return max(moved / hw.memory_bandwidth, flops / rate) + KERNELS_PER_LAYER * spec.layers * hw.launch_overhead_s
+# ---- step time ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Calibration:
+    """Correction factors fitted to measured step times; None of them fitted: the plain roofline."""
+
+    mem: float = 1.0
+    compute: float = 1.0
+    launch: float = 1.0
+    per_seq_s: float = 0.0
+    fitted: bool = False
+    samples: int = 0
+    fit_mape: float = 0.0  # error on the samples it was fitted to
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+ROOFLINE = Calibration()
 
 
 @dataclass(frozen=True)
+class StepShape:
+    new_tokens: int
+    kv_tokens: int  # tokens of KV read (context of every sequence in the step)
+    seqs: int
+    attn_pairs: int  # query x key pairs attended
+
+    @staticmethod
+    def prefill(n: int) -> "StepShape":
+        return StepShape(n, n, 1, n * (n + 1) // 2)
+
+    @staticmethod
+    def decode(batch: int, ctx: int) -> "StepShape":
+        return StepShape(batch, batch * ctx, batch, batch * ctx)
+
+
+def _elem(spec: ModelSpec) -> int:
+    return 2 if spec.dtype in ("bfloat16", "float16") else 4
+
+
+def features(spec: ModelSpec, hw: HardwareProfile, s: StepShape, tp: int = 1) -> tuple[float, float, float, float]:
+    """(memory seconds, compute seconds, launch seconds, sequences) of one step, at the roofline."""
+    params = spec.param_bytes / _elem(spec)
+    moved = (spec.param_bytes + s.kv_tokens * spec.kv_bytes_per_token) / tp
+    flops = (2 * params * s.new_tokens + 4 * spec.layers * spec.heads * spec.head_dim * s.attn_pairs) / tp
+    rate = hw.matmul_flops.get(spec.dtype) or next(iter(hw.matmul_flops.values()))
+    launch = KERNELS_PER_LAYER * spec.layers * hw.launch_overhead_s
+    if tp > 1:
+        bw = hw.interconnect_bandwidth or hw.memory_bandwidth / 10
+        volume = 2 * spec.layers * s.new_tokens * spec.hidden_size * _elem(spec) * 2 * (tp - 1) / tp
+        launch += volume / bw + 2 * spec.layers * ALLREDUCE_LATENCY_S
+    return moved / hw.memory_bandwidth, flops / rate, launch, float(s.seqs)
+
+
+def step_time(spec: ModelSpec, hw: HardwareProfile, shape: StepShape, cal: Calibration = ROOFLINE,
+              tp: int = 1) -> float:
+    mem, comp, launch, seqs = features(spec, hw, shape, tp)
+    if not cal.fitted:
+        return max(mem, comp) + launch
+    return cal.mem * mem + cal.compute * comp + cal.launch * launch + cal.per_seq_s * seqs
+
+
+def calibrate(spec: ModelSpec, hw: HardwareProfile, samples: list[tuple[StepShape, float]]) -> Calibration:
+    """Non-negative factors minimizing the relative squared error over measured (shape, seconds)."""
+    if not samples:
+        return ROOFLINE
+    x = np.array([features(spec, hw, s) for s, _ in samples], dtype=np.float64)
+    y = np.array([t for _, t in samples], dtype=np.float64)
+    if np.any(y <= 0):
+        raise ValueError("measured step times must be positive")
+    w = 1.0 / y  # relative error
+    best = None
+    # exact non-negative least squares for four unknowns: the best unconstrained fit on each support
+    for k in range(1, 5):
+        for cols in combinations(range(4), k):
+            a = x[:, cols] * w[:, None]
+            coef, *_ = np.linalg.lstsq(a, y * w, rcond=None)
+            if np.any(coef < 0):
+                continue
+            err = float(np.sum((a @ coef - y * w) ** 2))
+            if best is None or err < best[0] - 1e-15:
+                best = (err, cols, coef)
+    full = np.zeros(4)
+    full[list(best[1])] = best[2]
+    pred = x @ full
+    fit_mape = float(np.mean(np.abs(pred - y) / y))
+    return Calibration(mem=float(full[0]), compute=float(full[1]), launch=float(full[2]), per_seq_s=float(full[3]),
+                       fitted=True, samples=len(samples), fit_mape=fit_mape)
+
+
+def shapes_from_fast(step_times_ms: dict[str, float]) -> list[tuple[StepShape, float]]:
+    """The fast tier's measurements ('prefill n=N', 'decode b=B ctx=C' -> ms) as (shape, seconds)."""
+    out = []
+    for key, ms in step_times_ms.items():
+        kv = dict(part.split("=") for part in key.split()[1:])
+        if key.startswith("prefill"):
+            out.append((StepShape.prefill(int(kv["n"])), ms / 1e3))
+        elif key.startswith("decode"):
+            out.append((StepShape.decode(int(kv["b"]), int(kv["ctx"])), ms / 1e3))
+    return out
+
+
+def shapes_from_steps(step_samples: list[list[float]]) -> list[tuple[StepShape, float]]:
+    """The slow tier's engine steps ([new, kv, seqs, pairs, seconds]) as (shape, seconds)."""
+    return [(StepShape(int(n), int(kv), int(seqs), int(pairs)), float(sec))
+            for n, kv, seqs, pairs, sec in step_samples if sec > 0]
+
+
+# ---- trace-level prediction -----------------------------------------------------------------------
+@dataclass(frozen=True)
 class Prediction:
     output_tok_s: float
-    ttft_s: float
-    tpot_s: float
+    ttft_s: float  # p50
+    tpot_s: float  # p50
+    total_tok_s: float = 0.0
+    ttft_p99: float = 0.0
+    tpot_p99: float = 0.0
+    goodput: float = 0.0  # requests/s meeting the SLO
+    wall_s: float = 0.0
+    steps: int = 0
 
 
-def predict(spec: ModelSpec, hw: HardwareProfile, traffic: TrafficProfile, v: VariantSpec) -> Prediction:
-    batch = max(1, min(v.max_num_seqs, round(traffic.estimated_concurrency) or 1))
-    ctx = traffic.input_p50 + traffic.output_p50 / 2
-    reuse = traffic.prefix_reuse if v.enable_prefix_caching else 0.0
-    prompt = max(1.0, traffic.input_p50 * (1 - reuse))
-    chunk = min(v.max_num_batched_tokens, v.prefill_chunk_size or v.max_num_batched_tokens)
-    # decode step with a share of prefill work riding along: requests arrive at the traffic's rate
-    prefill_tokens_per_step = min(chunk, traffic.arrival_rate * prompt * 0.05)
-    decode = step_time(spec, hw, batch + int(prefill_tokens_per_step), int(batch * ctx))
-    # wasted KV in partially filled blocks lowers how much fits; larger blocks waste more
-    waste = v.block_size / 2 / max(1.0, ctx)
-    tpot = decode * (1 + waste)
-    chunks = -(-int(prompt) // max(1, chunk))
-    ttft = chunks * step_time(spec, hw, min(chunk, int(prompt)), int(ctx)) + tpot
-    demand = traffic.arrival_rate * traffic.output_p50 if traffic.arrival_rate else float("inf")
-    return Prediction(output_tok_s=min(batch / tpot, demand), ttft_s=ttft, tpot_s=tpot)
+@dataclass
+class _Seq:
+    arrival: float
+    prompt: int
+    out: int
+    keys: list  # prefix-cache keys of the prompt's full blocks (None: not shareable)
+    computed: int = 0
+    generated: int = 0
+    first: float | None = None
 
 
+def _block_keys(r: TraceRecord, n: int, block_size: int) -> list:
+    """Cache keys of the full blocks of a prompt of n tokens built like ops.replay.synthesize_prompts:
+    the tokens under a trace hash block are shared by every request naming the same hash chain."""
+    keys = []
+    covered = len(r.prefix_block_hashes) * r.block_tokens
+    for j in range(n // block_size):
+        end = (j + 1) * block_size
+        if end > covered or not r.block_tokens:
+            keys.append(None)
+            continue
+        seg = (end - 1) // r.block_tokens + 1
+        keys.append((tuple(r.prefix_block_hashes[:seg]), j))
+    return keys
+
+
+def simulate(spec: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], v: VariantSpec,
+             cal: Calibration = ROOFLINE, *, time_scale: float = 1.0, max_input: int | None = None,
+             max_output: int | None = None, num_kv_blocks: int = 512, slo_ttft_s: float = 2.0,
+             slo_tpot_s: float = 0.2) -> Prediction:
+    """Replays the records through the scheduler's policy with modelled step times."""
+    if not records:
+        raise ValueError("simulate needs at least one request")
+    t0 = records[0].arrival_s
+    pending = deque()
+    for r in records:
+        n = max(1, r.input_tokens if max_input is None else min(r.input_tokens, max_input))
+        o = max(1, r.output_tokens if max_output is None else min(r.output_tokens, max_output))
+        keys = _block_keys(r, n, v.block_size) if v.enable_prefix_caching else []
+        pending.append(_Seq((r.arrival_s - t0) * time_scale, n, o, keys))
+    waiting: deque[_Seq] = deque()
+    running: list[_Seq] = []
+    cached: set = set()
+    used_blocks = 0
+    chunk_cap = v.prefill_chunk_size
+    t, steps = 0.0, 0
+    done: list[tuple[_Seq, float]] = []
+    in_tokens = sum(s.prompt for s in pending)
+
+    def blocks(tokens: int) -> int:
+        return -(-tokens // v.block_size)
+
+    def chunk(s: _Seq, budget: int) -> int:
+        remaining = s.prompt + s.generated - s.computed
+        limit = budget if remaining <= 1 or chunk_cap is None else min(budget, chunk_cap)
+        return min(remaining, limit)
+
+    while pending or waiting or running:
+        while pending and pending[0].arrival <= t:
+            waiting.append(pending.popleft())
+        if not waiting and not running:
+            t = pending[0].arrival
+            continue
+        budget = v.max_num_batched_tokens
+        step: list[tuple[_Seq, int]] = []
+        for s in running:
+            if budget <= 0:
+                break
+            n = chunk(s, budget)
+            step.append((s, n))
+            budget -= n
+        while waiting and budget > 0 and len(running) < v.max_num_seqs:
+            s = waiting[0]
+            hit = 0
+            for key in s.keys:
+                if key is None or key not in cached:
+                    break
+                hit += v.block_size
+            s.computed = min(hit, s.prompt - 1)
+            n = chunk(s, budget)
+            need = blocks(s.prompt + s.out)  # what the request will hold at its end
+            if used_blocks + need > num_kv_blocks and running:
+                break
+            used_blocks += need
+            waiting.popleft()
+            running.append(s)
+            step.append((s, n))
+            budget -= n
+        shape = StepShape(sum(n for _, n in step), sum(s.computed + n for s, n in step), len(step),
+                          sum(n * (s.computed + (n + 1) // 2) for s, n in step))
+        t += step_time(spec, hw, shape, cal, v.tp)
+        steps += 1
+        for s, n in step:
+            s.computed += n
+            if s.computed == s.prompt + s.generated:  # reached the end of its tokens: a token is sampled
+                if s.first is None:
+                    s.first = t
+                    if v.enable_prefix_caching:
+                        cached.update(k for k in s.keys if k is not None)
+                s.generated += 1
+                if s.generated == s.out:
+                    running.remove(s)
+                    used_blocks -= blocks(s.prompt + s.out)
+                    done.append((s, t))
+    wall = max(t, 1e-9)
+    ttft = [s.first - s.arrival for s, _ in done]
+    tpot = [(end - s.first) / (s.out - 1) for s, end in done if s.out > 1]
+    out_tokens = sum(s.out for s, _ in done)
+    good = sum(1 for s, end in done if s.first - s.arrival <= slo_ttft_s
+               and (s.out <= 1 or (end - s.first) / (s.out - 1) <= slo_tpot_s))
+    return Prediction(output_tok_s=out_tokens / wall, ttft_s=percentile(ttft, .5), tpot_s=percentile(tpot, .5),
+                      total_tok_s=(out_tokens + in_tokens) / wall, ttft_p99=percentile(ttft, .99),
+                      tpot_p99=percentile(tpot, .99), goodput=good / wall, wall_s=wall, steps=steps)
+
+
+def synthetic_requests(traffic: TrafficProfile, n: int = 64, seed: int = 0) -> list[TraceRecord]:
+    """Requests drawn to match a profile: Poisson-like arrivals (gamma gaps with the profile's CV),
+    log-normal lengths through its p50 and p90."""
+    rng = random.Random(seed)
+    rate = traffic.arrival_rate or 1.0
+    cv = max(0.1, traffic.interarrival_cv or 1.0)
+    shape = 1.0 / (cv * cv)
+
+    def length(p50: float, p90: float, cap: int) -> int:
+        sigma = math.log(max(p90, p50 + 1e-9) / max(p50, 1.0)) / 1.2816 if p50 > 0 else 0.0
+        return int(min(cap or 1 << 30, max(1, round(max(p50, 1.0) * math.exp(rng.gauss(0, sigma))))))
+
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(TraceRecord(arrival_s=t, input_tokens=length(traffic.input_p50, traffic.input_p90,
+                                                                traffic.input_max),
+                               output_tokens=length(traffic.output_p50, traffic.output_p90, traffic.output_max),
+                               source="synthetic"))
+        t += rng.gammavariate(shape, 1.0 / (rate * shape))
+    return out
+
+
+def predict(spec: ModelSpec, hw: HardwareProfile, traffic: TrafficProfile, v: VariantSpec,
+            cal: Calibration = ROOFLINE, records: list[TraceRecord] | None = None, **sim) -> Prediction:
+    """Trace-level prediction: over ``records`` when given, else over requests drawn from the profile.
+    Data parallelism splits the requests round-robin over ``v.dp`` replicas."""
+    records = records or synthetic_requests(traffic)
+    if v.dp == 1:
+        return simulate(spec, hw, records, v, cal, **sim)
+    parts = [simulate(spec, hw, records[i::v.dp], v, cal, **sim) for i in range(v.dp) if records[i::v.dp]]
+    wall = max(p.wall_s for p in parts)
+    out = sum(p.output_tok_s * p.wall_s for p in parts)
+    return Prediction(output_tok_s=out / wall, ttft_s=max(p.ttft_s for p in parts), tpot_s=max(p.tpot_s for p in parts),
+                      total_tok_s=sum(p.total_tok_s * p.wall_s for p in parts) / wall,
+                      ttft_p99=max(p.ttft_p99 for p in parts), tpot_p99=max(p.tpot_p99 for p in parts),
+                      goodput=sum(p.goodput * p.wall_s for p in parts) / wall, wall_s=wall,
+                      steps=sum(p.steps for p in parts))
+
+
+# ---- error measures ---------------------------------------------------------------------------------
+def mape(predicted: list[float], measured: list[float]) -> float:
+    """Mean absolute percentage error of predictions against measurements (as a fraction)."""
+    if len(predicted) != len(measured) or not measured:
+        raise ValueError("mape needs two equally long, non-empty lists")
+    return float(np.mean([abs(p - m) / abs(m) for p, m in zip(predicted, measured) if m]))
+
+
+def _ranks(x: list[float]) -> np.ndarray:
+    """Ranks from 1, ties sharing their mean rank."""
+    a = np.asarray(x, dtype=np.float64)
+    order = np.argsort(a, kind="mergesort")
+    ranks = np.empty(len(a))
+    i = 0
+    while i < len(a):
+        j = i
+        while j + 1 < len(a) and a[order[j + 1]] == a[order[i]]:
+            j += 1
+        ranks[order[i:j + 1]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (Pearson correlation of the ranks); nan when a side is constant."""
+    if len(a) != len(b) or len(a) < 2:
+        raise ValueError("spearman needs two equally long lists of at least two values")
+    ra, rb = _ranks(a), _ranks(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+# ---- the plan: ranked knob variants and parallel layouts ---------------------------------------
 @dataclass
 class PlanEntry:
     variant: VariantSpec
@@ -68,14 +358,23 @@ class PlanEntry:
 class CostModelPlan:
     baseline: VariantSpec
     entries: list[PlanEntry] = field(default_factory=list)  # best first
+    layouts: list[dict] = field(default_factory=list)  # parallel layouts for the device count, best first
+    ranges: dict[str, list] = field(default_factory=dict)  # knob values among the best entries
+    calibration: Calibration = ROOFLINE
+    baseline_prediction: Prediction | None = None
 
     def to_json(self) -> dict:
-        return {"baseline": self.baseline.to_json(), "entries": [e.to_json() for e in self.entries]}
+        return {"baseline": self.baseline.to_json(), "entries": [e.to_json() for e in self.entries],
+                "layouts": self.layouts, "ranges": self.ranges, "calibration": self.calibration.to_json(),
+                "baseline_prediction": asdict(self.baseline_prediction) if self.baseline_prediction else None}
+
+
+KNOBS = ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "block_size", "enable_prefix_caching")
 
 
 def knob_grid(traffic: TrafficProfile, base: VariantSpec) -> list[VariantSpec]:
-    """Knob ranges worth trying for this traffic (the first variant source; agents replace it later)."""
-    seqs = sorted({4, 8, 16, 32, base.max_num_seqs})
+    """Knob ranges worth trying for this traffic."""
+    seqs = sorted({1, 4, 16, 64, base.max_num_seqs})
     budgets = sorted({128, 512, 2048, base.max_num_batched_tokens})
     blocks = [16, 32]
     caching = [True] if traffic.prefix_reuse > 0 else [True, False]
@@ -84,12 +383,43 @@ def knob_grid(traffic: TrafficProfile, base: VariantSpec) -> list[VariantSpec]:
             for s, t, b, c in itertools.product(seqs, budgets, blocks, caching)]
 
 
-def plan(spec: ModelSpec, hw: HardwareProfile, traffic: TrafficProfile, base: VariantSpec) -> CostModelPlan:
+def _rank_key(p: Prediction) -> tuple:
+    return (-round(p.goodput, 6), -round(p.output_tok_s, 6), p.ttft_s)
+
+
+def rank_layouts(spec: ModelSpec, hw: HardwareProfile, traffic: TrafficProfile, base: VariantSpec,
+                 devices: int, cal: Calibration = ROOFLINE, **sim) -> list[dict]:
+    """Every (tp, dp) with tp x dp = devices whose weights fit, ranked by predicted goodput and throughput."""
+    out = []
+    for tp in [d for d in range(1, devices + 1) if devices % d == 0]:
+        dp = devices // tp
+        fits = spec.param_bytes / tp < 0.9 * hw.memory_bytes
+        if tp > 1 and spec.heads % tp:
+            fits = False
+        v = dataclasses.replace(base, tp=tp, dp=dp)
+        p = predict(spec, hw, traffic, v, cal, **sim) if fits else None
+        out.append({"tp": tp, "dp": dp, "fits": fits, "prediction": asdict(p) if p else None,
+                    "rationale": (f"weights {spec.param_bytes / tp / 2**30:.2f} GiB per device; predicted "
+                                  f"{p.output_tok_s:.1f} tok/s, goodput {p.goodput:.2f} req/s") if p else
+                                 "does not fit (weights per device or heads not divisible)"})
+    out.sort(key=lambda d: (not d["fits"],) + (_rank_key(Prediction(**d["prediction"])) if d["prediction"] else ()))
+    return out
+
+
+def plan(spec: ModelSpec, hw: HardwareProfile, traffic: TrafficProfile, base: VariantSpec,
+         cal: Calibration = ROOFLINE, records: list[TraceRecord] | None = None, devices: int | None = None,
+         top: float = 0.25, **sim) -> CostModelPlan:
+    """Ranks the knob grid by predicted goodput, then output tokens/s; keeps the ranges of the best quarter."""
+    records = records or synthetic_requests(traffic)
     entries = []
     for v in knob_grid(traffic, base):
-        p = predict(spec, hw, traffic, v)
-        entries.append(PlanEntry(v, p, f"predicted {p.output_tok_s:.1f} tok/s, TTFT {1e3 * p.ttft_s:.0f} ms, "
-                                       f"TPOT {1e3 * p.tpot_s:.1f} ms at concurrency "
-                                       f"{traffic.estimated_concurrency:.1f}"))
-    entries.sort(key=lambda e: (-round(e.prediction.output_tok_s, 6), e.prediction.ttft_s))
-    return CostModelPlan(baseline=base, entries=entries)
+        p = predict(spec, hw, traffic, v, cal, records, **sim)
+        entries.append(PlanEntry(v, p, f"predicted {p.output_tok_s:.1f} tok/s, goodput {p.goodput:.2f} req/s, "
+                                       f"TTFT p50 {1e3 * p.ttft_s:.0f} ms, TPOT p50 {1e3 * p.tpot_s:.1f} ms "
+                                       f"({'calibrated' if cal.fitted else 'roofline'})"))
+    entries.sort(key=lambda e: _rank_key(e.prediction))
+    best = entries[:max(1, math.ceil(top * len(entries)))]
+    ranges = {k: sorted({getattr(e.variant, k) for e in best}, key=lambda x: (x is None, x)) for k in KNOBS}
+    layouts = rank_layouts(spec, hw, traffic, base, devices or hw.device_count, cal, records=records, **sim)
+    return CostModelPlan(baseline=base, entries=entries, layouts=layouts, ranges=ranges, calibration=cal,
+                         baseline_prediction=predict(spec, hw, traffic, base, cal, records, **sim))

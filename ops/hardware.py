@@ -47,13 +47,21 @@ def probe(device: str = "cpu", size_mb: int = 256, matmul_n: int = 1024) -> Hard
         flops[str(dt).replace("torch.", "")] = 2 * matmul_n**3 / _time(lambda: x @ x, dev, 5)
     tiny = torch.zeros(1, device=dev)
     launch = _time(lambda: tiny.add_(1), dev, 200)
+    interconnect = None
     if dev.type == "cuda":
         name, count = torch.cuda.get_device_name(dev), torch.cuda.device_count()
         mem = torch.cuda.get_device_properties(dev).total_memory
+        if count > 1:  # device-to-device copy to the next device (NVLink or PCIe, whichever links them)
+            other = torch.device("cuda", (dev.index or 0) + 1 if (dev.index or 0) + 1 < count else 0)
+            src = torch.empty(n // 4, dtype=torch.uint8, device=dev)
+            dst = torch.empty_like(src, device=other)
+            t = _time(lambda: (dst.copy_(src), torch.cuda.synchronize(other)), dev, 5)
+            interconnect = src.numel() / t
+            src = dst = None
     else:
         import os
 
         name, count = f"cpu x{torch.get_num_threads()}", 1
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return HardwareProfile(device=name, device_count=count, memory_bytes=mem, memory_bandwidth=bw,
-                           matmul_flops=flops, launch_overhead_s=launch)
+                           matmul_flops=flops, launch_overhead_s=launch, interconnect_bandwidth=interconnect)

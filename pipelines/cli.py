@@ -210,6 +210,63 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             stop_embedded_servers()
 
 
+def _llm_agent(args: argparse.Namespace, board):
+    import os
+
+    from ops.agents import LLMAgent
+
+    key = os.environ.get(args.llm_api_key_env, "") if args.llm_api_key_env else ""
+    return LLMAgent(base_url=args.llm_base_url, model=args.llm_model, api_key=key or "none", board=board,
+                    timeout_s=args.llm_timeout, max_tokens=args.llm_max_tokens)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from engine.errors import ConfigError
+    from ops.board import Board
+    from ops.tune import Budget, default_agents, tune
+    from ops.worker import SearchConfig
+
+    if args.budget < 2:
+        raise ConfigError("--budget must allow at least 2 experiments (the baseline on both tiers)")
+    if not Path(args.trace).is_file():
+        raise ConfigError(f"trace not found: {args.trace}")
+    cfg = SearchConfig(model=args.model, trace=args.trace, device=args.device, dtype=args.dtype,
+                       requests=args.requests, max_input=args.max_input, max_output=args.max_output,
+                       time_scale=args.time_scale, fast_layers=args.fast_layers, slow_layers=args.slow_layers,
+                       slow_repeats=args.repeats, slo_ttft_s=args.slo_ttft_ms / 1e3, slo_tpot_s=args.slo_tpot_ms / 1e3,
+                       lenient=args.lenient, num_kv_blocks=args.num_kv_blocks)
+    agents = default_agents()
+    board = Board(args.board)
+    if args.llm_base_url:
+        agents.insert(2, _llm_agent(args, board))
+    log = (lambda m: print(m, file=sys.stderr, flush=True)) if not args.quiet else (lambda m: None)
+    report = tune(cfg, args.board, agents, Budget(args.budget, args.budget_seconds), slow_top=args.slow_top,
+                  gate=args.gate, log=log)
+    board.close()
+    print(report.text())
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_json(), indent=2, default=str))
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from ops.board import Board
+    from ops.hardware import probe
+    from ops.worker import SearchConfig, Workbench, work
+
+    board = Board(args.board, lease_s=args.lease_s)
+    try:
+        cfg = SearchConfig.from_json(board.search_config(args.search))
+    except KeyError as e:
+        print(f"polyinf: error: {e.args[0]}", file=sys.stderr)
+        return 2
+    bench = Workbench(cfg, probe(cfg.device, size_mb=64))
+    stats = work(board, args.search, bench, args.tier, max_experiments=args.max_experiments)
+    print(json.dumps({"evaluated": stats.evaluated, "failed": stats.failed, "lost": stats.lost,
+                      "result_ids": stats.result_ids, "seconds": round(stats.seconds, 2)}))
+    return 0
+
+
 def cmd_variants_show(args: argparse.Namespace) -> int:
     from engine.variant import REFERENCE_VARIANT, VariantSpec
 
@@ -395,6 +452,45 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument("--admin-token", default=None, help="the endpoint's admin token")
     op.add_argument("--keep-serving", action="store_true", help="leave the embedded server running")
     op.set_defaults(func=cmd_optimize)
+
+    tn = sub.add_parser("tune", help="search for a better variant outside Dagster: agents propose, the fast and "
+                                     "slow tiers measure, the decision and its reasons are printed")
+    tn.add_argument("--model", default="smollm2")
+    tn.add_argument("--trace", required=True, help="the traffic to tune for (Azure CSV, Mooncake JSONL, capture)")
+    tn.add_argument("--budget", type=int, default=12, help="most experiments (fast and slow tier together)")
+    tn.add_argument("--budget-seconds", type=float, default=900.0, help="most wall time for the search")
+    tn.add_argument("--board", default=".polyinf/board.sqlite", help="the SQLite message board and queue")
+    tn.add_argument("--requests", type=int, default=16, help="requests from the start of the trace")
+    tn.add_argument("--max-input", type=int, default=128, help="clip prompt lengths")
+    tn.add_argument("--max-output", type=int, default=16, help="clip output lengths")
+    tn.add_argument("--time-scale", type=float, default=0.02, help="compress the trace's arrival times")
+    tn.add_argument("--device", default="cpu")
+    tn.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    tn.add_argument("--fast-layers", type=int, default=4, help="layers of the fast tier's engine")
+    tn.add_argument("--slow-layers", type=int, default=None, help="layers of the slow tier's engine (default: all)")
+    tn.add_argument("--slow-top", type=int, default=2, help="best fast-tier variants measured on the slow tier")
+    tn.add_argument("--repeats", type=int, default=3, help="slow-tier replays per variant")
+    tn.add_argument("--num-kv-blocks", type=int, default=512)
+    tn.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    tn.add_argument("--slo-tpot-ms", type=float, default=200.0)
+    tn.add_argument("--lenient", action="store_true", help="skip malformed trace rows")
+    tn.add_argument("--gate", action="store_true", help="run the quality and contamination gates on the choice")
+    tn.add_argument("--llm-base-url", default="", help="an OpenAI-compatible server for the LLM agent (off if empty)")
+    tn.add_argument("--llm-model", default="polyinf", help="the model name on that server")
+    tn.add_argument("--llm-api-key-env", default="OPENAI_API_KEY", help="environment variable holding the key")
+    tn.add_argument("--llm-timeout", type=float, default=120.0)
+    tn.add_argument("--llm-max-tokens", type=int, default=512)
+    tn.add_argument("--json", default=None, help="also write the report as JSON here")
+    tn.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    tn.set_defaults(func=cmd_tune)
+
+    wk = sub.add_parser("worker", help="a benchmark worker: drain a search's experiment queue from the board")
+    wk.add_argument("--board", required=True)
+    wk.add_argument("--search", required=True, help="the search id (printed by 'polyinf tune')")
+    wk.add_argument("--tier", choices=["fast", "slow"], default=None, help="only this tier's experiments")
+    wk.add_argument("--max-experiments", type=int, default=None)
+    wk.add_argument("--lease-s", type=float, default=60.0, help="a claim lapses this long after the last heartbeat")
+    wk.set_defaults(func=cmd_worker)
 
     v = sub.add_parser("variants", help="engine variants (VariantSpec JSON)")
     vsub = v.add_subparsers(dest="variants_command", required=True)

@@ -1,0 +1,328 @@
+"""Agents that propose engine variants (design section 7).
+
+Each agent reads the search's state (the cost model's plan, the traffic profile and the results
+on the board) and returns proposals, each with its rationale and the result ids it rests on.
+Built-in agents need no network: cost-model seeding, local search around the best measured
+variant, and traffic-aware rules. The LLM agent asks any OpenAI-compatible server for JSON and
+treats every reply as untrusted: a reply that is not what was asked is recorded on the board as
+``invalid_reply`` with the reason, and the search goes on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+
+from engine.errors import ConfigError
+from engine.generated_source import VariantError, check_source
+from engine.variant import COMPILE_MODES, OP_NAMES, VariantSpec
+from ops.board import Board, Result
+from ops.cost_model import CostModelPlan
+from ops.hardware import HardwareProfile
+from ops.model_spec import ModelSpec
+from ops.traces import TrafficProfile
+
+
+@dataclass(frozen=True)
+class Proposal:
+    variant: VariantSpec
+    rationale: str
+    refs: tuple[int, ...] = ()  # result ids the proposal rests on
+
+
+def fast_score(bench: dict) -> tuple[float, float]:
+    """How the fast tier ranks a variant: the trace-level goodput and output tokens/s that its own
+    measured step times imply (see ops.worker.Workbench.evaluate)."""
+    p = bench.get("predicted") or {}
+    return (round(p.get("goodput", 0.0), 6), p.get("output_tok_s", bench.get("output_tok_s", 0.0)))
+
+
+@dataclass
+class SearchState:
+    search: str
+    spec: ModelSpec
+    hardware: HardwareProfile
+    traffic: TrafficProfile
+    plan: CostModelPlan
+    baseline: VariantSpec
+    device: str = "cpu"
+    max_input: int | None = None
+    fast: list[tuple[Result, VariantSpec]] = field(default_factory=list)
+    tried: set[str] = field(default_factory=set)  # variant ids already queued in this search
+
+    @classmethod
+    def read(cls, board: Board, search: str, **kw) -> "SearchState":
+        state = cls(search=search, **kw)
+        state.fast = board.results(search, "fast")
+        state.tried = {e["variant_id"] for e in board.experiments(search)}
+        return state
+
+    def best(self) -> tuple[Result, VariantSpec] | None:
+        return max(self.fast, key=lambda rv: fast_score(rv[0].bench), default=None)
+
+    def fresh(self, v: VariantSpec) -> bool:
+        return v.variant_id not in self.tried
+
+
+class Agent:
+    name = "agent"
+
+    def propose(self, state: SearchState, n: int) -> list[Proposal]:
+        raise NotImplementedError
+
+
+class CostModelSeeder(Agent):
+    """The cost model's best-ranked knob variants not measured yet."""
+
+    name = "cost-model"
+
+    def propose(self, state: SearchState, n: int) -> list[Proposal]:
+        out = []
+        for e in state.plan.entries:
+            if len(out) >= n:
+                break
+            if state.fresh(e.variant):
+                out.append(Proposal(e.variant, f"cost model rank {state.plan.entries.index(e) + 1}: {e.rationale}"))
+        return out
+
+
+def _neighbours(v: VariantSpec) -> list[tuple[VariantSpec, str]]:
+    out = []
+
+    def add(change: str, **kw):
+        try:
+            out.append((dataclasses.replace(v, **kw), change))
+        except ConfigError:
+            pass
+
+    for f in (2, 0.5):
+        s = max(1, int(v.max_num_seqs * f))
+        add(f"max_num_seqs {v.max_num_seqs} -> {s}", max_num_seqs=s)
+        t = max(16, int(v.max_num_batched_tokens * f))
+        add(f"max_num_batched_tokens {v.max_num_batched_tokens} -> {t}", max_num_batched_tokens=t)
+    chunk = v.prefill_chunk_size
+    for c in ([None] if chunk else []) + ([max(16, chunk // 2), chunk * 2] if chunk else
+                                         [max(16, v.max_num_batched_tokens // 4)]):
+        add(f"prefill_chunk_size {chunk} -> {c}", prefill_chunk_size=c)
+    add(f"block_size {v.block_size} -> {32 if v.block_size == 16 else 16}", block_size=32 if v.block_size == 16 else 16)
+    add(f"prefix caching {'off' if v.enable_prefix_caching else 'on'}", enable_prefix_caching=not v.enable_prefix_caching)
+    return out
+
+
+class LocalSearch(Agent):
+    """One-knob steps around the best variant the fast tier has measured."""
+
+    name = "local-search"
+
+    def propose(self, state: SearchState, n: int) -> list[Proposal]:
+        best = state.best()
+        if best is None:
+            return []
+        result, v = best
+        good, tps = fast_score(result.bench)
+        out = []
+        for nv, change in _neighbours(v):
+            if len(out) >= n:
+                break
+            if state.fresh(nv):
+                nv = dataclasses.replace(nv, name=f"local: {change}")
+                out.append(Proposal(nv, f"neighbour of the best so far ({v.variant_id}, result {result.id}: "
+                                        f"implied goodput {good:.2f} req/s, {tps:.1f} tok/s): {change}",
+                                    (result.id,)))
+        return out
+
+
+class TrafficRules(Agent):
+    """Rules of thumb keyed to the traffic: long prompts, prefix reuse, concurrency."""
+
+    name = "traffic-rules"
+
+    def propose(self, state: SearchState, n: int) -> list[Proposal]:
+        t, base = state.traffic, state.baseline
+        prompt_p90 = min(t.input_p90, state.max_input or t.input_p90)
+        conc = max(1.0, t.estimated_concurrency)
+        rules: list[tuple[VariantSpec, str]] = []
+        if prompt_p90 >= base.max_num_batched_tokens / 8:
+            for chunk in (64, 128, 256):
+                if chunk < prompt_p90:
+                    rules.append((dataclasses.replace(base, name=f"rule: chunked prefill {chunk}",
+                                                      prefill_chunk_size=chunk,
+                                                      max_num_batched_tokens=chunk + base.max_num_seqs),
+                                  f"long prompts (p90 {prompt_p90:.0f} tokens as replayed): chunked prefill of "
+                                  f"{chunk} tokens with room for every decode keeps decodes flowing (TPOT)"))
+        if t.prefix_reuse > 0.2:
+            rules.append((dataclasses.replace(base, name="rule: prefix caching, block 16", enable_prefix_caching=True,
+                                              block_size=16),
+                          f"prefix reuse {t.prefix_reuse:.0%}: caching on with small blocks shares the most"))
+        seqs = 1
+        while seqs < 2 * conc:
+            seqs *= 2
+        graphs = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= seqs)
+        on_gpu = state.device.startswith("cuda")
+        rules.append((dataclasses.replace(base, name=f"rule: max_num_seqs {seqs}", max_num_seqs=seqs,
+                                          cuda_graph_batch_sizes=graphs if on_gpu else ()),
+                      f"estimated concurrency {conc:.1f}: max_num_seqs {seqs} (twice it, a power of two)"
+                      + (f", CUDA graphs for batches {list(graphs)}" if on_gpu else "")))
+        return [Proposal(v, why) for v, why in rules if state.fresh(v)][:n]
+
+
+# ---- the LLM agent --------------------------------------------------------------------------------
+_CHANGE_PROPS = {
+    "max_num_seqs": {"type": "integer", "minimum": 1, "maximum": 1024},
+    "max_num_batched_tokens": {"type": "integer", "minimum": 1, "maximum": 65536},
+    "prefill_chunk_size": {"type": ["integer", "null"], "minimum": 1, "maximum": 65536},
+    "block_size": {"type": "integer", "enum": [8, 16, 32, 64]},
+    "enable_prefix_caching": {"type": "boolean"},
+    "cuda_graph_batch_sizes": {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 1024},
+                               "maxItems": 32},
+    "compile_mode": {"enum": list(COMPILE_MODES)},
+    "kernels": {"type": "object", "propertyNames": {"enum": list(OP_NAMES)},
+                "additionalProperties": {"type": "string"}},
+    "kernel_params": {"type": "object", "propertyNames": {"enum": list(OP_NAMES)},
+                      "additionalProperties": {"type": "object", "additionalProperties": {"type": "integer"}}},
+}
+REPLY_SCHEMA = {
+    "type": "object", "additionalProperties": False, "required": ["proposals"],
+    "properties": {"proposals": {"type": "array", "minItems": 1, "maxItems": 8, "items": {
+        "type": "object", "additionalProperties": False, "required": ["rationale", "changes"],
+        "properties": {
+            "rationale": {"type": "string", "minLength": 1, "maxLength": 2000},
+            "changes": {"type": "object", "additionalProperties": False, "properties": _CHANGE_PROPS},
+            "kernel_source": {"type": "object", "additionalProperties": False,
+                              "required": ["op", "module", "function", "source"],
+                              "properties": {"op": {"enum": list(OP_NAMES)},
+                                             "module": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
+                                             "function": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
+                                             "source": {"type": "string", "minLength": 1, "maxLength": 20000}}},
+        }}}},
+}
+
+
+class InvalidReply(ValueError):
+    pass
+
+
+def _extract_json(text: str):
+    """The JSON object in a reply: the whole text, a fenced block, or the outermost braces."""
+    text = text.strip()
+    fenced = re.search(r"```(?:json)?\s*(.*?)```", text, re.S)
+    candidates = [text] + ([fenced.group(1)] if fenced else [])
+    if "{" in text and "}" in text:
+        candidates.append(text[text.index("{"): text.rindex("}") + 1])
+    last = None
+    for c in candidates:
+        try:
+            return json.loads(c)
+        except json.JSONDecodeError as e:
+            last = e
+    raise InvalidReply(f"not JSON: {last}")
+
+
+def parse_reply(text: str | None, base: VariantSpec, agent: str = "llm") -> list[Proposal]:
+    """Validates a reply against REPLY_SCHEMA and turns each proposal into a VariantSpec over ``base``.
+    Raises InvalidReply naming the first problem."""
+    import jsonschema
+
+    if not text or not text.strip():
+        raise InvalidReply("empty reply")
+    data = _extract_json(text)
+    try:
+        jsonschema.validate(data, REPLY_SCHEMA)
+    except jsonschema.ValidationError as e:
+        where = "/".join(str(p) for p in e.absolute_path) or "(top level)"
+        raise InvalidReply(f"does not match the schema at {where}: {e.message[:300]}") from None
+    out = []
+    for i, p in enumerate(data["proposals"]):
+        changes = dict(p["changes"])
+        if "cuda_graph_batch_sizes" in changes:
+            changes["cuda_graph_batch_sizes"] = tuple(changes["cuda_graph_batch_sizes"])
+        if "kernels" in changes:
+            changes["kernels"] = {**dict(base.kernels), **changes["kernels"]}
+        if "kernel_params" in changes:
+            changes["kernel_params"] = {**{op: dict(v) for op, v in base.kernel_params}, **changes["kernel_params"]}
+        src = p.get("kernel_source")
+        if src:
+            try:
+                check_source(src["module"], src["source"])
+            except VariantError as e:
+                raise InvalidReply(f"proposal {i}: kernel source refused: {e}") from None
+            changes["generated_source"] = {**dict(base.generated_source), src["module"]: src["source"]}
+            changes["kernels"] = {**dict(changes.get("kernels", base.kernels)),
+                                  src["op"]: f"generated:{src['module']}.{src['function']}"}
+        try:
+            v = dataclasses.replace(base, name=f"{agent}: {p['rationale'][:40]}", **changes)
+        except (ConfigError, TypeError) as e:
+            raise InvalidReply(f"proposal {i}: not a valid variant: {e}") from None
+        out.append(Proposal(v, p["rationale"]))
+    return out
+
+
+@dataclass
+class LLMAgent(Agent):
+    """Asks an OpenAI-compatible server (``base_url``, ``model``, ``api_key`` from configuration) for
+    proposals as JSON. Replies are validated; invalid ones go on the board and yield nothing."""
+
+    base_url: str
+    model: str
+    api_key: str = "none"
+    board: Board | None = None
+    timeout_s: float = 120.0
+    max_tokens: int = 512
+    name: str = "llm"
+    replies: int = 0
+    invalid: int = 0
+
+    def messages(self, state: SearchState, n: int) -> list[dict]:
+        rows = sorted(state.fast, key=lambda rv: fast_score(rv[0].bench), reverse=True)[:8]
+        measured = [{"result_id": r.id, "variant": {k: v.to_json()[k] for k in (
+            "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "block_size", "enable_prefix_caching",
+            "cuda_graph_batch_sizes", "kernels")}, "implied_goodput_req_s": fast_score(r.bench)[0],
+            "implied_output_tok_s": round(fast_score(r.bench)[1], 2)} for r, v in rows]
+        context = {
+            "model": {k: getattr(state.spec, k) for k in ("architecture", "layers", "hidden_size", "heads",
+                                                          "kv_heads", "dtype", "param_bytes")},
+            "hardware": {"device": state.hardware.device, "memory_bandwidth_GBps": state.hardware.memory_bandwidth / 1e9},
+            "traffic": {k: round(v, 3) if isinstance(v, float) else v for k, v in state.traffic.to_json().items()},
+            "baseline": {k: state.baseline.to_json()[k] for k in ("max_num_seqs", "max_num_batched_tokens",
+                                                                  "prefill_chunk_size", "block_size",
+                                                                  "enable_prefix_caching")},
+            "cost_model_ranges": state.plan.ranges,
+            "measured": measured,
+        }
+        system = ("You tune an LLM inference engine for the traffic it serves. Reply with one JSON object and "
+                  "nothing else, matching this JSON schema:\n" + json.dumps(REPLY_SCHEMA) +
+                  "\n'changes' lists only the fields to change from the baseline. kernel_source is optional "
+                  "Python (imports limited to torch, triton, math) defining the named function with the same "
+                  "signature as the reference kernel of that op.")
+        user = f"Propose up to {n} variants likely to raise goodput, then output tokens/s.\n" + json.dumps(context)
+        return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+    def propose(self, state: SearchState, n: int) -> list[Proposal]:
+        from openai import OpenAI, OpenAIError
+
+        self._search = state.search
+        client = OpenAI(base_url=self.base_url, api_key=self.api_key or "none", timeout=self.timeout_s, max_retries=0)
+        text = None
+        try:
+            reply = client.chat.completions.create(
+                model=self.model, messages=self.messages(state, n), temperature=0, max_tokens=self.max_tokens,
+                response_format={"type": "json_schema",
+                                 "json_schema": {"name": "variant_proposals", "schema": REPLY_SCHEMA}})
+            self.replies += 1
+            text = reply.choices[0].message.content if reply.choices else None
+            proposals = parse_reply(text, state.baseline, self.name)
+        except InvalidReply as e:
+            self.invalid += 1
+            self._record("invalid_reply", {"reason": str(e), "reply": (text or "")[:4000]})
+            return []
+        except OpenAIError as e:
+            self._record("note", {"error": f"the LLM server failed: {type(e).__name__}: {str(e)[:500]}"})
+            return []
+        self._record("note", {"valid_reply": len(proposals)})
+        return [p for p in proposals if state.fresh(p.variant)][:n]
+
+    def _record(self, kind: str, body: dict) -> None:
+        if self.board is not None:
+            self.board.post(self.name, kind, {"search": getattr(self, "_search", None), "model": self.model,
+                                              "base_url": self.base_url, **body})

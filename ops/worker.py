@@ -1,0 +1,199 @@
+"""Benchmark workers: drain a search's experiments from the board, one device each (design section 7).
+
+A worker keeps one engine per tier and hot-swaps each experiment's variant into it (weights
+load once); ``fresh=True`` builds a new engine per experiment instead, for comparison. While an
+experiment runs, a heartbeat thread renews its lease; if the worker dies the lease runs out and
+another worker takes the experiment over.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+
+from engine import EngineConfig, resolve
+from engine.llm_engine import LLMEngine, LoadedModel
+from engine.trace_record import TraceRecord
+from engine.variant import VariantSpec
+from ops.bench import SLO, BenchResult, fast_shapes, fast_tier, slow_tier
+from ops.board import Board, Experiment, worker_name
+from ops.cost_model import calibrate, shapes_from_fast, simulate
+from ops.hardware import HardwareProfile
+from ops.model_spec import model_spec
+from ops.replay import synthesize_prompts
+from ops.traces import TrafficProfile, load_trace, profile
+
+FAST, SLOW = "fast", "slow"
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """What a search measures; stored on the board so any worker can evaluate its experiments."""
+
+    model: str = "smollm2"
+    trace: str = ""
+    device: str = "cpu"
+    dtype: str = "float32"
+    requests: int = 16
+    max_input: int = 128
+    max_output: int = 16
+    time_scale: float = 0.02
+    fast_layers: int = 4
+    slow_layers: int | None = None  # None: the whole model
+    fast_repeats: int = 3
+    slow_repeats: int = 3
+    num_kv_blocks: int = 512
+    slo_ttft_s: float = 2.0
+    slo_tpot_s: float = 0.2
+    lenient: bool = False
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "SearchConfig":
+        return cls(**d)
+
+    @property
+    def sim(self) -> dict:
+        """Keyword arguments that make the cost model's simulation replay what the slow tier replays."""
+        return {"time_scale": self.time_scale, "max_input": self.max_input, "max_output": self.max_output,
+                "num_kv_blocks": self.num_kv_blocks, "slo_ttft_s": self.slo_ttft_s, "slo_tpot_s": self.slo_tpot_s}
+
+
+@dataclass
+class Workbench:
+    """The engines, trace slice and prompts a worker measures with, built once."""
+
+    cfg: SearchConfig
+    hardware: HardwareProfile
+    fresh: bool = False
+    records: list[TraceRecord] = field(default_factory=list)
+    traffic: TrafficProfile | None = None
+    _loaded: dict = field(default_factory=dict)
+    _engines: dict = field(default_factory=dict)
+    _prompts: list | None = None
+
+    def __post_init__(self) -> None:
+        self.records = load_trace(self.cfg.trace, lenient=self.cfg.lenient)[: self.cfg.requests]
+        if not self.records:
+            raise ValueError(f"trace {self.cfg.trace} has no requests")
+        self.traffic = profile(self.records)
+
+    def layers(self, tier: str) -> int | None:
+        return self.cfg.fast_layers if tier == FAST else self.cfg.slow_layers
+
+    def engine_config(self, tier: str, variant: VariantSpec | None = None) -> EngineConfig:
+        return EngineConfig(source=resolve(self.cfg.model), device=self.cfg.device, dtype=self.cfg.dtype,
+                            layers=self.layers(tier), num_kv_blocks=self.cfg.num_kv_blocks, variant=variant,
+                            load_tokenizer=False)
+
+    def engine(self, tier: str, variant: VariantSpec) -> LLMEngine:
+        """The tier's engine with ``variant`` active: hot-swapped into a persistent engine, or built fresh."""
+        if self.fresh:
+            return LLMEngine(self.engine_config(tier, variant))  # loads the weights again
+        if tier not in self._engines:
+            loaded = LoadedModel.load(self.engine_config(tier))
+            self._engines[tier] = LLMEngine(self.engine_config(tier, variant), loaded)
+        eng = self._engines[tier]
+        if eng.variant.variant_id != variant.variant_id:
+            eng.apply_variant(variant)
+        return eng
+
+    def prompts(self, vocab: int) -> list[list[int]]:
+        if self._prompts is None:
+            self._prompts = synthesize_prompts(self.records, vocab, max_input=self.cfg.max_input)
+        return self._prompts
+
+    def spec_for(self, tier: str):
+        key = ("spec", tier)
+        if key not in self._loaded:
+            self._loaded[key] = model_spec(resolve(self.cfg.model), self.cfg.dtype, self.layers(tier))
+        return self._loaded[key]
+
+    def evaluate(self, variant: VariantSpec, tier: str) -> dict:
+        """Measures the variant on the tier; the fast tier adds the trace-level figures its own measured
+        step times imply (the cost model calibrated on this variant's shapes, run on the full model)."""
+        eng = self.engine(tier, variant)
+        c = self.cfg
+        if tier == FAST:
+            prefill, decode = fast_shapes(self.traffic, variant, c.max_input)
+            res = fast_tier(eng, prefill, decode, repeats=c.fast_repeats)
+            cal = calibrate(self.spec_for(FAST), self.hardware, shapes_from_fast(res.step_times_ms))
+            pred = simulate(self.spec_for(SLOW), self.hardware, self.records, variant, cal, **c.sim)
+            out = res.to_json()
+            out["calibration"] = cal.to_json()
+            out["predicted"] = asdict(pred)
+            return out
+        res = slow_tier(eng, self.records, self.prompts(eng.model_config.vocab_size),
+                        f"{c.trace}[:{len(self.records)}]", repeats=c.slow_repeats, time_scale=c.time_scale,
+                        max_output=c.max_output, slo=SLO(c.slo_ttft_s, c.slo_tpot_s))
+        return res.to_json()
+
+
+class _Heartbeat(threading.Thread):
+    def __init__(self, board_path: str, exp: Experiment, lease_s: float):
+        super().__init__(daemon=True)
+        self.board_path, self.exp, self.interval = board_path, exp, max(0.2, lease_s / 3)
+        self.stop = threading.Event()
+        self.lost = False
+
+    def run(self) -> None:
+        board = Board(self.board_path)
+        try:
+            while not self.stop.wait(self.interval):
+                if not board.renew(self.exp):
+                    self.lost = True
+                    return
+        finally:
+            board.close()
+
+
+@dataclass
+class WorkerStats:
+    evaluated: int = 0
+    failed: int = 0
+    lost: int = 0
+    seconds: float = 0.0
+    result_ids: list[int] = field(default_factory=list)
+
+
+def work(board: Board, search: str, bench: Workbench, tier: str | None = None, max_experiments: int | None = None,
+         name: str | None = None, deadline: float | None = None) -> WorkerStats:
+    """Claims and evaluates experiments until the queue (for ``tier``) is empty, the count or the deadline."""
+    name = name or worker_name()
+    stats = WorkerStats()
+    t0 = time.perf_counter()
+    while max_experiments is None or stats.evaluated + stats.failed < max_experiments:
+        if deadline is not None and time.time() >= deadline:
+            break
+        exp = board.claim(name, search, tier)
+        if exp is None:
+            break
+        beat = _Heartbeat(board.path, exp, board.lease_s)
+        beat.start()
+        try:
+            result = bench.evaluate(exp.variant, exp.tier)
+        except Exception as e:  # a variant that fails is a result too: recorded, never fatal
+            beat.stop.set()
+            beat.join()
+            board.fail(exp, name, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")
+            stats.failed += 1
+            continue
+        beat.stop.set()
+        beat.join()
+        rid = board.complete(exp, name, result)
+        if rid is None:
+            stats.lost += 1  # the lease ran out and another worker took it over: not counted twice
+        else:
+            stats.evaluated += 1
+            stats.result_ids.append(rid)
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def bench_from(d: dict) -> BenchResult:
+    """A BenchResult from a board result's JSON (extra keys such as the fast tier's prediction dropped)."""
+    fields = BenchResult.__dataclass_fields__
+    return BenchResult(**{k: v for k, v in d.items() if k in fields})
