@@ -160,6 +160,31 @@ def _pair_down_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, I, stride_we, 
     tl.store(out_ptr + t * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
+@triton.jit
+def _pair_down_split_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, I, stride_we, stride_wn,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[pair, n] = weight[pair] * (silu(gate) * up)[pair] . w2[expert(pair), n]: one pair per program row,
+    so k times the programs of the fused kernel; the k rows of a token are summed afterwards."""
+    pair = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    k0 = 0
+    while k0 < I:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < I
+        g = tl.load(gu_ptr + pair * 2 * I + offs_k, mask=mask_k, other=0.0)
+        u = tl.load(gu_ptr + pair * 2 * I + I + offs_k, mask=mask_k, other=0.0)
+        gf = g.to(tl.float32)
+        act = ((gf / (1.0 + tl.exp(-gf))).to(g.dtype) * u).to(tl.float32)
+        w = tl.load(w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :],
+                    mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * act[None, :], axis=1)
+        k0 += BLOCK_K
+    tl.store(out_ptr + pair * N + offs_n, acc * tl.load(rw_ptr + pair), mask=mask_n)
+
+
 def moe_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``kernels.moe.moe_route_ref`` (ids as int32): weights (T, k) float32, ids (T, k)."""
     t, e = router_logits.shape
@@ -172,7 +197,8 @@ def moe_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool)
     return weights, ids
 
 
-def _moe_pairs(x, router_logits, w13, w2, top_k, renormalize, block_n, block_k, down_block_n, num_warps):
+def _moe_pairs(x, router_logits, w13, w2, top_k, renormalize, block_n, block_k, down_block_n, num_warps,
+               split_down):
     """The decode path: per (token, slot) pair matrix-vector products, no host synchronization."""
     t, h = x.shape
     i = w2.shape[2]
@@ -183,6 +209,12 @@ def _moe_pairs(x, router_logits, w13, w2, top_k, renormalize, block_n, block_k, 
     _pair_gate_up_kernel[(t * top_k, triton.cdiv(2 * i, block_n))](
         x, w13, ids, gate_up, 2 * i, h, top_k, w13.stride(0), w13.stride(1),
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+    if split_down:
+        part = torch.empty((t * top_k, h), device=x.device, dtype=torch.float32)
+        _pair_down_split_kernel[(t * top_k, triton.cdiv(h, down_block_n))](
+            gate_up, w2, ids, weights, part, h, i, w2.stride(0), w2.stride(1),
+            BLOCK_N=down_block_n, BLOCK_K=block_k, num_warps=num_warps)
+        return part.view(t, top_k, h).sum(dim=1).to(x.dtype)
     out = torch.empty_like(x)
     _pair_down_kernel[(t, triton.cdiv(h, down_block_n))](
         gate_up, w2, ids, weights, out, h, i, w2.stride(0), w2.stride(1),
@@ -193,13 +225,14 @@ def _moe_pairs(x, router_logits, w13, w2, top_k, renormalize, block_n, block_k, 
 def moe_triton(
     x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool,
     block_m: int = 16, block_n: int = 32, block_k: int = 32,
-    max_decode_pairs: int = 64, decode_block_n: int = 16, decode_block_k: int = 256, decode_down_block_n: int = 8,
-    decode_warps: int = 4,
+    max_decode_pairs: int = 64, decode_block_n: int = 8, decode_block_k: int = 256, decode_down_block_n: int = 8,
+    decode_warps: int = 4, decode_split_down: int = 1,
 ) -> torch.Tensor:
     """x: (T, H); router_logits: (T, E); w13: (E, 2I, H) holding [gate | up]; w2: (E, H, I). Returns (T, H).
 
-    Up to ``max_decode_pairs`` routed pairs take the device-only decode path (``decode_*`` parameters);
-    more take the grouped matmul (``block_*``).
+    Up to ``max_decode_pairs`` routed pairs take the device-only decode path (``decode_*`` parameters;
+    ``decode_split_down=1``: one down-projection program row per pair, summed afterwards, instead of one
+    per token looping over its k experts); more take the grouped matmul (``block_*``).
     """
     t, h = x.shape
     assert w13.shape[2] == h and w2.shape[1] == h and w13.shape[1] == 2 * w2.shape[2]
@@ -207,7 +240,7 @@ def moe_triton(
         return torch.empty_like(x)
     if t * top_k <= max_decode_pairs:
         return _moe_pairs(x, router_logits, w13, w2, top_k, renormalize, decode_block_n, decode_block_k,
-                          decode_down_block_n, decode_warps)
+                          decode_down_block_n, decode_warps, decode_split_down)
     weights, ids = moe_route_ref(router_logits, top_k, renormalize)
     pairs, tile_expert = _group_by_expert(ids, w13.shape[0], block_m)
     num_pairs = t * top_k
