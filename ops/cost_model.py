@@ -184,8 +184,9 @@ def _block_keys(r: TraceRecord, n: int, block_size: int) -> list:
 def simulate(spec: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], v: VariantSpec,
              cal: Calibration = ROOFLINE, *, time_scale: float = 1.0, max_input: int | None = None,
              max_output: int | None = None, num_kv_blocks: int = 512, slo_ttft_s: float = 2.0,
-             slo_tpot_s: float = 0.2) -> Prediction:
-    """Replays the records through the scheduler's policy with modelled step times."""
+             slo_tpot_s: float = 0.2, steps_out: list | None = None) -> Prediction:
+    """Replays the records through the scheduler's policy with modelled step times; ``steps_out``,
+    when given, receives every step's StepShape."""
     if not records:
         raise ValueError("simulate needs at least one request")
     t0 = records[0].arrival_s
@@ -247,6 +248,8 @@ def simulate(spec: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], v
                           sum(n * (s.computed + (n + 1) // 2) for s, n in step))
         t += step_time(spec, hw, shape, cal, v.tp)
         steps += 1
+        if steps_out is not None:
+            steps_out.append(shape)
         for s, n in step:
             s.computed += n
             if s.computed == s.prompt + s.generated:  # reached the end of its tokens: a token is sampled

@@ -11,15 +11,15 @@ import json
 import math
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.variant import VariantSpec
 from ops.agents import Agent, CostModelSeeder, LocalSearch, SearchState, TrafficRules, fast_score
-from ops.board import Board
-from ops.cost_model import ROOFLINE, calibrate, mape, plan, shapes_from_steps, simulate, spearman
+from ops.board import Board, Result
+from ops.cost_model import ROOFLINE, CostModelPlan, calibrate, mape, plan, shapes_from_steps, simulate, spearman
 from ops.hardware import HardwareProfile, probe
-from ops.optimize import choose
+from ops.optimize import Choice, choose
 from ops.worker import FAST, SLOW, SearchConfig, Workbench, bench_from, work
 
 
@@ -83,124 +83,185 @@ def new_search_id() -> str:
     return time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
 
 
+@dataclass
+class Search:
+    """One search's state on the board, in stages the CLI and the pipeline's assets share."""
+
+    cfg: SearchConfig
+    board: Board
+    search: str
+    hardware: HardwareProfile
+    bench: Workbench
+    baseline: VariantSpec
+    plan: CostModelPlan
+
+    @classmethod
+    def start(cls, cfg: SearchConfig, board_path: str | Path, search: str | None = None,
+              hardware: HardwareProfile | None = None, baseline: VariantSpec | None = None,
+              cost_plan: CostModelPlan | None = None) -> "Search":
+        """Opens the board, records the search (idempotent for the same id) and the cost model's plan."""
+        board = Board(board_path)
+        search = search or new_search_id()
+        board.create_search(search, cfg.to_json())
+        hw = hardware or probe(cfg.device, size_mb=64 if cfg.device == "cpu" else 256)
+        bench = Workbench(cfg, hw)
+        base = baseline or VariantSpec(name="baseline (default)")
+        p = cost_plan or plan(bench.spec_for(SLOW), hw, bench.traffic, base, records=bench.records, **cfg.sim)
+        self = cls(cfg, board, search, hw, bench, base, p)
+        if not any(m["body"].get("search") == search for m in board.messages("note") if "plan_top" in m["body"]):
+            board.post("cost-model", "note", {"search": search, "plan_top": [
+                e.to_json() | {"variant": e.variant.name} for e in p.entries[:5]],
+                "ranges": p.ranges, "layouts": p.layouts})
+        board.enqueue(search, base, FAST, "baseline", "the engine's default configuration")
+        return self
+
+    @property
+    def spec(self):
+        return self.bench.spec_for(SLOW)
+
+    def state(self) -> SearchState:
+        return SearchState.read(self.board, self.search, spec=self.spec, hardware=self.hardware,
+                                traffic=self.bench.traffic, plan=self.plan, baseline=self.baseline,
+                                device=self.cfg.device, max_input=self.cfg.max_input)
+
+    def n_experiments(self, tier: str | None = None) -> int:
+        return sum(1 for e in self.board.experiments(self.search) if tier is None or e["tier"] == tier)
+
+    def propose(self, agent: Agent, n: int) -> int:
+        """Queues the agent's proposals on the fast tier; returns how many were new."""
+        queued = 0
+        for prop in agent.propose(self.state(), n):
+            _, fresh = self.board.enqueue(self.search, prop.variant, FAST, agent.name, prop.rationale,
+                                          list(prop.refs))
+            queued += fresh
+        return queued
+
+    def measure(self, tier: str, deadline: float | None = None):
+        return work(self.board, self.search, self.bench, tier, deadline=deadline)
+
+    def results(self, tier: str) -> list[tuple[Result, VariantSpec]]:
+        return self.board.results(self.search, tier)
+
+    def queue_slow(self, top: int) -> list[VariantSpec]:
+        """The baseline and the ``top`` best of the fast tier, queued for the slow tier."""
+        fast = self.results(FAST)
+        base_fast = next((r for r, v in fast if v.variant_id == self.baseline.variant_id), None)
+        self.board.enqueue(self.search, self.baseline, SLOW, "tuner", "baseline for the slow tier",
+                           [base_fast.id] if base_fast else [])
+        ranked = sorted((rv for rv in fast if rv[1].variant_id != self.baseline.variant_id),
+                        key=lambda rv: fast_score(rv[0].bench), reverse=True)
+        out = [self.baseline]
+        for r, v in ranked[:max(0, top)]:
+            g, tps = fast_score(r.bench)
+            self.board.enqueue(self.search, v, SLOW, "tuner",
+                               f"fast tier rank {len(out)}: implied goodput {g:.2f} req/s, {tps:.1f} tok/s", [r.id])
+            out.append(v)
+        return out
+
+    def cost_model_error(self) -> dict:
+        """Calibrates on the baseline's measured slow-tier steps; MAPE and Spearman against the slow tier."""
+        slow, fast = self.results(SLOW), self.results(FAST)
+        spec, hw, recs, sim = self.spec, self.hardware, self.bench.records, self.cfg.sim
+        base = next((r for r, v in slow if v.variant_id == self.baseline.variant_id), None)
+        cal = calibrate(spec, hw, shapes_from_steps(base.bench["step_samples"])) if base else ROOFLINE
+        fast_by_id = {v.variant_id: r for r, v in fast}
+        measured = [r.bench["output_tok_s"] for r, _ in slow]
+        pred_cal = [simulate(spec, hw, recs, v, cal, **sim).output_tok_s for _, v in slow]
+        pred_roof = [simulate(spec, hw, recs, v, ROOFLINE, **sim).output_tok_s for _, v in slow]
+        fast_tier = [fast_score(fast_by_id[v.variant_id].bench)[1] if v.variant_id in fast_by_id else float("nan")
+                     for _, v in slow]
+        nan = float("nan")
+        ok_fast = len(slow) > 1 and not any(math.isnan(x) for x in fast_tier)
+        cost = {"variants": len(slow), "calibration": cal.to_json(), "calibrated_on": base.id if base else None,
+                "mape_calibrated": mape(pred_cal, measured) if slow else nan,
+                "mape_roofline": mape(pred_roof, measured) if slow else nan,
+                "spearman_cost_model": spearman(pred_cal, measured) if len(slow) > 1 else nan,
+                "spearman_fast_tier": spearman(fast_tier, measured) if ok_fast else nan,
+                "points": [{"variant_id": v.variant_id, "name": v.name, "measured": m, "calibrated": pc,
+                            "roofline": pr, "fast": f}
+                           for (_, v), m, pc, pr, f in zip(slow, measured, pred_cal, pred_roof, fast_tier)]}
+        self.board.post("cost-model", "note", {"search": self.search, "error": {
+            k: v for k, v in cost.items() if k != "points"}}, [r.id for r, _ in slow])
+        return cost
+
+    def decide(self) -> tuple[Choice | None, dict]:
+        """Chooses among the slow-tier results; the decision, its reason and its result ids go on the board."""
+        slow = self.results(SLOW)
+        base = next(((r, v) for r, v in slow if v.variant_id == self.baseline.variant_id), None)
+        if base is None:
+            return None, {"reason": "no slow-tier measurement of the baseline; nothing chosen", "refs": [],
+                          "baseline": None, "chosen": None, "message_id": None}
+        cands = [(v, bench_from(r.bench)) for r, v in slow if v.variant_id != self.baseline.variant_id]
+        choice = choose(cands, (self.baseline, bench_from(base[0].bench)))
+        ids = {v.variant_id: r.id for r, v in slow}
+        refs = sorted({ids[self.baseline.variant_id], ids[choice.variant.variant_id]})
+        decision = {"search": self.search, "reason": choice.reason, "refs": refs,
+                    "variant_id": choice.variant.variant_id}
+        decision["message_id"] = self.board.post("tuner", "decision", decision, refs)
+        decision.update(baseline=base[0].bench, chosen=choice.result.to_json())
+        return choice, decision
+
+    def rows(self) -> list[dict]:
+        results = {r.experiment_id: r for tier in (FAST, SLOW) for r, _ in self.results(tier)}
+        rows = []
+        for e in self.board.experiments(self.search):
+            row = {"experiment": e["id"], "tier": e["tier"], "proposer": e["proposer"], "rationale": e["rationale"],
+                   "name": json.loads(e["variant"])["name"], "variant_id": e["variant_id"], "status": e["status"],
+                   "attempts": e["attempts"], "error": (e["error"] or "").split("\n")[0]}
+            r = results.get(e["id"])
+            if r:
+                row.update(result_id=r.id, output_tok_s=r.bench["output_tok_s"], spread=r.bench["spread"],
+                           goodput=r.bench["goodput"] if e["tier"] == SLOW else fast_score(r.bench)[0])
+            rows.append(row)
+        return rows
+
+    def invalid_replies(self) -> int:
+        return sum(1 for m in self.board.messages("invalid_reply") if m["body"].get("search") == self.search)
+
+
 def tune(cfg: SearchConfig, board_path: str | Path, agents: list[Agent] | None = None, budget: Budget = Budget(),
          slow_top: int = 2, per_agent: int = 2, hardware: HardwareProfile | None = None,
          baseline: VariantSpec | None = None, gate: bool = False, search: str | None = None,
          log=lambda msg: None) -> TuneReport:
+    """Agents propose in rounds and the fast tier measures until the budget's fast share is spent or
+    nobody proposes anything new; then the slow tier measures the baseline and the best, and the
+    decision is recorded."""
     t0 = time.time()
     deadline = t0 + budget.seconds
     agents = default_agents() if agents is None else agents
-    board = Board(board_path)
-    search = search or new_search_id()
-    board.create_search(search, cfg.to_json())
-    hw = hardware or probe(cfg.device, size_mb=64 if cfg.device == "cpu" else 256)
-    bench = Workbench(cfg, hw)
-    spec = bench.spec_for(SLOW)
-    base = baseline or VariantSpec(name="baseline (default)")
-    p = plan(spec, hw, bench.traffic, base, records=bench.records, **cfg.sim)
-    board.post("cost-model", "note", {"plan_top": [e.to_json() | {"variant": e.variant.name}
-                                                   for e in p.entries[:5]],
-                                      "ranges": p.ranges, "layouts": p.layouts})
-    log(f"cost model ranked {len(p.entries)} knob variants; ranges {p.ranges}")
+    s = Search.start(cfg, board_path, search, hardware, baseline)
+    log(f"search {s.search}: cost model ranked {len(s.plan.entries)} knob variants; ranges {s.plan.ranges}")
     fast_budget = max(1, budget.experiments - (slow_top + 1))
-    board.enqueue(search, base, FAST, "baseline", "the engine's default configuration")
-    work(board, search, bench, FAST, deadline=deadline)
-
-    def n_fast() -> int:
-        return sum(1 for e in board.experiments(search) if e["tier"] == FAST)
-
-    while time.time() < deadline and n_fast() < fast_budget:
+    s.measure(FAST, deadline)
+    while time.time() < deadline and s.n_experiments(FAST) < fast_budget:
         queued = 0
         for agent in agents:
-            room = fast_budget - n_fast()
+            room = fast_budget - s.n_experiments(FAST)
             if room <= 0 or time.time() >= deadline:
                 break
-            state = SearchState.read(board, search, spec=spec, hardware=hw, traffic=bench.traffic, plan=p,
-                                     baseline=base, device=cfg.device, max_input=cfg.max_input)
-            for prop in agent.propose(state, min(per_agent, room)):
-                _, fresh = board.enqueue(search, prop.variant, FAST, agent.name, prop.rationale, list(prop.refs))
-                queued += fresh
-            done = work(board, search, bench, FAST, deadline=deadline)
+            queued += s.propose(agent, min(per_agent, room))
+            done = s.measure(FAST, deadline)
             log(f"{agent.name}: {done.evaluated} measured, {done.failed} failed")
         if not queued:
             break
-
-    fast = board.results(search, FAST)
-    base_fast = next((r for r, v in fast if v.variant_id == base.variant_id), None)
-    ranked = sorted((rv for rv in fast if rv[1].variant_id != base.variant_id),
-                    key=lambda rv: fast_score(rv[0].bench), reverse=True)
-    slow_room = max(0, budget.experiments - len(board.experiments(search)))
-    board.enqueue(search, base, SLOW, "tuner", "baseline for the slow tier", [base_fast.id] if base_fast else [])
-    for r, v in ranked[: max(0, min(slow_top, slow_room - 1))]:
-        g, tps = fast_score(r.bench)
-        board.enqueue(search, v, SLOW, "tuner", f"fast tier rank: implied goodput {g:.2f} req/s, {tps:.1f} tok/s",
-                      [r.id])
-    work(board, search, bench, SLOW)  # the slow tier's share of the budget was kept back; it runs to the end
-    slow = board.results(search, SLOW)
-    # calibration: correction factors fitted to the baseline's measured full-model forward passes
-    base_slow_r = next((r for r, v in slow if v.variant_id == base.variant_id), None)
-    cal = calibrate(spec, hw, shapes_from_steps(base_slow_r.bench["step_samples"])) if base_slow_r else ROOFLINE
-    board.post("cost-model", "note", {"calibration": cal.to_json(),
-                                      "from_result": base_slow_r.id if base_slow_r else None},
-               [base_slow_r.id] if base_slow_r else [])
-
-    # the cost model's error and both tiers' ranking against the slow tier
-    fast_by_id = {v.variant_id: r for r, v in fast}
-    measured = [r.bench["output_tok_s"] for r, _ in slow]
-    pred_cal = [simulate(spec, hw, bench.records, v, cal, **cfg.sim).output_tok_s for _, v in slow]
-    pred_roof = [simulate(spec, hw, bench.records, v, ROOFLINE, **cfg.sim).output_tok_s for _, v in slow]
-    fast_tier = [fast_score(fast_by_id[v.variant_id].bench)[1] if v.variant_id in fast_by_id else float("nan")
-                 for _, v in slow]
-    nan = float("nan")
-    cost = {"variants": len(slow), "calibration": cal.to_json(),
-            "mape_calibrated": mape(pred_cal, measured) if slow else nan,
-            "mape_roofline": mape(pred_roof, measured) if slow else nan,
-            "spearman_cost_model": spearman(pred_cal, measured) if len(slow) > 1 else nan,
-            "spearman_fast_tier": spearman(fast_tier, measured) if len(slow) > 1 and not any(
-                math.isnan(x) for x in fast_tier) else nan,
-            "points": [{"variant_id": v.variant_id, "measured": m, "calibrated": pc, "roofline": pr, "fast": f}
-                       for (_, v), m, pc, pr, f in zip(slow, measured, pred_cal, pred_roof, fast_tier)]}
-    board.post("cost-model", "note", {"error": {k: v for k, v in cost.items() if k != "points"}},
-               [r.id for r, _ in slow])
-
-    base_slow = next(((r, v) for r, v in slow if v.variant_id == base.variant_id), None)
-    decision: dict = {"reason": "no slow-tier measurement of the baseline; nothing chosen", "refs": [],
-                      "baseline": None, "chosen": None, "message_id": None}
-    chosen_variant = base
-    if base_slow:
-        cands = [(v, bench_from(r.bench)) for r, v in slow if v.variant_id != base.variant_id]
-        choice = choose(cands, (base, bench_from(base_slow[0].bench)))
-        chosen_variant = choice.variant
-        ids = {v.variant_id: r.id for r, v in slow}
-        refs = sorted({ids[base.variant_id], ids[choice.variant.variant_id]})
-        decision = {"reason": choice.reason, "refs": refs, "variant_id": choice.variant.variant_id,
-                    "baseline": base_slow[0].bench, "chosen": choice.result.to_json()}
-        decision["message_id"] = board.post("tuner", "decision", {k: v for k, v in decision.items()
-                                                                   if k not in ("baseline", "chosen")}, refs)
+    slow_room = max(1, budget.experiments - s.n_experiments())
+    s.queue_slow(min(slow_top, slow_room - 1))
+    s.measure(SLOW)  # the slow tier's share of the budget was kept back; it runs to the end
+    log(f"slow tier: {len(s.results(SLOW))} measured")
+    cost = s.cost_model_error()
+    choice, decision = s.decide()
+    chosen = choice.variant if choice else s.baseline
     quality = None
-    if gate and chosen_variant.variant_id != base.variant_id:
+    if gate and chosen.variant_id != s.baseline.variant_id:
         from checks.gates import gate_variant
 
-        report = gate_variant(bench.engine(SLOW, base), chosen_variant)
+        report = gate_variant(s.bench.engine(SLOW, s.baseline), chosen)
         quality = report.to_json()
-        board.post("gates", "note", {"variant_id": chosen_variant.variant_id, "verdict": report.verdict,
-                                     "reasons": report.reasons})
-
-    results = {r.experiment_id: r for r, _ in fast + slow}
-    rows = []
-    for e in board.experiments(search):
-        row = {"experiment": e["id"], "tier": e["tier"], "proposer": e["proposer"], "rationale": e["rationale"],
-               "name": json.loads(e["variant"])["name"], "variant_id": e["variant_id"], "status": e["status"],
-               "attempts": e["attempts"], "error": (e["error"] or "").split("\n")[0]}
-        r = results.get(e["id"])
-        if r:
-            row.update(result_id=r.id, output_tok_s=r.bench["output_tok_s"], spread=r.bench["spread"],
-                       goodput=r.bench["goodput"] if e["tier"] == SLOW else fast_score(r.bench)[0])
-        rows.append(row)
-    invalid = sum(1 for m in board.messages("invalid_reply") if m["body"].get("search") == search)
-    report = TuneReport(search=search, board=str(board_path), config=cfg.to_json(), baseline=base.to_json(),
-                        chosen=chosen_variant.to_json(), decision=decision, rows=rows, cost_model=cost,
-                        invalid_replies=invalid, wall_s=time.time() - t0, budget=asdict(budget), quality=quality)
-    board.close()
+        s.board.post("gates", "note", {"search": s.search, "variant_id": chosen.variant_id,
+                                       "verdict": report.verdict, "reasons": report.reasons})
+    report = TuneReport(search=s.search, board=str(board_path), config=cfg.to_json(), baseline=s.baseline.to_json(),
+                        chosen=chosen.to_json(), decision=decision, rows=s.rows(), cost_model=cost,
+                        invalid_replies=s.invalid_replies(), wall_s=time.time() - t0, budget=asdict(budget),
+                        quality=quality)
+    s.board.close()
     return report
-

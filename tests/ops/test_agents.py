@@ -1,0 +1,145 @@
+"""Agents: reply validation, the LLM agent against a scripted OpenAI-compatible server on loopback and
+against our own server serving SmolLM2, and the built-in agents' proposals."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.trace_record import TraceRecord
+from engine.variant import VariantSpec
+from ops.agents import InvalidReply, LLMAgent, LocalSearch, SearchState, TrafficRules, fast_score, parse_reply
+from ops.board import Board
+from ops.cost_model import plan
+from ops.hardware import HardwareProfile
+from ops.model_spec import ModelSpec
+from ops.traces import profile
+
+SPEC = ModelSpec(architecture="llama", layers=30, hidden_size=576, heads=9, kv_heads=3, head_dim=64, vocab=49152,
+                 experts=0, experts_per_token=0, dtype="float32", param_bytes=4 * 134_515_008,
+                 kv_bytes_per_token=2 * 30 * 3 * 64 * 4, weights_hash="x", source="x")
+HW = HardwareProfile(device="test", device_count=1, memory_bytes=24 << 30, memory_bandwidth=40e9,
+                     matmul_flops={"float32": 3e11}, launch_overhead_s=3e-6)
+BASE = VariantSpec(name="base")
+
+VALID = {"proposals": [
+    {"rationale": "smaller batches for lower TPOT", "changes": {"max_num_seqs": 8, "prefill_chunk_size": 64}},
+    {"rationale": "a faster norm", "changes": {"kernels": {"rms_norm": "triton"}},
+     "kernel_source": {"op": "silu_and_mul", "module": "my_act", "function": "silu_and_mul",
+                       "source": "import torch\n\ndef silu_and_mul(x):\n"
+                                 "    d = x.shape[-1] // 2\n    return torch.nn.functional.silu(x[..., :d]) * x[..., d:]\n"}},
+]}
+
+
+def _state(board: Board, search: str, reuse: bool = False, long_prompts: bool = False) -> SearchState:
+    recs = [TraceRecord(arrival_s=i * 0.2, input_tokens=(3000 if long_prompts else 60) + 5 * i, output_tokens=50,
+                        prefix_block_hashes=[1, 2] if reuse else [], block_tokens=64, source="t") for i in range(20)]
+    prof = profile(recs)
+    return SearchState.read(board, search, spec=SPEC, hardware=HW, traffic=prof,
+                            plan=plan(SPEC, HW, prof, BASE, records=recs, max_output=8), baseline=BASE)
+
+
+def test_parse_reply_accepts_valid_and_fenced_json():
+    props = parse_reply(json.dumps(VALID), BASE)
+    assert props[0].variant.max_num_seqs == 8 and props[0].variant.prefill_chunk_size == 64
+    assert props[0].variant.block_size == BASE.block_size  # unchanged fields come from the base
+    v = props[1].variant
+    assert v.impl("rms_norm") == "triton" and v.impl("silu_and_mul") == "generated:my_act.silu_and_mul"
+    assert "my_act" in dict(v.generated_source)
+    fenced = "Here you go:\n```json\n" + json.dumps(VALID) + "\n```\nGood luck."
+    assert [p.variant for p in parse_reply(fenced, BASE)] == [p.variant for p in props]
+
+
+@pytest.mark.parametrize("reply, reason", [
+    (None, "empty reply"),
+    ("   ", "empty reply"),
+    ("The capital of France is Paris.", "not JSON"),
+    ('{"proposals": []}', "schema"),
+    ('{"proposals": [{"rationale": "x", "changes": {"max_num_seqs": "eight"}}]}', "schema"),
+    ('{"proposals": [{"rationale": "x", "changes": {"num_gpus": 4}}]}', "schema"),
+    ('{"variants": [{"max_num_seqs": 8}]}', "schema"),
+    ('{"proposals": [{"rationale": "x", "changes": {"kernels": {"attention": "warp_magic"}}}]}', "not a valid variant"),
+    (json.dumps({"proposals": [{"rationale": "x", "changes": {}, "kernel_source": {
+        "op": "rms_norm", "module": "evil", "function": "f", "source": "import os\ndef f(x, w, eps):\n    return x\n"}}]}),
+     "kernel source refused"),
+    (json.dumps({"proposals": [{"rationale": "x", "changes": {}, "kernel_source": {
+        "op": "rms_norm", "module": "broken", "function": "f", "source": "def f(x, w, eps) return x"}}]}),
+     "syntax error"),
+])
+def test_parse_reply_refuses_what_was_not_asked(reply, reason):
+    with pytest.raises(InvalidReply, match=reason):
+        parse_reply(reply, BASE)
+
+
+def test_llm_agent_against_a_scripted_server(tmp_path, scripted_server):
+    url, handler = scripted_server
+    board = Board(tmp_path / "b.db")
+    handler.script = [json.dumps(VALID), "I think you should raise max_num_seqs.", 500,
+                      '{"proposals": [{"rationale": "x", "changes": {"block_size": 12}}]}']
+    agent = LLMAgent(base_url=url, model="scripted-model", api_key="sk-test", board=board)
+    state = _state(board, "s")
+    props = agent.propose(state, 4)
+    assert [p.variant.max_num_seqs for p in props][:1] == [8] and len(props) == 2
+    req = handler.requests[0]
+    assert req["path"] == "/v1/chat/completions" and req["auth"] == "Bearer sk-test"
+    assert req["body"]["model"] == "scripted-model" and req["body"]["response_format"]["type"] == "json_schema"
+    context = json.loads(req["body"]["messages"][1]["content"].split("\n", 1)[1])
+    assert context["traffic"]["requests"] == 20 and "ranges" not in context and context["cost_model_ranges"]
+    for _ in range(3):  # prose, an HTTP 500 and a schema violation: recorded, never fatal
+        assert agent.propose(state, 4) == []
+    invalid = board.messages("invalid_reply")
+    assert [m["body"]["reason"].split(":")[0] for m in invalid] == ["not JSON", "does not match the schema at proposals/0/changes/block_size"]
+    assert invalid[0]["body"]["reply"].startswith("I think") and invalid[0]["body"]["search"] == "s"
+    assert any("failed" in m["body"].get("error", "") for m in board.messages("note"))
+    assert agent.invalid == 2
+
+
+def test_llm_agent_against_our_own_server_serving_smollm2(tmp_path):
+    """SmolLM2 rarely writes the schema; whatever it writes is validated and recorded, and the search goes on."""
+    from ops.deploy import ServerProcess
+
+    server = ServerProcess(["--model", "smollm2", "--num-kv-blocks", "1024"], "smollm2")
+    try:
+        board = Board(tmp_path / "b.db")
+        agent = LLMAgent(base_url=server.url + "/v1", model="smollm2", board=board, max_tokens=96)
+        state = _state(board, "s2")
+        props = agent.propose(state, 2)
+        assert agent.replies == 1
+        msgs = board.messages()
+        if props:
+            assert any(m["body"].get("valid_reply") for m in msgs)
+            assert all(isinstance(p.variant, VariantSpec) for p in props)
+        else:
+            bad = [m for m in msgs if m["kind"] == "invalid_reply"]
+            assert len(bad) == 1 and bad[0]["body"]["reason"]
+            assert bad[0]["body"]["model"] == "smollm2"
+    finally:
+        server.stop()
+
+
+def test_traffic_rules_follow_the_traffic(tmp_path):
+    board = Board(tmp_path / "b.db")
+    long_state = _state(board, "a", long_prompts=True)
+    names = [p.variant.name for p in TrafficRules().propose(long_state, 8)]
+    assert any("chunked prefill" in n for n in names)
+    reuse = [p for p in TrafficRules().propose(_state(board, "b", reuse=True), 8) if "prefix" in p.rationale]
+    assert reuse and reuse[0].variant.enable_prefix_caching
+    short = [p.variant.name for p in TrafficRules().propose(_state(board, "c"), 8)]
+    assert not any("chunked" in n for n in short)
+
+
+def test_local_search_steps_around_the_best_result(tmp_path):
+    board = Board(tmp_path / "b.db")
+    good = VariantSpec(name="good", max_num_seqs=16)
+    for v, g in ((BASE, 1.0), (good, 2.0)):
+        board.enqueue("s", v, "fast", "t", "r")
+        exp = board.claim("w", "s")
+        board.complete(exp, "w", {"output_tok_s": 10.0, "predicted": {"goodput": g, "output_tok_s": 10.0}})
+    state = _state(board, "s")
+    best_result, best = state.best()
+    assert best == good and fast_score(best_result.bench)[0] == 2.0
+    props = LocalSearch().propose(state, 20)
+    assert props and all(p.refs == (best_result.id,) for p in props)
+    assert all(len(p.variant.changed_scopes(good)) == 1 for p in props)  # one knob at a time
+    assert {p.variant.max_num_seqs for p in props} >= {8, 32}
+    assert all(state.fresh(p.variant) for p in props)

@@ -1,0 +1,123 @@
+"""The cost model: its error measures against scipy, calibration recovering known factors, the
+simulation against the engine's own scheduler, and the plan's ranking of knobs and layouts."""
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from engine.trace_record import TraceRecord
+from engine.variant import VariantSpec
+from ops.cost_model import (ROOFLINE, Calibration, StepShape, calibrate, features, mape, plan, rank_layouts,
+                            simulate, spearman, step_time, synthetic_requests)
+from ops.hardware import HardwareProfile
+from ops.model_spec import ModelSpec
+from ops.traces import profile
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACE = ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+
+SPEC = ModelSpec(architecture="llama", layers=30, hidden_size=576, heads=9, kv_heads=3, head_dim=64, vocab=49152,
+                 experts=0, experts_per_token=0, dtype="float32", param_bytes=4 * 134_515_008,
+                 kv_bytes_per_token=2 * 30 * 3 * 64 * 4, weights_hash="x", source="x")
+HW = HardwareProfile(device="test", device_count=1, memory_bytes=24 << 30, memory_bandwidth=40e9,
+                     matmul_flops={"float32": 3e11}, launch_overhead_s=3e-6)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_spearman_and_mape_match_references(seed):
+    rng = np.random.default_rng(seed)
+    a = rng.normal(size=25).round(1)  # rounding makes ties
+    b = a + rng.normal(scale=0.8, size=25).round(1)
+    assert spearman(list(a), list(b)) == pytest.approx(stats.spearmanr(a, b).statistic, abs=1e-12)
+    p, m = rng.uniform(1, 10, 12), rng.uniform(1, 10, 12)
+    assert mape(list(p), list(m)) == pytest.approx(float(np.mean(np.abs(p - m) / m)))
+    assert np.isnan(spearman([1, 1, 1], [1, 2, 3]))
+    with pytest.raises(ValueError):
+        spearman([1.0], [2.0])
+
+
+def test_calibration_recovers_known_factors():
+    rng = random.Random(3)
+    truth = Calibration(mem=1.7, compute=0.6, launch=25.0, per_seq_s=4e-4, fitted=True)
+    shapes = [StepShape.prefill(rng.randint(8, 1024)) for _ in range(12)]
+    shapes += [StepShape.decode(rng.randint(1, 64), rng.randint(16, 2048)) for _ in range(12)]
+    samples = [(s, step_time(SPEC, HW, s, truth) * (1 + rng.uniform(-0.002, 0.002))) for s in shapes]
+    cal = calibrate(SPEC, HW, samples)
+    assert cal.fitted and cal.samples == 24 and cal.fit_mape < 0.01
+    for name in ("mem", "compute", "launch", "per_seq_s"):
+        assert getattr(cal, name) == pytest.approx(getattr(truth, name), rel=0.05), name
+    # the factors stay non-negative even when the data would prefer a negative one
+    cal = calibrate(SPEC, HW, [(s, 0.01) for s in shapes])
+    assert min(cal.mem, cal.compute, cal.launch, cal.per_seq_s) >= 0
+    assert calibrate(SPEC, HW, []) == ROOFLINE
+    with pytest.raises(ValueError):
+        calibrate(SPEC, HW, [(shapes[0], 0.0)])
+
+
+def test_roofline_step_time_is_the_larger_bound_plus_launches():
+    mem, comp, launch, _ = features(SPEC, HW, StepShape.decode(1, 100))
+    assert step_time(SPEC, HW, StepShape.decode(1, 100)) == pytest.approx(max(mem, comp) + launch)
+    assert mem > comp  # batch-1 decode is memory-bound
+    mem, comp, _, _ = features(SPEC, HW, StepShape.prefill(2048))
+    assert comp > mem  # a long prefill is compute-bound
+    m1, _, l1, _ = features(SPEC, HW, StepShape.decode(8, 100), tp=1)
+    m2, _, l2, _ = features(SPEC, HW, StepShape.decode(8, 100), tp=2)
+    assert m2 == pytest.approx(m1 / 2) and l2 > l1  # TP halves bytes per device, adds all-reduces
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="needs shared/traces")
+@pytest.mark.parametrize("knobs", [{}, {"max_num_seqs": 3}, {"max_num_batched_tokens": 40},
+                                   {"prefill_chunk_size": 16, "max_num_batched_tokens": 64}])
+def test_simulation_schedules_like_the_engine(knobs):
+    """All requests arriving at once: the simulated steps batch exactly the tokens and sequences the
+    real engine's scheduler does (read from the slow tier's per-step record)."""
+    from engine import EngineConfig, LLMEngine, resolve
+    from ops.bench import slow_tier
+    from ops.replay import synthesize_prompts
+    from ops.traces import load_trace
+
+    records = load_trace(TRACE)[:7]
+    v = dataclasses.replace(VariantSpec(), **knobs)
+    eng = LLMEngine(EngineConfig(source=resolve("smollm2"), layers=1, num_kv_blocks=256, variant=v,
+                                 load_tokenizer=False))
+    prompts = synthesize_prompts(records, eng.model_config.vocab_size, max_input=48)
+    res = slow_tier(eng, records, prompts, "t", repeats=1, time_scale=0.0, max_output=5)
+    measured = [(int(n), int(s)) for n, _, s, _, _ in res.step_samples]
+    shapes: list[StepShape] = []
+    simulate(SPEC, HW, records, v, time_scale=0.0, max_input=48, max_output=5, num_kv_blocks=256, steps_out=shapes)
+    assert [(s.new_tokens, s.seqs) for s in shapes] == measured
+
+
+def test_simulation_prefix_caching_saves_prefill():
+    recs = [TraceRecord(arrival_s=i * 10.0, input_tokens=512, output_tokens=4, prefix_block_hashes=[1, 2, 3, 4],
+                        block_tokens=128, source="t") for i in range(4)]
+    on, off = [], []
+    simulate(SPEC, HW, recs, VariantSpec(), steps_out=on)
+    simulate(SPEC, HW, recs, VariantSpec(enable_prefix_caching=False), steps_out=off)
+    assert sum(s.new_tokens for s in off) - sum(s.new_tokens for s in on) == 3 * 511  # all but one token cached
+
+
+def test_plan_ranks_knobs_and_layouts():
+    prof = profile(synthetic_requests(profile([TraceRecord(arrival_s=float(i), input_tokens=300 + 50 * i,
+                                                           output_tokens=40, source="t") for i in range(20)]), 32))
+    base = VariantSpec(name="base")
+    p = plan(SPEC, HW, prof, base, max_output=16)
+    keys = [(-round(e.prediction.goodput, 6), -round(e.prediction.output_tok_s, 6)) for e in p.entries]
+    assert keys == sorted(keys)
+    assert p.ranges["max_num_seqs"] and set(p.ranges["max_num_seqs"]) <= {1, 4, 16, 64}
+    assert p.entries[0].prediction.output_tok_s >= p.entries[-1].prediction.output_tok_s
+    two = dataclasses.replace(HW, device_count=2, interconnect_bandwidth=400e9)
+    assert not next(d for d in rank_layouts(SPEC, two, prof, base, 2) if d["tp"] == 2)["fits"]  # 9 heads
+    spec = dataclasses.replace(SPEC, heads=8, kv_heads=2)
+    layouts = rank_layouts(spec, two, prof, base, 2, max_output=16)
+    assert {(d["tp"], d["dp"]) for d in layouts} == {(1, 2), (2, 1)}
+    assert all(d["fits"] for d in layouts)
+    tp2 = next(d for d in layouts if d["tp"] == 2)
+    assert tp2["prediction"]["output_tok_s"] > 0
+    half = dataclasses.replace(two, memory_bytes=int(spec.param_bytes / 1.5))  # the weights fit only split in two
+    assert [(d["tp"], d["fits"]) for d in rank_layouts(spec, half, prof, base, 2)] == [(2, True), (1, False)]

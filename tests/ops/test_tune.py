@@ -1,0 +1,74 @@
+"""A whole search on SmolLM2 (a few layers, a small trace slice): agents including the LLM agent
+against a scripted server, both tiers, the cost model's error, and a decision resting on results."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ops.board import DONE, Board
+from ops.tune import Budget, default_agents, tune
+from ops.worker import SearchConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACE = ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+pytestmark = pytest.mark.skipif(not TRACE.exists(), reason="needs shared/traces")
+
+REPLY = {"proposals": [{"rationale": "chunk prompts so decodes keep flowing",
+                        "changes": {"prefill_chunk_size": 16, "max_num_batched_tokens": 48}}]}
+
+
+def test_tune_with_built_in_and_llm_agents(tmp_path, scripted_server):
+    from ops.agents import LLMAgent
+
+    url, handler = scripted_server
+    handler.script = [json.dumps(REPLY), "not json at all"] * 4
+    board_path = tmp_path / "board.db"
+    cfg = SearchConfig(trace=str(TRACE), requests=6, max_input=32, max_output=4, time_scale=0.0, fast_layers=1,
+                       slow_layers=2, fast_repeats=1, slow_repeats=2)
+    agents = default_agents()
+    agents.insert(2, LLMAgent(base_url=url, model="scripted", board=Board(board_path)))
+    report = tune(cfg, board_path, agents, Budget(experiments=8, seconds=600), slow_top=2, per_agent=1)
+    rows = report.rows
+    assert len(rows) <= 8
+    assert all(r["status"] == DONE and r["result_id"] for r in rows)
+    fast = [r for r in rows if r["tier"] == "fast"]
+    slow = [r for r in rows if r["tier"] == "slow"]
+    assert fast[0]["proposer"] == "baseline" and slow[0]["name"] == "baseline (default)"
+    assert {"cost-model", "llm"} <= {r["proposer"] for r in fast}
+    assert len(slow) == 3 and report.cost_model["variants"] == 3
+    llm_row = next(r for r in fast if r["proposer"] == "llm")
+    assert "chunk prompts" in llm_row["rationale"]
+    # the decision rests on slow-tier results that exist on the board, and says why
+    board = Board(board_path)
+    slow_ids = {r.id for r, _ in board.results(report.search, "slow")}
+    assert report.decision["refs"] and set(report.decision["refs"]) <= slow_ids
+    decisions = [m for m in board.messages("decision") if m["body"]["search"] == report.search]
+    assert len(decisions) == 1 and decisions[0]["refs"] == report.decision["refs"]
+    assert report.chosen["variant_id"] == report.decision["variant_id"]
+    for key in ("mape_calibrated", "mape_roofline", "spearman_cost_model", "spearman_fast_tier"):
+        assert key in report.cost_model
+    assert report.cost_model["mape_calibrated"] >= 0
+    text = report.text()
+    assert "decision:" in text and "MAPE" in text and report.search in text
+    assert report.invalid_replies == (1 if len(handler.requests) > 1 else 0)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--trace", "/nonexistent.csv"], "trace not found"),
+    (["--trace", str(TRACE), "--budget", "1"], "at least 2 experiments"),
+])
+def test_tune_cli_refuses_bad_input(args, message, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "pipelines.cli", "tune", "--board", str(tmp_path / "b.db"), *args],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 2 and message in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_worker_cli_unknown_search(tmp_path):
+    Board(tmp_path / "b.db").close()
+    out = subprocess.run([sys.executable, "-m", "pipelines.cli", "worker", "--board", str(tmp_path / "b.db"),
+                          "--search", "nope"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 2 and "no search 'nope'" in out.stderr
