@@ -104,69 +104,84 @@ def hardware_profile(context: dg.AssetExecutionContext, runner: EngineRunner):
 
 
 @dg.asset(partitions_def=DEPLOYMENTS,
-          description="Knob variants ranked by the roofline cost model for this model, machine and traffic.")
+          description="Knob variants and parallel layouts ranked by the cost model (a simulated batching of "
+                      "the trace slice with roofline step times) for this model, machine and traffic.")
 def cost_model_plan(context: dg.AssetExecutionContext, model_spec, hardware_profile, traffic_profile,
-                    runner: EngineRunner):
+                    traffic_traces: list, traffic: TrafficSource, runner: EngineRunner):
+    from engine.variant import VariantSpec
     from ops.cost_model import plan
 
-    base = runner.engine(layers=1).variant  # the engine's default configuration: the static baseline
-    p = plan(model_spec, hardware_profile, traffic_profile, dataclasses.replace(base, name="baseline (default)"))
+    base = VariantSpec(name="baseline (default)")  # the engine's default configuration: the static baseline
+    p = plan(model_spec, hardware_profile, traffic_profile, base, records=traffic_traces[: traffic.max_requests],
+             time_scale=traffic.time_scale, max_input=traffic.max_input, max_output=traffic.max_output,
+             num_kv_blocks=runner.num_kv_blocks)
     context.add_output_metadata({"candidates ranked": len(p.entries), "top": _md_table([
         {"variant": e.variant.name, "id": e.variant.variant_id, "pred tok/s": round(e.prediction.output_tok_s, 1),
-         "pred TTFT ms": round(1e3 * e.prediction.ttft_s), "pred TPOT ms": round(1e3 * e.prediction.tpot_s, 1)}
-        for e in p.entries[:10]])})
+         "pred goodput": round(e.prediction.goodput, 2), "pred TTFT ms": round(1e3 * e.prediction.ttft_s),
+         "pred TPOT ms": round(1e3 * e.prediction.tpot_s, 1)} for e in p.entries[:10]]),
+        "knob ranges": dg.MetadataValue.json(p.ranges),
+        "parallel layouts": _md_table([{"tp": d["tp"], "dp": d["dp"], "fits": d["fits"], "why": d["rationale"]}
+                                       for d in p.layouts])})
     return p
 
 
 @dg.asset(partitions_def=DEPLOYMENTS,
-          description="The variants to measure: the baseline and the variant source's proposals.")
-def variant_candidates(context: dg.AssetExecutionContext, cost_model_plan, source: VariantSource) -> list:
-    variants = source.propose(cost_model_plan)
-    context.add_output_metadata({"variants": _md_table([{"name": v.name, "id": v.variant_id} for v in variants])})
+          description="Agents read the board and propose; their proposals wait in the experiment queue.")
+def variant_candidates(context: dg.AssetExecutionContext, cost_model_plan, hardware_profile, source: VariantSource,
+                       runner: EngineRunner, traffic: TrafficSource) -> list:
+    search = source.search(context, runner, traffic, hardware_profile, cost_model_plan)
+    for agent in source.agents(search.board):
+        room = source.candidates + 1 - search.n_experiments()
+        if room > 0:
+            search.propose(agent, room)
+    exps = search.board.experiments(search.search)
+    variants = [search.baseline] + [v for v in (_variant_of(e) for e in exps)
+                                    if v.variant_id != search.baseline.variant_id]
+    context.add_output_metadata({"board": source.board, "search": search.search, "variants": _md_table([
+        {"name": json.loads(e["variant"])["name"], "id": e["variant_id"], "proposer": e["proposer"],
+         "why": e["rationale"]} for e in exps])})
     return variants
 
 
-@dg.asset(partitions_def=DEPLOYMENTS,
-          description="Fast tier: step times of the traffic's shape mix on a few layers, one hot-swapped engine.",
-          op_tags={"polyinf/tier": "fast", **GPU_OP_TAGS})
-def fast_bench_results(context: dg.AssetExecutionContext, variant_candidates: list, traffic_profile,
-                       runner: EngineRunner) -> list:
-    from ops.bench import fast_tier
+def _variant_of(row: dict):
+    """The VariantSpec of an experiment row on the board."""
+    from engine.variant import VariantSpec
 
-    eng = runner.engine(layers=runner.fast_layers)
-    prefill = sorted({max(8, int(traffic_profile.input_p50)) , max(8, int(traffic_profile.input_p90))})
-    prefill = [min(n, 256) for n in prefill]
-    conc = max(1, round(traffic_profile.estimated_concurrency))
-    results = []
-    for v in variant_candidates:
-        eng.apply_variant(v)
-        batches = sorted({1, min(conc, v.max_num_seqs), min(2 * conc, v.max_num_seqs)})
-        results.append((v, fast_tier(eng, prefill, [(b, min(256, int(traffic_profile.input_p50) + 8))
-                                                    for b in batches], repeats=3)))
-    context.add_output_metadata({"results": _md_table([
+    return VariantSpec.from_json(json.loads(row["variant"]))
+
+
+@dg.asset(partitions_def=DEPLOYMENTS,
+          description="Fast tier: step times of the traffic's shape mix on a few layers, one hot-swapped engine "
+                      "draining the queue.",
+          op_tags={"polyinf/tier": "fast", **GPU_OP_TAGS})
+def fast_bench_results(context: dg.AssetExecutionContext, variant_candidates: list, hardware_profile,
+                       source: VariantSource, runner: EngineRunner, traffic: TrafficSource) -> list:
+    from ops.worker import FAST, bench_from
+
+    search = source.search(context, runner, traffic, hardware_profile)
+    stats = search.measure(FAST)
+    by_id = {v.variant_id: r for r, v in search.results(FAST)}
+    results = [(v, bench_from(by_id[v.variant_id].bench)) for v in variant_candidates if v.variant_id in by_id]
+    context.add_output_metadata({"measured": stats.evaluated, "failed": stats.failed, "results": _md_table([
         {"variant": v.name, "decode tok/s": round(r.output_tok_s, 1), "spread": round(r.spread, 1),
          **{k: round(t, 2) for k, t in r.step_times_ms.items()}} for v, r in results][:12])})
     return results
 
 
 @dg.asset(partitions_def=DEPLOYMENTS,
-          description="Slow tier: the trace slice replayed through the full model for the best fast-tier variants.",
+          description="Slow tier: the trace slice replayed through the full model for the baseline and the best "
+                      "fast-tier variants.",
           op_tags={"polyinf/tier": "slow", **GPU_OP_TAGS})
-def slow_bench_results(context: dg.AssetExecutionContext, fast_bench_results: list, traffic_traces: list,
-                       traffic: TrafficSource, runner: EngineRunner) -> list:
-    from ops.bench import slow_tier
-    from ops.replay import synthesize_prompts
+def slow_bench_results(context: dg.AssetExecutionContext, fast_bench_results: list, hardware_profile,
+                       source: VariantSource, runner: EngineRunner, traffic: TrafficSource) -> list:
+    from ops.worker import SLOW, bench_from
 
-    baseline = fast_bench_results[0]
-    ranked = sorted(fast_bench_results[1:], key=lambda vr: -vr[1].output_tok_s)
-    chosen = [baseline] + ranked[:2]
-    eng = runner.engine()
-    prompts = synthesize_prompts(traffic_traces, eng.model_config.vocab_size, max_input=traffic.max_input)
-    results = []
-    for v, _ in chosen:
-        eng.apply_variant(v)
-        results.append((v, slow_tier(eng, traffic_traces, prompts, f"{traffic.trace}[:{len(traffic_traces)}]",
-                                     repeats=2, time_scale=traffic.time_scale, max_output=traffic.max_output)))
+    search = source.search(context, runner, traffic, hardware_profile)
+    chosen = search.queue_slow(source.slow_top)
+    search.measure(SLOW)
+    by_id = {v.variant_id: r for r, v in search.results(SLOW)}
+    results = [(v, bench_from(by_id[v.variant_id].bench)) for v in chosen if v.variant_id in by_id]
+    cost = search.cost_model_error()
     letters = "BABCDEFGH"
     plot = _scatter([(r.output_tok_s, 1e3 * r.tpot_p50, letters[i]) for i, (_, r) in enumerate(results)])
     context.add_output_metadata({
@@ -176,6 +191,8 @@ def slow_bench_results(context: dg.AssetExecutionContext, fast_bench_results: li
                                "TPOT p50/p99 ms": f"{1e3 * r.tpot_p50:.1f}/{1e3 * r.tpot_p99:.1f}"}
                               for i, (v, r) in enumerate(results)]),
         "throughput vs latency": dg.MetadataValue.md(f"```\n{plot}\n```"),
+        "cost model MAPE": dg.MetadataValue.float(float(cost["mape_calibrated"])),
+        "Spearman fast vs slow": dg.MetadataValue.float(float(cost["spearman_fast_tier"])),
     })
     return results
 
@@ -183,14 +200,19 @@ def slow_bench_results(context: dg.AssetExecutionContext, fast_bench_results: li
 @dg.asset(partitions_def=DEPLOYMENTS,
           description="The chosen variant, why, and its measurements; gated by the quality checks.")
 def engine_build(context: dg.AssetExecutionContext, slow_bench_results: list, traffic_profile, model_spec,
-                 artifacts: ArtifactStore):
+                 artifacts: ArtifactStore, source: VariantSource, runner: EngineRunner, traffic: TrafficSource):
     from ops.optimize import EngineBuild, choose
 
-    choice = choose(slow_bench_results[1:], slow_bench_results[0])
+    search = source.search(context, runner, traffic)
+    decided, decision = search.decide()  # the decision, its reason and its result ids, on the board
+    choice = decided or choose(slow_bench_results[1:], slow_bench_results[0])
     build = EngineBuild(variant=choice.variant, source_hash=choice.variant.variant_id,
                         bench=choice.result.to_json(), baseline_bench=choice.baseline.to_json(), reason=choice.reason,
                         traffic_profile=traffic_profile.to_json(), model_weights_hash=model_spec.weights_hash,
-                        provenance={"run_id": context.run.run_id, "variant_source": "cost-model grid"})
+                        provenance={"run_id": context.run.run_id, "variant_source": "agents on the board",
+                                    "board": source.board, "search": search.search,
+                                    "decision_message": decision.get("message_id"),
+                                    "result_ids": decision.get("refs", [])})
     path = artifacts.put(f"builds/{build.source_hash}.json", json.dumps(build.to_json(), indent=2))
     context.add_output_metadata({"chosen variant": choice.variant.variant_id, "name": choice.variant.name,
                                  "why": dg.MetadataValue.md(choice.reason), "artifact": path})

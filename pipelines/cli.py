@@ -147,7 +147,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def run_optimize(model: str, trace: str, requests: int, max_input: int, max_output: int, time_scale: float,
                  candidates: int, device: str = "cpu", dtype: str = "float32", fast_layers: int = 4,
-                 artifacts: str = ".polyinf/artifacts", endpoint_url: str = "", admin_token: str = ""):
+                 artifacts: str = ".polyinf/artifacts", endpoint_url: str = "", admin_token: str = "",
+                 llm_base_url: str = "", llm_model: str = "polyinf"):
     """Materializes the whole graph in-process; returns the Dagster result."""
     import dagster as dg
 
@@ -158,7 +159,8 @@ def run_optimize(model: str, trace: str, requests: int, max_input: int, max_outp
         "runner": EngineRunner(model=model, device=device, dtype=dtype, fast_layers=fast_layers),
         "traffic": TrafficSource(trace=trace, max_requests=requests, max_input=max_input, max_output=max_output,
                                  time_scale=time_scale),
-        "source": VariantSource(candidates=candidates),
+        "source": VariantSource(candidates=candidates, board=str(Path(artifacts) / "board.sqlite"),
+                                llm_base_url=llm_base_url, llm_model=llm_model),
         "artifacts": ArtifactStore(root=artifacts),
         "endpoint": Endpoint(url=endpoint_url, admin_token=admin_token),
     }
@@ -177,7 +179,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     try:
         result = run_optimize(args.model, args.trace, args.requests, args.max_input, args.max_output, args.time_scale,
                               args.candidates, args.device, args.dtype, args.fast_layers, args.artifacts,
-                              args.endpoint_url, args.admin_token or "")
+                              args.endpoint_url, args.admin_token or "", args.llm_base_url, args.llm_model)
         if not result.success:
             failed = [e.message for e in result.all_events if e.is_failure][:3]
             print("polyinf: error: the optimization run failed: " + " | ".join(failed), file=sys.stderr)
@@ -198,6 +200,9 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             print(f"{label:28}{cell(base):>22}{cell(best):>26}")
         print(f"spread (output tok/s)       {base['spread']:>22.2f}{best['spread']:>26.2f}")
         print(f"why: {build.reason}")
+        prov = build.provenance
+        print(f"board: {prov.get('board')}, search {prov.get('search')}, decision message {prov.get('decision_message')} "
+              f"resting on results {prov.get('result_ids')}")
         print("gates: " + ", ".join(f"{k} {'passed' if v else 'FAILED'}" for k, v in checks.items()))
         if build.quality:
             print(f"quality: {build.quality['verdict']} (greedy agreement {build.quality['greedy_agreement']}, "
@@ -451,6 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument("--endpoint-url", default="", help="deploy to this server (default: start one on loopback)")
     op.add_argument("--admin-token", default=None, help="the endpoint's admin token")
     op.add_argument("--keep-serving", action="store_true", help="leave the embedded server running")
+    op.add_argument("--llm-base-url", default="", help="an OpenAI-compatible server for the LLM agent (off if empty)")
+    op.add_argument("--llm-model", default="polyinf", help="the model name on that server")
     op.set_defaults(func=cmd_optimize)
 
     tn = sub.add_parser("tune", help="search for a better variant outside Dagster: agents propose, the fast and "

@@ -52,19 +52,35 @@ class TrafficSource(dg.ConfigurableResource):
 
 
 class VariantSource(dg.ConfigurableResource):
-    """Proposes candidates. Now: the cost model's top knob variants; agents plug in here later."""
+    """Where candidates come from: agents on the message board (cost-model seeding, traffic rules, local
+    search, and an LLM agent when ``llm_base_url`` is set), measured by workers draining the queue."""
 
-    candidates: int = 4
+    board: str = ".polyinf/board.sqlite"
+    candidates: int = 4  # proposals measured on the fast tier besides the baseline
+    slow_top: int = 2  # best fast-tier variants replayed on the slow tier
+    llm_base_url: str = ""
+    llm_model: str = "polyinf"
+    llm_api_key: str = ""  # e.g. dg.EnvVar("OPENAI_API_KEY")
 
-    def propose(self, plan) -> list:
-        seen, out = {plan.baseline.variant_id}, [plan.baseline]
-        for entry in plan.entries:
-            if entry.variant.variant_id not in seen:
-                seen.add(entry.variant.variant_id)
-                out.append(entry.variant)
-            if len(out) > self.candidates:
-                break
-        return out
+    def agents(self, board):
+        from ops.agents import CostModelSeeder, LLMAgent, TrafficRules
+
+        agents = [CostModelSeeder(), TrafficRules()]
+        if self.llm_base_url:
+            agents.append(LLMAgent(base_url=self.llm_base_url, model=self.llm_model,
+                                   api_key=self.llm_api_key or "none", board=board))
+        return agents
+
+    def search(self, context, runner: "EngineRunner", traffic: "TrafficSource", hardware=None, cost_plan=None):
+        """The run's search on the board (one per Dagster run, so every asset step finds the same one)."""
+        from ops.tune import Search
+        from ops.worker import SearchConfig
+
+        cfg = SearchConfig(model=runner.model, trace=traffic.trace, device=runner.device, dtype=runner.dtype,
+                           requests=traffic.max_requests, max_input=traffic.max_input, max_output=traffic.max_output,
+                           time_scale=traffic.time_scale, fast_layers=runner.fast_layers, slow_repeats=2,
+                           num_kv_blocks=runner.num_kv_blocks)
+        return Search.start(cfg, self.board, f"run-{context.run.run_id}", hardware=hardware, cost_plan=cost_plan)
 
 
 class ArtifactStore(dg.ConfigurableResource):
