@@ -239,7 +239,8 @@ class LLMEngine:
         logits = self.runner.run(batch, self.ops, ahead)
         starts = [s.seq.num_computed_tokens + int(ahead) for s in batch.scheduled]
         samplers = [s.seq for s in batch.scheduled if s.samples]
-        if self.logits_sink is None and all(s.params.greedy and not s.params.forced_tokens for s in samplers):
+        if samplers and self.logits_sink is None and all(s.params.greedy and not s.params.forced_tokens
+                                                         for s in samplers):
             greedy = self.runner.greedy(logits)
             cuda = self.device.type == "cuda"
             host = torch.empty(greedy.shape, dtype=torch.int64, pin_memory=cuda)
