@@ -1,7 +1,8 @@
 """The cost model against measurement: a spread of knob variants replayed on the slow tier.
 
 Replays a slice of the Azure conversation trace through SmolLM2 (all layers) for each variant,
-fits the cost model's correction factors to the baseline's measured engine steps, and prints
+fits the cost model's correction factors to full-model forward passes of a spread of shapes
+(the baseline variant), and prints
 predicted against measured output tokens/s, the MAPE (calibrated and plain roofline) and the
 Spearman rank correlation on throughput.
 
@@ -20,7 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine.variant import VariantSpec  # noqa: E402
-from ops.cost_model import ROOFLINE, calibrate, mape, shapes_from_steps, simulate, spearman  # noqa: E402
+from ops.board import Board  # noqa: E402
+from ops.cost_model import ROOFLINE, mape, simulate, spearman  # noqa: E402
+from ops.tune import Search  # noqa: E402
 from ops.hardware import probe  # noqa: E402
 from ops.worker import SLOW, SearchConfig, Workbench  # noqa: E402
 
@@ -51,12 +54,13 @@ def main() -> int:
     t0 = time.perf_counter()
     hw = probe("cpu", size_mb=64)
     bench = Workbench(cfg, hw)
+    board = Board(":memory:")
     spec = bench.spec_for(SLOW)
     measured = {}
     for v in VARIANTS:
         measured[v.variant_id] = bench.evaluate(v, SLOW)
         print(f"  measured {v.name:20} {measured[v.variant_id]['output_tok_s']:7.1f} tok/s", flush=True)
-    cal = calibrate(spec, hw, shapes_from_steps(measured[BASE.variant_id]["step_samples"]))
+    cal = Search(cfg, board, "cost-model-bench", hw, bench, BASE, None).calibration()
     rows = []
     for v in VARIANTS:
         m = measured[v.variant_id]
@@ -77,7 +81,7 @@ def main() -> int:
     print(f"\nMAPE: calibrated {summary['mape_calibrated']:.1%}, roofline {summary['mape_roofline']:.1%}")
     print(f"Spearman on throughput: calibrated {summary['spearman_calibrated']:.2f}, "
           f"roofline {summary['spearman_roofline']:.2f} (target >= 0.7)")
-    print(f"calibration (fitted to {cal.samples} baseline steps, fit MAPE {cal.fit_mape:.1%}): mem {cal.mem:.2f}, "
+    print(f"calibration (fitted to {cal.samples} forward-pass shapes, fit MAPE {cal.fit_mape:.1%}): mem {cal.mem:.2f}, "
           f"compute {cal.compute:.2f}, launch {cal.launch:.2f}, per sequence {1e3 * cal.per_seq_s:.2f} ms")
     print(f"[{summary['seconds']:.0f} s]")
     if args.json:

@@ -95,14 +95,27 @@ def step_time(spec: ModelSpec, hw: HardwareProfile, shape: StepShape, cal: Calib
     return cal.mem * mem + cal.compute * comp + cal.launch * launch + cal.per_seq_s * seqs
 
 
-def calibrate(spec: ModelSpec, hw: HardwareProfile, samples: list[tuple[StepShape, float]]) -> Calibration:
-    """Non-negative factors minimizing the relative squared error over measured (shape, seconds)."""
+def calibrate(spec: ModelSpec, hw: HardwareProfile, samples: list[tuple[StepShape, float]],
+              window: int = 1) -> Calibration:
+    """Non-negative factors minimizing the relative squared error over measured (shape, seconds).
+
+    ``window`` > 1 fits sums over that many consecutive steps instead of single steps: an engine
+    that runs a step ahead of the host spends one step's time in the call before, so single step
+    times are misaligned with their shapes while sums over a few steps are not."""
     if not samples:
         return ROOFLINE
-    x = np.array([features(spec, hw, s) for s, _ in samples], dtype=np.float64)
-    y = np.array([t for _, t in samples], dtype=np.float64)
-    if np.any(y <= 0):
+    if any(t < 0 for _, t in samples):
+        raise ValueError("measured step times must not be negative")
+    feats = np.array([features(spec, hw, s) for s, _ in samples], dtype=np.float64)
+    times = np.array([t for _, t in samples], dtype=np.float64)
+    if window > 1:
+        n = len(samples) // window * window or len(samples)
+        groups = np.arange(n) // window
+        feats = np.array([feats[:n][groups == g].sum(0) for g in range(groups.max() + 1)])
+        times = np.array([times[:n][groups == g].sum() for g in range(groups.max() + 1)])
+    if np.any(times <= 0):
         raise ValueError("measured step times must be positive")
+    x, y = feats, times
     w = 1.0 / y  # relative error
     best = None
     # exact non-negative least squares for four unknowns: the best unconstrained fit on each support
@@ -133,12 +146,6 @@ def shapes_from_fast(step_times_ms: dict[str, float]) -> list[tuple[StepShape, f
         elif key.startswith("decode"):
             out.append((StepShape.decode(int(kv["b"]), int(kv["ctx"])), ms / 1e3))
     return out
-
-
-def shapes_from_steps(step_samples: list[list[float]]) -> list[tuple[StepShape, float]]:
-    """The slow tier's engine steps ([new, kv, seqs, pairs, seconds]) as (shape, seconds)."""
-    return [(StepShape(int(n), int(kv), int(seqs), int(pairs)), float(sec))
-            for n, kv, seqs, pairs, sec in step_samples if sec > 0]
 
 
 # ---- trace-level prediction -----------------------------------------------------------------------

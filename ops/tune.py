@@ -17,7 +17,9 @@ from pathlib import Path
 from engine.variant import VariantSpec
 from ops.agents import Agent, CostModelSeeder, LocalSearch, SearchState, TrafficRules, fast_score
 from ops.board import Board, Result
-from ops.cost_model import ROOFLINE, CostModelPlan, calibrate, mape, plan, shapes_from_steps, simulate, spearman
+from ops.bench import fast_tier
+from ops.cost_model import (ROOFLINE, Calibration, CostModelPlan, calibrate, mape, plan, shapes_from_fast, simulate,
+                             spearman)
 from ops.hardware import HardwareProfile, probe
 from ops.optimize import Choice, choose
 from ops.worker import FAST, SLOW, SearchConfig, Workbench, bench_from, work
@@ -158,28 +160,43 @@ class Search:
             out.append(v)
         return out
 
-    def cost_model_error(self) -> dict:
-        """Calibrates on the baseline's measured slow-tier steps; MAPE and Spearman against the slow tier."""
+    def calibration(self) -> Calibration:
+        """Correction factors fitted to forward passes of the full model (the slow tier's engine, baseline
+        variant) over a spread of shapes: prefills of several lengths, decodes of several batch sizes."""
+        c = self.cfg
+        top = max(16, min(c.max_input, 512))
+        prefill = sorted({16, max(16, top // 4), max(16, top // 2), top})
+        batches = sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max(2, min(c.requests, 64))})
+        ctx = max(8, min(c.max_input, int(self.bench.traffic.input_p50))) + 8
+        res = fast_tier(self.bench.engine(SLOW, self.baseline), prefill, [(b, ctx) for b in batches],
+                        repeats=3)
+        cal = calibrate(self.spec, self.hardware, shapes_from_fast(res.step_times_ms))
+        self.board.post("cost-model", "note", {"search": self.search, "calibration": cal.to_json(),
+                                               "step_times_ms": res.step_times_ms})
+        return cal
+
+    def cost_model_error(self, cal: Calibration | None = None) -> dict:
+        """MAPE and Spearman of the cost model (calibrated, and the plain roofline) and of the fast tier's
+        ranking, against the slow tier's measured output tokens/s."""
         slow, fast = self.results(SLOW), self.results(FAST)
         spec, hw, recs, sim = self.spec, self.hardware, self.bench.records, self.cfg.sim
-        base = next((r for r, v in slow if v.variant_id == self.baseline.variant_id), None)
-        cal = calibrate(spec, hw, shapes_from_steps(base.bench["step_samples"])) if base else ROOFLINE
+        cal = cal or self.calibration()
         fast_by_id = {v.variant_id: r for r, v in fast}
         measured = [r.bench["output_tok_s"] for r, _ in slow]
         pred_cal = [simulate(spec, hw, recs, v, cal, **sim).output_tok_s for _, v in slow]
         pred_roof = [simulate(spec, hw, recs, v, ROOFLINE, **sim).output_tok_s for _, v in slow]
-        fast_tier = [fast_score(fast_by_id[v.variant_id].bench)[1] if v.variant_id in fast_by_id else float("nan")
+        fast_pred = [fast_score(fast_by_id[v.variant_id].bench)[1] if v.variant_id in fast_by_id else float("nan")
                      for _, v in slow]
         nan = float("nan")
-        ok_fast = len(slow) > 1 and not any(math.isnan(x) for x in fast_tier)
-        cost = {"variants": len(slow), "calibration": cal.to_json(), "calibrated_on": base.id if base else None,
+        ok_fast = len(slow) > 1 and not any(math.isnan(x) for x in fast_pred)
+        cost = {"variants": len(slow), "calibration": cal.to_json(),
                 "mape_calibrated": mape(pred_cal, measured) if slow else nan,
                 "mape_roofline": mape(pred_roof, measured) if slow else nan,
                 "spearman_cost_model": spearman(pred_cal, measured) if len(slow) > 1 else nan,
-                "spearman_fast_tier": spearman(fast_tier, measured) if ok_fast else nan,
+                "spearman_fast_tier": spearman(fast_pred, measured) if ok_fast else nan,
                 "points": [{"variant_id": v.variant_id, "name": v.name, "measured": m, "calibrated": pc,
                             "roofline": pr, "fast": f}
-                           for (_, v), m, pc, pr, f in zip(slow, measured, pred_cal, pred_roof, fast_tier)]}
+                           for (_, v), m, pc, pr, f in zip(slow, measured, pred_cal, pred_roof, fast_pred)]}
         self.board.post("cost-model", "note", {"search": self.search, "error": {
             k: v for k, v in cost.items() if k != "points"}}, [r.id for r, _ in slow])
         return cost

@@ -1,0 +1,68 @@
+"""Experiment throughput: variants evaluated per minute on the fast tier, hot-swapping each variant
+into one engine against building a fresh engine (weights loaded again) per variant.
+
+    .venv/bin/python bench/tune_throughput.py [--variants 6] [--model smollm2]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine.variant import VariantSpec  # noqa: E402
+from ops.board import Board  # noqa: E402
+from ops.hardware import probe  # noqa: E402
+from ops.worker import FAST, SearchConfig, Workbench, work  # noqa: E402
+
+
+def variants(n: int) -> list[VariantSpec]:
+    base = VariantSpec(name="baseline (default)")
+    knobs = [{"max_num_seqs": 8}, {"max_num_batched_tokens": 512}, {"block_size": 32}, {"prefill_chunk_size": 64},
+             {"enable_prefix_caching": False}, {"max_num_seqs": 16, "max_num_batched_tokens": 1024},
+             {"max_num_seqs": 4}, {"block_size": 32, "max_num_seqs": 32}]
+    return [base] + [dataclasses.replace(base, name=str(k), **k) for k in knobs[: n - 1]]
+
+
+def run(cfg: SearchConfig, vs: list[VariantSpec], fresh: bool, board_path: str) -> tuple[float, int]:
+    board = Board(board_path)
+    search = f"throughput-{'fresh' if fresh else 'swap'}-{time.time_ns()}"
+    board.create_search(search, cfg.to_json())
+    for v in vs:
+        board.enqueue(search, v, FAST, "bench", "experiment throughput")
+    bench = Workbench(cfg, probe(cfg.device, size_mb=64), fresh=fresh)
+    t = time.perf_counter()
+    stats = work(board, search, bench, FAST)
+    return time.perf_counter() - t, stats.evaluated
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--trace", default=str(ROOT.parent / "shared/traces/AzureLLMInferenceTrace_conv.csv"))
+    ap.add_argument("--variants", type=int, default=6)
+    ap.add_argument("--fast-layers", type=int, default=4)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--board", default="/tmp/polyinf-throughput.sqlite")
+    args = ap.parse_args()
+    cfg = SearchConfig(model=args.model, trace=args.trace, device=args.device, requests=16, max_input=128,
+                       max_output=16, fast_layers=args.fast_layers, fast_repeats=3)
+    vs = variants(args.variants)
+    swap_s, swap_n = run(cfg, vs, False, args.board)
+    fresh_s, fresh_n = run(cfg, vs, True, args.board)
+    swap_rate, fresh_rate = 60 * swap_n / swap_s, 60 * fresh_n / fresh_s
+    print(f"\n{'':34}{'variants':>9}{'seconds':>9}{'per minute':>12}")
+    print(f"{'hot swap into one engine':34}{swap_n:>9}{swap_s:>9.1f}{swap_rate:>12.1f}")
+    print(f"{'fresh engine per variant':34}{fresh_n:>9}{fresh_s:>9.1f}{fresh_rate:>12.1f}")
+    print(f"{'ratio':34}{'':>9}{'':>9}{swap_rate / fresh_rate:>11.2f}x")
+    print(f"(fast tier, {args.fast_layers} layers of {args.model} on {args.device}; the swap side includes its one "
+          f"engine build)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
