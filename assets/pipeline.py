@@ -159,7 +159,7 @@ def fast_bench_results(context: dg.AssetExecutionContext, variant_candidates: li
     from ops.worker import FAST, bench_from
 
     search = source.search(context, runner, traffic, hardware_profile)
-    stats = search.measure(FAST)
+    stats = search.measure_fast()
     by_id = {v.variant_id: r for r, v in search.results(FAST)}
     results = [(v, bench_from(by_id[v.variant_id].bench)) for v in variant_candidates if v.variant_id in by_id]
     context.add_output_metadata({"measured": stats.evaluated, "failed": stats.failed, "results": _md_table([

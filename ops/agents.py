@@ -167,6 +167,46 @@ class TrafficRules(Agent):
         return [Proposal(v, why) for v, why in rules if state.fresh(v)][:n]
 
 
+TRITON_ALL = {"rms_norm": "triton", "fused_add_rms_norm": "triton", "rotary": "triton", "silu_and_mul": "triton",
+              "store_kv": "triton", "rotary_store_kv": "triton", "attention": "triton_paged", "moe": "triton"}
+
+
+class KernelChoices(Agent):
+    """Forward-pass variants on a GPU: the Triton kernels, CUDA graphs for the decode batch sizes the
+    traffic reaches, attention tile sizes, and split-KV attention for long contexts. On a CPU the
+    Triton kernels run in an interpreter, so it proposes nothing there."""
+
+    name = "kernels"
+
+    def propose(self, state: SearchState, n: int) -> list[Proposal]:
+        if not state.device.startswith("cuda"):
+            return []
+        best = state.best()
+        v = best[1] if best else state.baseline
+        refs = (best[0].id,) if best else ()
+        conc = max(1.0, state.traffic.estimated_concurrency)
+        graphs = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= max(v.max_num_seqs, 1) and b <= 4 * conc)
+        ctx = min(state.traffic.input_p90, state.max_input or state.traffic.input_p90)
+        cands = [
+            (dataclasses.replace(v, name="kernels: triton", kernels=TRITON_ALL),
+             "Triton kernels for every operation (fused rotary + KV store, paged attention)"),
+            (dataclasses.replace(v, name="kernels: triton + graphs", kernels=TRITON_ALL,
+                                 kernel_params={"attention": {"block_n": 128, "num_warps": 8}},
+                                 cuda_graph_batch_sizes=graphs),
+             f"Triton kernels and CUDA graphs for decode batches {list(graphs)} (concurrency {conc:.1f})"),
+            (dataclasses.replace(v, name="kernels: triton + graphs, block_n 64", kernels=TRITON_ALL,
+                                 kernel_params={"attention": {"block_n": 64, "num_warps": 4}},
+                                 cuda_graph_batch_sizes=graphs),
+             "smaller attention tiles for short contexts"),
+        ]
+        if ctx >= 4096:
+            cands.append((dataclasses.replace(v, name="kernels: split-KV attention + graphs",
+                                              kernels={**TRITON_ALL, "attention": "triton_split_kv"},
+                                              cuda_graph_batch_sizes=graphs),
+                          f"long contexts (p90 {ctx:.0f} tokens): split-KV decode attention"))
+        return [Proposal(c, why, refs) for c, why in cands if state.fresh(c)][:n]
+
+
 # ---- the LLM agent --------------------------------------------------------------------------------
 _CHANGE_PROPS = {
     "max_num_seqs": {"type": "integer", "minimum": 1, "maximum": 1024},

@@ -53,6 +53,14 @@ class Calibration:
 ROOFLINE = Calibration()
 
 
+def scaled(cal: Calibration, factor: float) -> Calibration:
+    """Every step ``factor`` times as long (a variant whose kernels are that much slower or faster)."""
+    if not cal.fitted:
+        return cal
+    return dataclasses.replace(cal, mem=cal.mem * factor, compute=cal.compute * factor, launch=cal.launch * factor,
+                               per_seq_s=cal.per_seq_s * factor)
+
+
 @dataclass(frozen=True)
 class StepShape:
     new_tokens: int

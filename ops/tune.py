@@ -15,14 +15,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.variant import VariantSpec
-from ops.agents import Agent, CostModelSeeder, LocalSearch, SearchState, TrafficRules, fast_score
+from ops.agents import Agent, CostModelSeeder, KernelChoices, LocalSearch, SearchState, TrafficRules, fast_score
 from ops.board import Board, Result
 from ops.bench import fast_tier
 from ops.cost_model import (ROOFLINE, Calibration, CostModelPlan, calibrate, mape, plan, shapes_from_fast, simulate,
                              spearman)
 from ops.hardware import HardwareProfile, probe
 from ops.optimize import Choice, choose
-from ops.worker import FAST, SLOW, SearchConfig, Workbench, bench_from, work
+from ops.worker import FAST, SLOW, SearchConfig, Workbench, bench_from, reference_from, work
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class TuneReport:
 
 
 def default_agents() -> list[Agent]:
-    return [CostModelSeeder(), TrafficRules(), LocalSearch()]
+    return [KernelChoices(), CostModelSeeder(), TrafficRules(), LocalSearch()]
 
 
 def new_search_id() -> str:
@@ -96,6 +96,7 @@ class Search:
     bench: Workbench
     baseline: VariantSpec
     plan: CostModelPlan
+    cal: Calibration | None = None  # the full model's calibration, once measured
 
     @classmethod
     def start(cls, cfg: SearchConfig, board_path: str | Path, search: str | None = None,
@@ -171,16 +172,36 @@ class Search:
         res = fast_tier(self.bench.engine(SLOW, self.baseline), prefill, [(b, ctx) for b in batches],
                         repeats=3)
         cal = calibrate(self.spec, self.hardware, shapes_from_fast(res.step_times_ms))
-        self.board.post("cost-model", "note", {"search": self.search, "calibration": cal.to_json(),
-                                               "step_times_ms": res.step_times_ms})
+        base_fast = next((r for r, v in self.results(FAST) if v.variant_id == self.baseline.variant_id), None)
+        body = {"search": self.search, "calibration": cal.to_json(), "step_times_ms": res.step_times_ms}
+        if base_fast is not None:
+            body["baseline_fast_steps"] = base_fast.bench["step_times_ms"]
+            self.bench.reference = (cal, base_fast.bench["step_times_ms"])
+        self.board.post("cost-model", "note", body)
+        self.cal = cal
         return cal
+
+    def measure_fast(self, deadline: float | None = None):
+        """Drains the fast tier's queue; the baseline first, then the full-model calibration the other
+        variants' figures scale from (measured once per search, found on the board afterwards)."""
+        if self.cal is None:
+            ref = reference_from(self.board, self.search)
+            if ref is not None:
+                self.cal, self.bench.reference = ref[0], ref
+        if self.cal is None:
+            work(self.board, self.search, self.bench, FAST, max_experiments=1, deadline=deadline)
+            self.calibration()
+        return self.measure(FAST, deadline)
 
     def cost_model_error(self, cal: Calibration | None = None) -> dict:
         """MAPE and Spearman of the cost model (calibrated, and the plain roofline) and of the fast tier's
         ranking, against the slow tier's measured output tokens/s."""
         slow, fast = self.results(SLOW), self.results(FAST)
         spec, hw, recs, sim = self.spec, self.hardware, self.bench.records, self.cfg.sim
-        cal = cal or self.calibration()
+        if cal is None and self.cal is None:
+            ref = reference_from(self.board, self.search)
+            self.cal = ref[0] if ref else None
+        cal = cal or self.cal or self.calibration()
         fast_by_id = {v.variant_id: r for r, v in fast}
         measured = [r.bench["output_tok_s"] for r, _ in slow]
         pred_cal = [simulate(spec, hw, recs, v, cal, **sim).output_tok_s for _, v in slow]
@@ -249,7 +270,9 @@ def tune(cfg: SearchConfig, board_path: str | Path, agents: list[Agent] | None =
     s = Search.start(cfg, board_path, search, hardware, baseline)
     log(f"search {s.search}: cost model ranked {len(s.plan.entries)} knob variants; ranges {s.plan.ranges}")
     fast_budget = max(1, budget.experiments - (slow_top + 1))
-    s.measure(FAST, deadline)
+    s.measure_fast(deadline)  # the baseline, then the full model's calibration the fast tier scales from
+    cal = s.cal
+    log(f"calibrated on {cal.samples} full-model shapes (fit error {cal.fit_mape:.1%})")
     while time.time() < deadline and s.n_experiments(FAST) < fast_budget:
         queued = 0
         for agent in agents:
@@ -257,7 +280,7 @@ def tune(cfg: SearchConfig, board_path: str | Path, agents: list[Agent] | None =
             if room <= 0 or time.time() >= deadline:
                 break
             queued += s.propose(agent, min(per_agent, room))
-            done = s.measure(FAST, deadline)
+            done = s.measure_fast(deadline)
             log(f"{agent.name}: {done.evaluated} measured, {done.failed} failed")
         if not queued:
             break
@@ -265,7 +288,7 @@ def tune(cfg: SearchConfig, board_path: str | Path, agents: list[Agent] | None =
     s.queue_slow(min(slow_top, slow_room - 1))
     s.measure(SLOW)  # the slow tier's share of the budget was kept back; it runs to the end
     log(f"slow tier: {len(s.results(SLOW))} measured")
-    cost = s.cost_model_error()
+    cost = s.cost_model_error(cal)
     choice, decision = s.decide()
     chosen = choice.variant if choice else s.baseline
     quality = None

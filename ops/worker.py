@@ -7,6 +7,7 @@ another worker takes the experiment over.
 """
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 import traceback
@@ -18,7 +19,7 @@ from engine.trace_record import TraceRecord
 from engine.variant import VariantSpec
 from ops.bench import SLO, BenchResult, fast_shapes, fast_tier, slow_tier
 from ops.board import Board, Experiment, worker_name
-from ops.cost_model import calibrate, shapes_from_fast, simulate
+from ops.cost_model import Calibration, calibrate, scaled, shapes_from_fast, simulate
 from ops.hardware import HardwareProfile
 from ops.model_spec import model_spec
 from ops.replay import synthesize_prompts
@@ -74,6 +75,8 @@ class Workbench:
     _loaded: dict = field(default_factory=dict)
     _engines: dict = field(default_factory=dict)
     _prompts: list | None = None
+    # the full model's calibration and the baseline's fast-tier step times (set once measured)
+    reference: tuple | None = None
 
     def __post_init__(self) -> None:
         self.records = load_trace(self.cfg.trace, lenient=self.cfg.lenient)[: self.cfg.requests]
@@ -113,16 +116,25 @@ class Workbench:
         return self._loaded[key]
 
     def evaluate(self, variant: VariantSpec, tier: str) -> dict:
-        """Measures the variant on the tier; the fast tier adds the trace-level figures its own measured
-        step times imply (the cost model calibrated on this variant's shapes, run on the full model)."""
+        """Measures the variant on the tier. The fast tier adds the trace-level figures its measured step
+        times imply: the cost model calibrated on the full model, scaled by how this variant's step times
+        compare with the baseline's on the same shapes (before the full-model calibration exists: the
+        cost model calibrated on this variant's own few-layer shapes)."""
         eng = self.engine(tier, variant)
         c = self.cfg
         if tier == FAST:
             prefill, decode = fast_shapes(self.traffic, variant, c.max_input)
             res = fast_tier(eng, prefill, decode, repeats=c.fast_repeats)
-            cal = calibrate(self.spec_for(FAST), self.hardware, shapes_from_fast(res.step_times_ms))
-            pred = simulate(self.spec_for(SLOW), self.hardware, self.records, variant, cal, **c.sim)
             out = res.to_json()
+            if self.reference is not None:
+                cal, base_steps = self.reference
+                common = [k for k in res.step_times_ms if k in base_steps and base_steps[k] > 0]
+                ratio = statistics.median(res.step_times_ms[k] / base_steps[k] for k in common) if common else 1.0
+                cal = scaled(cal, ratio)
+                out["step_time_ratio"] = ratio
+            else:
+                cal = calibrate(self.spec_for(FAST), self.hardware, shapes_from_fast(res.step_times_ms))
+            pred = simulate(self.spec_for(SLOW), self.hardware, self.records, variant, cal, **c.sim)
             out["calibration"] = cal.to_json()
             out["predicted"] = asdict(pred)
             return out
@@ -171,6 +183,8 @@ def work(board: Board, search: str, bench: Workbench, tier: str | None = None, m
         exp = board.claim(name, search, tier)
         if exp is None:
             break
+        if bench.reference is None:
+            bench.reference = reference_from(board, search)
         beat = _Heartbeat(board.path, exp, board.lease_s)
         beat.start()
         try:
@@ -197,3 +211,12 @@ def bench_from(d: dict) -> BenchResult:
     """A BenchResult from a board result's JSON (extra keys such as the fast tier's prediction dropped)."""
     fields = BenchResult.__dataclass_fields__
     return BenchResult(**{k: v for k, v in d.items() if k in fields})
+
+
+def reference_from(board: Board, search: str) -> tuple | None:
+    """The search's full-model calibration and baseline fast-tier step times, once posted on the board."""
+    for m in reversed(board.messages("note")):
+        b = m["body"]
+        if b.get("search") == search and "calibration" in b and "baseline_fast_steps" in b:
+            return Calibration(**b["calibration"]), b["baseline_fast_steps"]
+    return None
