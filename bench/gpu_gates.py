@@ -1,0 +1,58 @@
+"""The quality and contamination gates on a GPU for the kernel variants the tuner picks, in float32
+and bfloat16, on a Llama-3.1-8B-shaped model with synthetic weights (a few layers): tells numeric
+divergence of bf16 from contamination (which float32 would show too).
+
+    PYTHONPATH=$PWD python3 bench/gpu_gates.py [--layers 4]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from checks.gates import gate_variant  # noqa: E402
+from engine import EngineConfig, LLMEngine, resolve  # noqa: E402
+from engine.variant import REFERENCE_VARIANT, VariantSpec  # noqa: E402
+from ops.agents import TRITON_ALL  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    args = ap.parse_args()
+    variants = {
+        "reference (against itself)": REFERENCE_VARIANT,
+        "triton": VariantSpec(kernels=TRITON_ALL),
+        "triton + graphs": VariantSpec(kernels=TRITON_ALL, kernel_params={"attention": {"block_n": 128, "num_warps": 8}},
+                                       cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32)),
+    }
+    rows = []
+    for dtype in args.dtypes:
+        base = LLMEngine(EngineConfig(source=resolve(args.model), device=args.device, dtype=dtype, layers=args.layers,
+                                      num_kv_blocks=512, load_tokenizer=False))
+        for name, v in variants.items():
+            t = time.perf_counter()
+            try:
+                rep = gate_variant(base, dataclasses.replace(v, name=name))
+                verdict, why = rep.verdict, "; ".join(rep.reasons)[:400]
+            except Exception as e:  # noqa: BLE001 — a crash is a finding, print it and go on
+                verdict, why = "error", f"{type(e).__name__}: {e}"[:400]
+            rows.append((dtype, name, verdict, why, time.perf_counter() - t))
+            print(f"{dtype:9} {name:28} {verdict:5} {rows[-1][4]:6.1f} s  {why}", flush=True)
+        del base
+    print("\n| dtype | variant | verdict | reasons |\n|---|---|---|---|")
+    for dtype, name, verdict, why, _ in rows:
+        print(f"| {dtype} | {name} | {verdict} | {why or '-'} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
