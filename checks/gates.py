@@ -33,7 +33,9 @@ def run_gates(reference: EngineFactory, candidate: EngineFactory, *, reference_i
     try:
         quality_checks(reference, candidate, prompts, max_tokens, thresholds or DEFAULT_THRESHOLDS[dtype], exact,
                        report)
-        contamination_checks(candidate, contamination, max_tokens, block_size, report)
+        t = thresholds or DEFAULT_THRESHOLDS[dtype]
+        tolerance = 0.0 if exact or dtype == "float32" else t.max_rounding_kl
+        contamination_checks(candidate, contamination, max_tokens, block_size, report, tolerance)
     except Exception as e:  # a candidate that crashes is a failed candidate, not a crashed gate
         report.quality.append(CheckResult("runs", False, f"{type(e).__name__}: {e}"))
     report.seconds = time.perf_counter() - t0

@@ -13,6 +13,9 @@ class QualityThresholds:
     min_greedy_agreement: float  # mean share of each prompt's reference tokens matched before divergence
     max_abs_logit_delta: float  # along the reference's tokens (teacher forcing)
     max_mean_kl: float  # KL(reference || candidate) per position, averaged
+    # contamination checks in low precision: the most KL(alone || batched) one position may show when
+    # tokens flip at a near-tie through rounding alone (float32 demands identical tokens)
+    max_rounding_kl: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_greedy_agreement <= 1.0:
@@ -24,8 +27,10 @@ class QualityThresholds:
 # Per dtype; configuration may replace any of them.
 DEFAULT_THRESHOLDS = {
     "float32": QualityThresholds(min_greedy_agreement=0.95, max_abs_logit_delta=1e-3, max_mean_kl=1e-6),
-    "bfloat16": QualityThresholds(min_greedy_agreement=0.75, max_abs_logit_delta=0.5, max_mean_kl=5e-3),
-    "float16": QualityThresholds(min_greedy_agreement=0.85, max_abs_logit_delta=0.2, max_mean_kl=1e-3),
+    "bfloat16": QualityThresholds(min_greedy_agreement=0.75, max_abs_logit_delta=0.5, max_mean_kl=5e-3,
+                                  max_rounding_kl=2e-2),
+    "float16": QualityThresholds(min_greedy_agreement=0.85, max_abs_logit_delta=0.2, max_mean_kl=1e-3,
+                                 max_rounding_kl=5e-3),
 }
 
 

@@ -123,9 +123,23 @@ class Search:
         return self.bench.spec_for(SLOW)
 
     def state(self) -> SearchState:
-        return SearchState.read(self.board, self.search, spec=self.spec, hardware=self.hardware,
-                                traffic=self.bench.traffic, plan=self.plan, baseline=self.baseline,
-                                device=self.cfg.device, max_input=self.cfg.max_input)
+        st = SearchState.read(self.board, self.search, spec=self.spec, hardware=self.hardware,
+                              traffic=self.bench.traffic, plan=self.plan, baseline=self.baseline,
+                              device=self.cfg.device, max_input=self.cfg.max_input)
+        st.fast = self.fast_results(st.fast)
+        return st
+
+    def fast_results(self, fast: list[tuple[Result, VariantSpec]] | None = None) -> list[tuple[Result, VariantSpec]]:
+        """The fast tier's results; those measured before the full-model calibration existed (the
+        baseline) get their trace-level figures from it too (their step-time ratio to the baseline is 1)."""
+        fast = self.results(FAST) if fast is None else fast
+        if self.cal is not None:
+            for r, v in fast:
+                if "step_time_ratio" not in r.bench:
+                    r.bench["predicted"] = asdict(simulate(self.spec, self.hardware, self.bench.records, v, self.cal,
+                                                           **self.cfg.sim))
+                    r.bench["step_time_ratio"] = 1.0
+        return fast
 
     def n_experiments(self, tier: str | None = None) -> int:
         return sum(1 for e in self.board.experiments(self.search) if tier is None or e["tier"] == tier)
@@ -147,7 +161,7 @@ class Search:
 
     def queue_slow(self, top: int) -> list[VariantSpec]:
         """The baseline and the ``top`` best of the fast tier, queued for the slow tier."""
-        fast = self.results(FAST)
+        fast = self.fast_results()
         base_fast = next((r for r, v in fast if v.variant_id == self.baseline.variant_id), None)
         self.board.enqueue(self.search, self.baseline, SLOW, "tuner", "baseline for the slow tier",
                            [base_fast.id] if base_fast else [])
@@ -179,6 +193,11 @@ class Search:
             self.bench.reference = (cal, base_fast.bench["step_times_ms"])
         self.board.post("cost-model", "note", body)
         self.cal = cal
+        # rank the knobs again with the calibrated model: the agents seed from this plan
+        self.plan = plan(self.spec, self.hardware, self.bench.traffic, self.baseline, cal, records=self.bench.records,
+                         **self.cfg.sim)
+        self.board.post("cost-model", "note", {"search": self.search, "calibrated_plan_top": [
+            e.to_json() | {"variant": e.variant.name} for e in self.plan.entries[:5]], "ranges": self.plan.ranges})
         return cal
 
     def measure_fast(self, deadline: float | None = None):
@@ -202,6 +221,7 @@ class Search:
             ref = reference_from(self.board, self.search)
             self.cal = ref[0] if ref else None
         cal = cal or self.cal or self.calibration()
+        fast = self.fast_results(fast)
         fast_by_id = {v.variant_id: r for r, v in fast}
         measured = [r.bench["output_tok_s"] for r, _ in slow]
         pred_cal = [simulate(spec, hw, recs, v, cal, **sim).output_tok_s for _, v in slow]
