@@ -353,6 +353,19 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0 if report.completed else 1
 
 
+def _add_search_args(p: argparse.ArgumentParser) -> None:
+    """The model, trace slice and tiers a search (optimize, tune) measures."""
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--trace", required=True, help="the traffic to tune for (Azure CSV, Mooncake JSONL, capture)")
+    p.add_argument("--requests", type=int, default=16, help="requests from the start of the trace")
+    p.add_argument("--max-input", type=int, default=128, help="clip prompt lengths (a CPU-sized slice)")
+    p.add_argument("--max-output", type=int, default=16, help="clip output lengths")
+    p.add_argument("--time-scale", type=float, default=0.02, help="compress the trace's arrival times")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--fast-layers", type=int, default=4, help="layers of the fast tier's engine")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="polyinf",
@@ -442,16 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
     bn.set_defaults(func=cmd_bench)
 
     op = sub.add_parser("optimize", help="materialize the whole optimization graph in-process (embedded defaults)")
-    op.add_argument("--model", default="smollm2")
-    op.add_argument("--trace", required=True, help="the traffic to tune for (Azure CSV, Mooncake JSONL, capture)")
-    op.add_argument("--requests", type=int, default=16, help="requests from the start of the trace")
-    op.add_argument("--max-input", type=int, default=128, help="clip prompt lengths (a CPU-sized slice)")
-    op.add_argument("--max-output", type=int, default=16, help="clip output lengths")
-    op.add_argument("--time-scale", type=float, default=0.02, help="compress the trace's arrival times")
+    _add_search_args(op)
     op.add_argument("--candidates", type=int, default=4, help="variants proposed besides the baseline")
-    op.add_argument("--device", default="cpu")
-    op.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    op.add_argument("--fast-layers", type=int, default=4, help="layers loaded for the fast tier")
     op.add_argument("--artifacts", default=".polyinf/artifacts")
     op.add_argument("--endpoint-url", default="", help="deploy to this server (default: start one on loopback)")
     op.add_argument("--admin-token", default=None, help="the endpoint's admin token")
@@ -462,18 +467,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     tn = sub.add_parser("tune", help="search for a better variant outside Dagster: agents propose, the fast and "
                                      "slow tiers measure, the decision and its reasons are printed")
-    tn.add_argument("--model", default="smollm2")
-    tn.add_argument("--trace", required=True, help="the traffic to tune for (Azure CSV, Mooncake JSONL, capture)")
+    _add_search_args(tn)
     tn.add_argument("--budget", type=int, default=12, help="most experiments (fast and slow tier together)")
     tn.add_argument("--budget-seconds", type=float, default=900.0, help="most wall time for the search")
     tn.add_argument("--board", default=".polyinf/board.sqlite", help="the SQLite message board and queue")
-    tn.add_argument("--requests", type=int, default=16, help="requests from the start of the trace")
-    tn.add_argument("--max-input", type=int, default=128, help="clip prompt lengths")
-    tn.add_argument("--max-output", type=int, default=16, help="clip output lengths")
-    tn.add_argument("--time-scale", type=float, default=0.02, help="compress the trace's arrival times")
-    tn.add_argument("--device", default="cpu")
-    tn.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    tn.add_argument("--fast-layers", type=int, default=4, help="layers of the fast tier's engine")
     tn.add_argument("--slow-layers", type=int, default=None, help="layers of the slow tier's engine (default: all)")
     tn.add_argument("--slow-top", type=int, default=2, help="best fast-tier variants measured on the slow tier")
     tn.add_argument("--repeats", type=int, default=3, help="slow-tier replays per variant")
