@@ -144,7 +144,7 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
 
     async def _stream(rid: str, queue: asyncio.Queue, request: Request, make_chunk, first_chunk=None,
                       usage_fn=None):
-        sent_text = ""
+        sent_text, sent_ids = "", 0
         try:
             if first_chunk is not None:
                 yield f"data: {json.dumps(first_chunk)}\n\n"
@@ -159,7 +159,21 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
                 if isinstance(item, BaseException):
                     yield f"data: {json.dumps({'error': {'message': str(item), 'type': 'server_error'}})}\n\n"
                     return
-                text = item.text if item.finished else (engine.tokenizer.decode(item.token_ids) if engine.tokenizer else "")
+                if engine.tokenizer is None:
+                    # no text to stream: each chunk carries the new token ids (as vLLM does without a tokenizer)
+                    new_ids, sent_ids = item.token_ids[sent_ids:], len(item.token_ids)
+                    if new_ids or item.finished:
+                        body = make_chunk("", item.finish_reason if item.finished else None)
+                        for choice in body.get("choices", []):
+                            choice["token_ids"] = new_ids
+                        yield f"data: {json.dumps(body)}\n\n"
+                    if item.finished:
+                        if usage_fn is not None:
+                            yield f"data: {json.dumps(usage_fn(item))}\n\n"
+                        yield "data: [DONE]\n\n"
+                        return
+                    continue
+                text = item.text if item.finished else engine.tokenizer.decode(item.token_ids)
                 if not item.finished and text.endswith("\ufffd"):
                     continue  # a multi-byte character is still incomplete
                 # text already sent cannot be taken back (a stop string cut at the end): send nothing then

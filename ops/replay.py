@@ -107,7 +107,9 @@ async def _one(client, model: str, prompt: list[int], max_tokens: int) -> Reques
             now = time.perf_counter()
             if chunk.usage is not None:
                 res.output_tokens = chunk.usage.completion_tokens
-            if chunk.choices and chunk.choices[0].text:
+            choice = chunk.choices[0] if chunk.choices else None
+            # a chunk brings tokens if it has text, or token ids (a server without a tokenizer)
+            if choice is not None and (choice.text or (getattr(choice, "model_extra", None) or {}).get("token_ids")):
                 if last is None:
                     res.ttft = now - start
                 else:
