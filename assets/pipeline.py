@@ -156,12 +156,11 @@ def _variant_of(row: dict):
           op_tags={"polyinf/tier": "fast", **GPU_OP_TAGS})
 def fast_bench_results(context: dg.AssetExecutionContext, variant_candidates: list, hardware_profile,
                        source: VariantSource, runner: EngineRunner, traffic: TrafficSource) -> list:
-    from ops.worker import FAST, bench_from
+    from ops.worker import FAST
 
     search = source.search(context, runner, traffic, hardware_profile)
     stats = search.measure_fast()
-    by_id = {v.variant_id: r for r, v in search.results(FAST)}
-    results = [(v, bench_from(by_id[v.variant_id].bench)) for v in variant_candidates if v.variant_id in by_id]
+    results = search.benches(FAST, variant_candidates)
     context.add_output_metadata({"measured": stats.evaluated, "failed": stats.failed, "results": _md_table([
         {"variant": v.name, "decode tok/s": round(r.output_tok_s, 1), "spread": round(r.spread, 1),
          **{k: round(t, 2) for k, t in r.step_times_ms.items()}} for v, r in results][:12])})
@@ -174,13 +173,12 @@ def fast_bench_results(context: dg.AssetExecutionContext, variant_candidates: li
           op_tags={"polyinf/tier": "slow", **GPU_OP_TAGS})
 def slow_bench_results(context: dg.AssetExecutionContext, fast_bench_results: list, hardware_profile,
                        source: VariantSource, runner: EngineRunner, traffic: TrafficSource) -> list:
-    from ops.worker import SLOW, bench_from
+    from ops.worker import SLOW
 
     search = source.search(context, runner, traffic, hardware_profile)
     chosen = search.queue_slow(source.slow_top)
     search.measure(SLOW)
-    by_id = {v.variant_id: r for r, v in search.results(SLOW)}
-    results = [(v, bench_from(by_id[v.variant_id].bench)) for v in chosen if v.variant_id in by_id]
+    results = search.benches(SLOW, chosen)
     cost = search.cost_model_error()
     letters = "BABCDEFGH"
     plot = _scatter([(r.output_tok_s, 1e3 * r.tpot_p50, letters[i]) for i, (_, r) in enumerate(results)])
@@ -200,10 +198,11 @@ def slow_bench_results(context: dg.AssetExecutionContext, fast_bench_results: li
 @dg.asset(partitions_def=DEPLOYMENTS,
           description="The chosen variant, why, and its measurements; gated by the quality checks.")
 def engine_build(context: dg.AssetExecutionContext, slow_bench_results: list, traffic_profile, model_spec,
-                 artifacts: ArtifactStore, source: VariantSource, runner: EngineRunner, traffic: TrafficSource):
+                 hardware_profile, artifacts: ArtifactStore, source: VariantSource, runner: EngineRunner,
+                 traffic: TrafficSource):
     from ops.optimize import EngineBuild, choose
 
-    search = source.search(context, runner, traffic)
+    search = source.search(context, runner, traffic, hardware_profile)  # the measured profile, not a new probe
     decided, decision = search.decide()  # the decision, its reason and its result ids, on the board
     choice = decided or choose(slow_bench_results[1:], slow_bench_results[0])
     build = EngineBuild(variant=choice.variant, source_hash=choice.variant.variant_id,

@@ -17,7 +17,7 @@ from pathlib import Path
 from engine.variant import VariantSpec
 from ops.agents import Agent, CostModelSeeder, KernelChoices, LocalSearch, SearchState, TrafficRules, fast_score
 from ops.board import Board, Result
-from ops.bench import fast_tier
+from ops.bench import BenchResult, fast_tier
 from ops.cost_model import (ROOFLINE, Calibration, CostModelPlan, calibrate, mape, plan, shapes_from_fast, simulate,
                              spearman)
 from ops.hardware import HardwareProfile, probe
@@ -95,7 +95,7 @@ class Search:
     hardware: HardwareProfile
     bench: Workbench
     baseline: VariantSpec
-    plan: CostModelPlan
+    _plan: CostModelPlan | None = None  # computed when first needed (agents seed from it)
     cal: Calibration | None = None  # the full model's calibration, once measured
 
     @classmethod
@@ -109,9 +109,10 @@ class Search:
         hw = hardware or probe(cfg.device, size_mb=64 if cfg.device == "cpu" else 256)
         bench = Workbench(cfg, hw)
         base = baseline or VariantSpec(name="baseline (default)")
-        p = cost_plan or plan(bench.spec_for(SLOW), hw, bench.traffic, base, records=bench.records, **cfg.sim)
-        self = cls(cfg, board, search, hw, bench, base, p)
+        self = cls(cfg, board, search, hw, bench, base, cost_plan)
+        # the first start of a search records the plan; later starts (other asset steps) need not compute it
         if not any(m["body"].get("search") == search for m in board.messages("note") if "plan_top" in m["body"]):
+            p = self.plan
             board.post("cost-model", "note", {"search": search, "plan_top": [
                 e.to_json() | {"variant": e.variant.name} for e in p.entries[:5]],
                 "ranges": p.ranges, "layouts": p.layouts})
@@ -121,6 +122,18 @@ class Search:
     @property
     def spec(self):
         return self.bench.spec_for(SLOW)
+
+    @property
+    def plan(self) -> CostModelPlan:
+        if self._plan is None:
+            self._plan = plan(self.spec, self.hardware, self.bench.traffic, self.baseline, self.cal or ROOFLINE,
+                              records=self.bench.records, **self.cfg.sim)
+        return self._plan
+
+    def benches(self, tier: str, variants: list[VariantSpec]) -> list[tuple[VariantSpec, BenchResult]]:
+        """The tier's measurements of ``variants``, in their order (those not measured left out)."""
+        by_id = {v.variant_id: r for r, v in self.results(tier)}
+        return [(v, bench_from(by_id[v.variant_id].bench)) for v in variants if v.variant_id in by_id]
 
     def state(self) -> SearchState:
         st = SearchState.read(self.board, self.search, spec=self.spec, hardware=self.hardware,
@@ -194,8 +207,8 @@ class Search:
         self.board.post("cost-model", "note", body)
         self.cal = cal
         # rank the knobs again with the calibrated model: the agents seed from this plan
-        self.plan = plan(self.spec, self.hardware, self.bench.traffic, self.baseline, cal, records=self.bench.records,
-                         **self.cfg.sim)
+        self._plan = plan(self.spec, self.hardware, self.bench.traffic, self.baseline, cal,
+                          records=self.bench.records, **self.cfg.sim)
         self.board.post("cost-model", "note", {"search": self.search, "calibrated_plan_top": [
             e.to_json() | {"variant": e.variant.name} for e in self.plan.entries[:5]], "ranges": self.plan.ranges})
         return cal
@@ -207,10 +220,16 @@ class Search:
             ref = reference_from(self.board, self.search)
             if ref is not None:
                 self.cal, self.bench.reference = ref[0], ref
+        first = None
         if self.cal is None:
-            work(self.board, self.search, self.bench, FAST, max_experiments=1, deadline=deadline)
+            first = work(self.board, self.search, self.bench, FAST, max_experiments=1, deadline=deadline)
             self.calibration()
-        return self.measure(FAST, deadline)
+        stats = self.measure(FAST, deadline)
+        if first is not None:
+            stats.evaluated += first.evaluated
+            stats.failed += first.failed
+            stats.result_ids = first.result_ids + stats.result_ids
+        return stats
 
     def cost_model_error(self, cal: Calibration | None = None) -> dict:
         """MAPE and Spearman of the cost model (calibrated, and the plain roofline) and of the fast tier's

@@ -254,20 +254,14 @@ def test_capture_survives_kill_and_restart(tmp_path):
 
 def test_tokenizer_less_server_streams_token_ids_and_replay_times_them(tmp_path):
     """A model without a tokenizer streams each new token's id; replay measures TTFT and ITL from them."""
+    from engine.trace_record import TraceRecord
+    from ops.deploy import ServerProcess
     from ops.replay import replay_async
 
     tiny = Path(__file__).parent / "tiny_moe"
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "serve", "--model", str(tiny), "--synthetic",
-                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    server = ServerProcess(["--model", str(tiny), "--synthetic"], str(tiny))
+    url = server.url
     try:
-        for _ in range(240):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.25)
         ids = []
         with httpx.stream("POST", url + "/v1/completions", json={"model": str(tiny), "prompt": [1, 2, 3],
                           "max_tokens": 5, "ignore_eos": True, "stream": True,
@@ -276,15 +270,12 @@ def test_tokenizer_less_server_streams_token_ids_and_replay_times_them(tmp_path)
                 if line.startswith("data: {"):
                     ids += json.loads(line[6:])["choices"][0].get("token_ids", [])
         assert ids == _offline_tokens(tiny, [1, 2, 3], 5)
-        from engine.trace_record import TraceRecord
-
         recs = [TraceRecord(arrival_s=0.01 * i, input_tokens=4 + i, output_tokens=6, source="t") for i in range(4)]
         rep = asyncio.run(replay_async(recs, [[5 + i] * (4 + i) for i in range(4)], url + "/v1", str(tiny)))
         assert rep.completed == 4 and rep.total_output_tokens == 24
         assert rep.ttft_ms["p50"] > 0 and rep.itl_ms["p50"] > 0 and rep.e2e_ms["p50"] >= rep.ttft_ms["p50"]
     finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+        server.stop()
 
 
 def _offline_tokens(model_dir, prompt, n):
