@@ -52,12 +52,12 @@ class DecodeGraphs:
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
-                    model.compute_logits(model(*args))  # warm-up: Triton compiles outside the capture
+                    model.compute_logits(model(*args), ops)  # warm-up: Triton compiles outside the capture
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: the engine may keep serving from another thread while this captures
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                    logits = model.compute_logits(model(*args))
+                    logits = model.compute_logits(model(*args), ops)
                     self.input_ids[:b].copy_(logits.argmax(dim=-1))
                 pool = graph.pool()
                 self.graphs[b] = (graph, logits)

@@ -5,9 +5,11 @@ import functools
 from dataclasses import dataclass
 from typing import Callable
 
+from engine.variant import OP_NAMES
 from kernels.activation import silu_and_mul_ref
 from kernels.attention import paged_attention_ref
 from kernels.kv_store import store_kv_ref
+from kernels.linear import act_linear_ref, linear_ref, norm_linear_ref
 from kernels.moe import moe_ref
 from kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary import rotary_ref, rotary_store_kv_ref
@@ -26,6 +28,9 @@ class ForwardOps:
     rotary_store_kv: Callable  # rotary then store_kv, fused or composed from the two fields above
     attention: Callable
     moe: Callable
+    linear: Callable
+    norm_linear: Callable  # residual add + RMSNorm, then a projection; fused or composed
+    act_linear: Callable  # SiLU-and-multiply, then a projection; fused or composed
 
 
 REFERENCE_OPS = ForwardOps(
@@ -38,6 +43,9 @@ REFERENCE_OPS = ForwardOps(
     rotary_store_kv=rotary_store_kv_ref,
     attention=paged_attention_ref,
     moe=moe_ref,
+    linear=linear_ref,
+    norm_linear=norm_linear_ref,
+    act_linear=act_linear_ref,
 )
 
 
@@ -54,6 +62,8 @@ def _builtin(op: str, impl: str, params: dict) -> Callable:
             from kernels import kv_store_triton as m
         elif op == "moe":
             from kernels import moe_triton as m
+        elif op in ("linear", "norm_linear", "act_linear"):
+            from kernels import linear_triton as m
         elif op == "attention":
             from kernels.attention_triton import make_attention
 
@@ -75,6 +85,23 @@ def _rotary_then_store(rotary, store_kv, q, k, v, positions, cos_sin, k_cache, v
     return q
 
 
+def _norm_then_linear(fused_add_rms_norm, linear, x, residual, norm_weight, eps, weight, bias=None):
+    h, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return linear(h, weight, bias), summed
+
+
+def _act_then_linear(silu_and_mul, linear, x, weight):
+    return linear(silu_and_mul(x), weight)
+
+
+# composite operations whose "reference" is the table's own parts, called one after the other
+_COMPOSED = {
+    "rotary_store_kv": (_rotary_then_store, ("rotary", "store_kv")),
+    "norm_linear": (_norm_then_linear, ("fused_add_rms_norm", "linear")),
+    "act_linear": (_act_then_linear, ("silu_and_mul", "linear")),
+}
+
+
 def build_ops(spec) -> ForwardOps:
     """The ForwardOps table a VariantSpec describes; generated source is checked and smoke-run first.
 
@@ -84,11 +111,11 @@ def build_ops(spec) -> ForwardOps:
 
     sources = dict(spec.generated_source)
     table = {}
-    for op in ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "store_kv", "rotary_store_kv", "attention",
-               "moe"):
+    for op in OP_NAMES:  # composite operations come after their parts
         impl, params = spec.impl(op), spec.params(op)
-        if op == "rotary_store_kv" and impl == "reference":
-            table[op] = functools.partial(_rotary_then_store, table["rotary"], table["store_kv"])
+        if op in _COMPOSED and impl == "reference":
+            compose, parts = _COMPOSED[op]
+            table[op] = functools.partial(compose, *(table[p] for p in parts))
         elif impl == "reference":
             table[op] = getattr(REFERENCE_OPS, op)
         elif impl.startswith("generated:"):

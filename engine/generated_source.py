@@ -117,6 +117,12 @@ def smoke_case(op: str) -> tuple[tuple, Callable]:
         args = (r(4, 4, 8), r(4, 4, 2, 8), r(4, 4, 2, 8), meta, 8**-0.5)
     elif op == "moe":
         args = (r(5, 8), r(5, 4), r(4, 12, 8), r(4, 8, 6), 2, True)
+    elif op == "linear":
+        args = (r(3, 24), r(10, 24), r(10))
+    elif op == "norm_linear":
+        args = (r(3, 24), r(3, 24), r(24), 1e-6, r(10, 24), None)
+    elif op == "act_linear":
+        args = (r(3, 48), r(10, 24))
     else:
         raise VariantError(f"unknown operation {op!r}")
     return args, getattr(REFERENCE_OPS, op)

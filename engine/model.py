@@ -34,15 +34,14 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # (T, hidden)
+        qkv: torch.Tensor,  # (T, (H + 2 KVH) * D), the QKV projection of the normed input
         positions: torch.Tensor,  # (T,)
         cos_sin: torch.Tensor,  # (P, 2, head_dim / 2)
         kv: tuple[torch.Tensor, torch.Tensor],  # each (num_blocks, block_size, KVH, D)
         attn: AttentionMetadata,
         ops: ForwardOps,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        t = qkv.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q = qkv[:, :q_size].reshape(t, self.num_heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].reshape(t, self.num_kv_heads, self.head_dim)
@@ -52,7 +51,7 @@ class Attention(nn.Module):
             k = ops.rms_norm(k, self.k_norm, self.eps)
         q = ops.rotary_store_kv(q, k, v, positions, cos_sin, kv[0], kv[1], attn.slot_mapping)
         o = ops.attention(q, kv[0], kv[1], attn, self.scale)
-        return self.o_proj(o.reshape(t, q_size))
+        return ops.linear(o.reshape(t, q_size), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -61,8 +60,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, ops: ForwardOps) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, gate_up: torch.Tensor, ops: ForwardOps) -> torch.Tensor:
+        """gate_up: (T, 2I), the gate/up projection of the normed input."""
+        return ops.act_linear(gate_up, self.down_proj.weight)
 
 
 class MoE(nn.Module):
@@ -89,13 +89,21 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(cfg) if cfg.layer_is_moe(index) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x, residual, positions, cos_sin, kv, attn, ops):
+        """x: (T, hidden), the previous layer's output; residual: the running sum, None before the first layer."""
+        qkv_proj = self.self_attn.qkv_proj
         if residual is None:
-            residual, h = x, ops.rms_norm(x, self.input_layernorm, self.eps)
+            residual = x
+            qkv = ops.linear(ops.rms_norm(x, self.input_layernorm, self.eps), qkv_proj.weight, qkv_proj.bias)
         else:
-            h, residual = ops.fused_add_rms_norm(x, residual, self.input_layernorm, self.eps)
-        h = self.self_attn(h, positions, cos_sin, kv, attn, ops)
-        h, residual = ops.fused_add_rms_norm(h, residual, self.post_attention_layernorm, self.eps)
-        return self.mlp(h, ops), residual
+            qkv, residual = ops.norm_linear(x, residual, self.input_layernorm, self.eps, qkv_proj.weight,
+                                            qkv_proj.bias)
+        h = self.self_attn(qkv, positions, cos_sin, kv, attn, ops)
+        if isinstance(self.mlp, MoE):
+            h, residual = ops.fused_add_rms_norm(h, residual, self.post_attention_layernorm, self.eps)
+            return self.mlp(h, ops), residual
+        gate_up, residual = ops.norm_linear(h, residual, self.post_attention_layernorm, self.eps,
+                                            self.mlp.gate_up_proj.weight)
+        return self.mlp(gate_up, ops), residual
 
 
 class CausalLM(nn.Module):
@@ -127,6 +135,6 @@ class CausalLM(nn.Module):
         x, _ = ops.fused_add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: (N, hidden) -> logits (N, vocab) in float32."""
-        return F.linear(hidden, self.lm_head_weight()).float()
+    def compute_logits(self, hidden: torch.Tensor, ops: ForwardOps | None = None) -> torch.Tensor:
+        """hidden: (N, hidden) -> logits (N, vocab) in float32, through ``ops.linear`` when given."""
+        return (ops.linear if ops is not None else F.linear)(hidden, self.lm_head_weight()).float()

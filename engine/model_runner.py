@@ -61,7 +61,7 @@ class ModelRunner:
                                        [1], [0, 1], self.device)
         ids = torch.zeros(1, dtype=torch.int64, device=self.device)
         hidden = (forward_fn or self.forward_fn)(ids, ids, self.cos_sin, kv.layers(), meta, ops)
-        self.model.compute_logits(hidden)
+        self.model.compute_logits(hidden, ops)
 
     def set_kv(self, kv: KVCache) -> None:
         self.kv, self.kv_layers = kv, kv.layers()
@@ -123,8 +123,8 @@ class ModelRunner:
         if not logits_idx:
             return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
         if len(logits_idx) == hidden.shape[0]:  # every token samples (decode): no gather
-            return self.model.compute_logits(hidden)
-        return self.model.compute_logits(hidden[torch.tensor(logits_idx, device=hidden.device)])
+            return self.model.compute_logits(hidden, ops)
+        return self.model.compute_logits(hidden[torch.tensor(logits_idx, device=hidden.device)], ops)
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:
         """(N,) int64 on the device: the argmax of each row of the last step's logits."""

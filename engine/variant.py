@@ -21,8 +21,9 @@ FORWARD, SCHEDULER, KV_LAYOUT, PARALLEL = "forward", "scheduler", "kv_layout", "
 # The order in which scopes grow in cost; a swap does the work of the largest scope it touches.
 SCOPE_ORDER = (SCHEDULER, FORWARD, KV_LAYOUT, PARALLEL)
 
+# composite operations (rotary_store_kv, norm_linear, act_linear) come after the parts they are composed of
 OP_NAMES = ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "store_kv", "rotary_store_kv", "attention",
-            "moe")
+            "moe", "linear", "norm_linear", "act_linear")
 BUILTIN_IMPLS = {
     "rms_norm": ("reference", "triton"),
     "fused_add_rms_norm": ("reference", "triton"),
@@ -33,6 +34,10 @@ BUILTIN_IMPLS = {
     "rotary_store_kv": ("reference", "triton"),
     "attention": ("reference", "triton_paged", "triton_split_kv"),
     "moe": ("reference", "triton"),
+    "linear": ("reference", "triton"),  # "triton": matrix-vector kernel for decode batches of <= max_m rows
+    # "reference": the variant's fused_add_rms_norm (silu_and_mul), then its linear; "triton": one fused kernel
+    "norm_linear": ("reference", "triton"),
+    "act_linear": ("reference", "triton"),
 }
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
 

@@ -169,6 +169,8 @@ class TrafficRules(Agent):
 
 TRITON_ALL = {"rms_norm": "triton", "fused_add_rms_norm": "triton", "rotary": "triton", "silu_and_mul": "triton",
               "store_kv": "triton", "rotary_store_kv": "triton", "attention": "triton_paged", "moe": "triton"}
+# the decode-step matrix-vector kernels, with the norm and the activation fused into their input
+TRITON_GEMV = {"linear": "triton", "norm_linear": "triton", "act_linear": "triton"}
 
 
 class KernelChoices(Agent):
@@ -198,6 +200,10 @@ class KernelChoices(Agent):
                                  kernel_params={"attention": {"block_n": 64, "num_warps": 4}},
                                  cuda_graph_batch_sizes=graphs),
              "smaller attention tiles for short contexts"),
+            (dataclasses.replace(v, name="kernels: triton + graphs + fused GEMV", kernels={**TRITON_ALL, **TRITON_GEMV},
+                                 kernel_params={"attention": {"block_n": 128, "num_warps": 8}},
+                                 cuda_graph_batch_sizes=graphs),
+             "decode projections as Triton matrix-vector kernels with the norm and activation fused in"),
         ]
         if ctx >= 4096:
             cands.append((dataclasses.replace(v, name="kernels: split-KV attention + graphs",

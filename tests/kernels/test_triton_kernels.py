@@ -183,3 +183,32 @@ def test_moe_route(t, e, k, renorm):
     rw, rids = moe_route_ref(logits, k, renorm)
     assert torch.equal(ids.long(), rids)
     torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("m,n,k,bias,tiles", [
+    (1, 40, 72, False, (4, 64, 4)),  # partial last tile in N and K
+    (3, 100, 130, True, (8, 32, 4)),
+    (4, 33, 576, False, (16, 128, 2)),
+    (2, 64, 1000, True, (2, 512, 4)),
+])
+def test_linear_kernels(m, n, k, bias, tiles):
+    from kernels.linear import act_linear_ref, linear_ref, norm_linear_ref
+    from kernels.linear_triton import act_linear_triton, linear_triton, norm_linear_triton
+
+    t = dict(zip(("block_n", "block_k", "num_warps"), tiles))
+    x, r, w = torch.randn(m, k), torch.randn(m, k), torch.randn(n, k)
+    b, nw = (torch.randn(n) if bias else None), torch.randn(k)
+    tol = dict(rtol=1e-4, atol=1e-4)  # fp32 sums in another order
+    torch.testing.assert_close(linear_triton(x, w, b, **t), linear_ref(x, w, b), **tol)
+    out, summed = norm_linear_triton(x, r, nw, 1e-6, w, b, **t)
+    ref_out, ref_summed = norm_linear_ref(x, r, nw, 1e-6, w, b)
+    torch.testing.assert_close(out, ref_out, **tol)
+    torch.testing.assert_close(summed, ref_summed)
+    gu = torch.randn(m, 2 * k)
+    torch.testing.assert_close(act_linear_triton(gu, w, **t), act_linear_ref(gu, w), **tol)
+    # more rows than max_m: the plain matrix multiply after the Triton norm / activation
+    x5, r5, gu5 = torch.randn(5, k), torch.randn(5, k), torch.randn(5, 2 * k)
+    torch.testing.assert_close(linear_triton(x5, w, b, max_m=4), linear_ref(x5, w, b), **tol)
+    torch.testing.assert_close(norm_linear_triton(x5, r5, nw, 1e-6, w, b, max_m=4)[0],
+                               norm_linear_ref(x5, r5, nw, 1e-6, w, b)[0], **tol)
+    torch.testing.assert_close(act_linear_triton(gu5, w, max_m=4), act_linear_ref(gu5, w), **tol)

@@ -1,0 +1,33 @@
+"""Linear layers, alone and fused with the operation that produces their input.
+
+``norm_linear`` is the residual add + RMSNorm before a projection (the attention's QKV and the
+MLP's gate/up), ``act_linear`` the SiLU-and-multiply before the MLP's down projection. Fusing
+them into the matrix-vector product of a decode step removes a kernel launch and a round trip
+of the activation through memory per projection.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.activation import silu_and_mul_ref
+from kernels.norm import fused_add_rms_norm_ref
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: (T, K), weight: (N, K), bias: (N,) or None -> (T, N)."""
+    return F.linear(x, weight, bias)
+
+
+def norm_linear_ref(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (linear(rms_norm(x + residual)), x + residual). x, residual: (T, K); weight: (N, K)."""
+    h, summed = fused_add_rms_norm_ref(x, residual, norm_weight, eps)
+    return linear_ref(h, weight, bias), summed
+
+
+def act_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x: (T, 2K) holding [gate | up]; weight: (N, K) -> linear(silu(gate) * up), (T, N)."""
+    return linear_ref(silu_and_mul_ref(x), weight)

@@ -1,0 +1,157 @@
+"""Triton matrix-vector products for decode steps; same signatures as ``kernels.linear``.
+
+A decode step of a few sequences multiplies a handful of rows by each weight matrix, so its
+time is the time to stream the weights once. The kernel gives each program ``BLOCK_N`` output
+columns and walks K in ``BLOCK_K`` chunks, reading each weight element once for all (at most
+``max_m``) rows; many small programs per SM keep enough loads in flight to saturate HBM.
+Optionally the input is produced on the fly inside the loop: the residual add + RMSNorm before
+a projection (statistics in a first pass over the row, which sits in L2), or SiLU-and-multiply
+before the down projection. Batches of more than ``max_m`` rows (prefill) go to the plain-torch
+matrix multiply, after the Triton norm or activation kernel.
+
+Tile sizes come from the kernel parameters (``block_n``, ``block_k``, ``num_warps``) when a
+variant fixes them, and otherwise from Triton's autotuner, per (rows, N, K, prologue), timed on
+the device; on CPU (``TRITON_INTERPRET=1``) the default tiles are used.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+NONE, SILU_MUL, ADD_RMS_NORM = 0, 1, 2  # input prologues
+DEFAULT_TILES = {"block_n": 8, "block_k": 512, "num_warps": 4}
+# (BLOCK_N, BLOCK_K, warps): small programs, many per SM, so loads from many programs overlap
+AUTOTUNE_TILES = ((4, 512, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8), (32, 256, 8),
+                  (2, 1024, 4))
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr,
+    M, N, stride_x, stride_r, stride_w, stride_out, stride_sum, eps,
+    K: tl.constexpr,  # a compile-time bound keeps the loop a plain counted loop (and the interpreter happy)
+    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < N
+    if PROLOGUE == 2:
+        # statistics of x + residual over the whole row; program 0 also writes the sum (the new residual)
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            mk = m_mask[:, None] & (rk < K)[None, :]
+            s = tl.load(r_ptr + rm[:, None] * stride_r + rk[None, :], mask=mk, other=0.0) + tl.load(
+                x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0)
+            if pid == 0:
+                tl.store(sum_ptr + rm[:, None] * stride_sum + rk[None, :], s, mask=mk)
+            sf = s.to(tl.float32)
+            ss += tl.sum(sf * sf, axis=1)
+        rstd = tl.rsqrt(ss / K + eps)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_mask = rk < K
+        mk = m_mask[:, None] & k_mask[None, :]
+        if PROLOGUE == 1:  # x holds [gate | up], each K wide
+            g = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0)
+            u = tl.load(x_ptr + rm[:, None] * stride_x + K + rk[None, :], mask=mk, other=0.0)
+            gf = g.to(tl.float32)
+            a = (gf / (1.0 + tl.exp(-gf))).to(g.dtype) * u
+        elif PROLOGUE == 2:
+            s = tl.load(r_ptr + rm[:, None] * stride_r + rk[None, :], mask=mk, other=0.0) + tl.load(
+                x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0)
+            h = (s.to(tl.float32) * rstd[:, None]).to(s.dtype)
+            a = tl.load(nw_ptr + rk, mask=k_mask, other=0.0)[None, :] * h
+        else:
+            a = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0)
+        w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rm[:, None] * stride_out + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _quick_bench(fn, quantiles):
+    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
+
+
+_gemv_tuned = triton.autotune(
+    [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in AUTOTUNE_TILES],
+    key=["BLOCK_M", "N", "K", "PROLOGUE", "HAS_BIAS"], do_bench=_quick_bench, cache_results=True,
+)(_gemv_kernel)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _gemv(x, weight, bias, prologue, tiles, r=None, norm_weight=None, eps=0.0, k=None):
+    """Launches the kernel for x's rows (x is the prologue's input); returns (out, summed or None)."""
+    m, n = x.shape[0], weight.shape[0]
+    k = weight.shape[1] if k is None else k
+    assert weight.stride(1) == 1, "weight rows must be contiguous"
+    assert x.stride(1) == 1, "input rows must be contiguous"
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    summed = torch.empty(m, k, device=x.device, dtype=x.dtype) if prologue == ADD_RMS_NORM else out
+    r = x if r is None else r
+    norm_weight = weight if norm_weight is None else norm_weight
+    b = weight if bias is None else bias
+    args = (x, r, norm_weight, weight, b, out, summed, m, n, x.stride(0), r.stride(0), weight.stride(0),
+            out.stride(0), summed.stride(0), eps)
+    meta = dict(K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_M=max(triton.next_power_of_2(m), 1))
+    if tiles or _interpreted() or not x.is_cuda:
+        t = {**DEFAULT_TILES, **tiles}
+        _gemv_kernel[(triton.cdiv(n, t["block_n"]),)](*args, **meta, BLOCK_N=t["block_n"], BLOCK_K=t["block_k"],
+                                                      num_warps=t["num_warps"])
+    else:
+        _gemv_tuned[lambda c: (triton.cdiv(n, c["BLOCK_N"]),)](*args, **meta)
+    return out, (summed if prologue == ADD_RMS_NORM else None)
+
+
+def _tiles(block_n, block_k, num_warps) -> dict:
+    return {k: v for k, v in (("block_n", block_n), ("block_k", block_k), ("num_warps", num_warps)) if v is not None}
+
+
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, max_m: int = 4,
+                  block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None
+                  ) -> torch.Tensor:
+    """x: (T, K), weight: (N, K) -> (T, N). T > max_m goes to torch's matrix multiply."""
+    if x.shape[0] > max_m or x.shape[0] == 0:
+        return F.linear(x, weight, bias)
+    return _gemv(x.contiguous(), weight, bias, NONE, _tiles(block_n, block_k, num_warps))[0]
+
+
+def norm_linear_triton(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+    bias: torch.Tensor | None = None, *, max_m: int = 4, block_n: int | None = None, block_k: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (linear(rms_norm(x + residual)), x + residual); x, residual: (T, K)."""
+    assert residual.shape == x.shape and norm_weight.shape == (x.shape[1],)
+    if x.shape[0] > max_m or x.shape[0] == 0:
+        from kernels.norm_triton import fused_add_rms_norm_triton
+
+        h, summed = fused_add_rms_norm_triton(x, residual, norm_weight, eps)
+        return F.linear(h, weight, bias), summed
+    return _gemv(x.contiguous(), weight, bias, ADD_RMS_NORM, _tiles(block_n, block_k, num_warps),
+                 r=residual.contiguous(), norm_weight=norm_weight, eps=eps)
+
+
+def act_linear_triton(x: torch.Tensor, weight: torch.Tensor, *, max_m: int = 4, block_n: int | None = None,
+                      block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """x: (T, 2K) holding [gate | up]; weight: (N, K) -> linear(silu(gate) * up)."""
+    assert x.shape[1] == 2 * weight.shape[1], f"input {tuple(x.shape)} does not hold [gate | up] for {tuple(weight.shape)}"
+    if x.shape[0] > max_m or x.shape[0] == 0:
+        from kernels.activation_triton import silu_and_mul_triton
+
+        return F.linear(silu_and_mul_triton(x), weight)
+    return _gemv(x.contiguous(), weight, None, SILU_MUL, _tiles(block_n, block_k, num_warps), k=weight.shape[1])[0]
