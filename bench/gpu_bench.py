@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DATASHEET_BF16 = 989e12  # H100/H200 SXM dense bf16, FLOP/s
 TRITON_ALL = {"rms_norm": "triton", "fused_add_rms_norm": "triton", "rotary": "triton", "silu_and_mul": "triton",
               "store_kv": "triton", "rotary_store_kv": "triton", "attention": "triton_paged", "moe": "triton"}
+GEMV = {"linear": "triton", "norm_linear": "triton", "act_linear": "triton"}
 BEST_ATTN = {"attention": {"block_n": 128, "num_warps": 8}}
 GRAPH_SIZES = (1, 2, 4, 8)
 
@@ -162,10 +163,27 @@ def kernel_checks() -> bool:
     e_moe = max((moe_triton(xm, lg, w13, w2, 8, True).float() - mref).abs().max().item(),
                 (moe_triton(xm, lg, w13, w2, 8, True, max_decode_pairs=0).float() - mref).abs().max().item())
     scale = mref.abs().max().item()
-    ok = e_norm < 0.1 and e_act < 0.1 and e_pre < 0.02 and e_dec < 0.02 and e_rot < 0.05 and e_moe < 0.02 * scale + 1e-3
-    row("kernels vs reference, bf16 max abs err (norm/act/prefill/decode/rot+kv/moe)",
-        f"{e_norm:.3g} / {e_act:.3g} / {e_pre:.3g} / {e_dec:.3g} / {e_rot:.3g} / {e_moe:.3g} (|moe| {scale:.2g}) "
-        f"-> {'OK' if ok else 'MISMATCH'}")
+    # decode matrix-vector kernels (autotuned tiles), alone and with the norm / activation fused in; error
+    # relative to the output's scale, since bf16 outputs of sums over 4096-14336 terms round at ~1e-2
+    from kernels.linear import act_linear_ref, linear_ref, norm_linear_ref
+    from kernels.linear_triton import act_linear_triton, linear_triton, norm_linear_triton
+
+    e_gemv = 0.0
+    for rows_ in (1, 3):
+        xl, rl = torch.randn(rows_, 4096, device=dev, dtype=bf), torch.randn(rows_, 4096, device=dev, dtype=bf)
+        wl, nw = torch.randn(6144, 4096, device=dev, dtype=bf) * 0.02, torch.randn(4096, device=dev, dtype=bf)
+        wd, gu = torch.randn(4096, 14336, device=dev, dtype=bf) * 0.02, torch.randn(rows_, 28672, device=dev, dtype=bf)
+        pairs = [(linear_triton(xl, wl), linear_ref(xl, wl)),
+                 (norm_linear_triton(xl, rl, nw, 1e-5, wl)[0], norm_linear_ref(xl, rl, nw, 1e-5, wl)[0]),
+                 (norm_linear_triton(xl, rl, nw, 1e-5, wl)[1], norm_linear_ref(xl, rl, nw, 1e-5, wl)[1]),
+                 (act_linear_triton(gu, wd), act_linear_ref(gu, wd))]
+        e_gemv = max([e_gemv] + [((a_.float() - b_.float()).abs().max() / b_.float().abs().max()).item()
+                                 for a_, b_ in pairs])
+    ok = (e_norm < 0.1 and e_act < 0.1 and e_pre < 0.02 and e_dec < 0.02 and e_rot < 0.05
+          and e_moe < 0.02 * scale + 1e-3 and e_gemv < 0.02)
+    row("kernels vs reference, bf16 max abs err (norm/act/prefill/decode/rot+kv/moe/gemv rel.)",
+        f"{e_norm:.3g} / {e_act:.3g} / {e_pre:.3g} / {e_dec:.3g} / {e_rot:.3g} / {e_moe:.3g} (|moe| {scale:.2g}) / "
+        f"{e_gemv:.3g} -> {'OK' if ok else 'MISMATCH'}")
     return ok
 
 
@@ -199,7 +217,7 @@ def tiny_models_vs_transformers(tmp: Path) -> bool:
         with torch.no_grad():
             want = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=16, do_sample=False,
                                eos_token_id=None, pad_token_id=0)[0, 40:].tolist()
-        spec = VariantSpec(kernels=TRITON_ALL)
+        spec = VariantSpec(kernels={**TRITON_ALL, **GEMV})
         graphs = dataclasses.replace(spec, cuda_graph_batch_sizes=(1, 2, 4))
         results = {}
         for label, variant, ahead in (("reference", None, False), ("triton", spec, True),
@@ -268,6 +286,39 @@ def attention_bandwidth():
             ", ".join(f"{n} {nbytes / s / 1e9:,.0f}" for n, s in res.items()))
 
 
+@section
+def gemv_bandwidth(bw: float):
+    """The 8B model's decode projections at batch 1: our matrix-vector kernels against cuBLAS."""
+    import torch.nn.functional as F
+    from kernels.linear_triton import _gemv_tuned, act_linear_triton, linear_triton, norm_linear_triton
+
+    dev, bf = "cuda", torch.bfloat16
+    x, r, nw = (torch.randn(1, 4096, device=dev, dtype=bf) for _ in range(3))
+    nw = nw[0]
+    gu = torch.randn(1, 28672, device=dev, dtype=bf)
+    total = {"cublas": 0.0, "ours": 0.0}
+    for name, n, k in (("qkv (norm fused)", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up (norm fused)", 28672, 4096),
+                       ("down (silu*mul fused)", 4096, 14336), ("lm_head", 128256, 4096)):
+        w = torch.randn(n, k, device=dev, dtype=bf) * 0.02
+        nbytes = n * k * 2
+        xi = gu if "down" in name else x
+        t_ref = graph_timed(lambda: F.linear(xi[:, :k], w))
+        if "norm" in name:
+            t_ours = graph_timed(lambda: norm_linear_triton(x, r, nw, 1e-5, w))
+        elif "down" in name:
+            t_ours = graph_timed(lambda: act_linear_triton(gu, w))
+        else:
+            t_ours = graph_timed(lambda: linear_triton(x, w))
+        cfg = _gemv_tuned.best_config
+        total["cublas"] += t_ref
+        total["ours"] += t_ours
+        row(f"GEMV b=1 {name} {n}x{k} ({nbytes / 1e6:.0f} MB): GB/s, % of copy bw",
+            f"cuBLAS {nbytes / t_ref / 1e9:,.0f} ({100 * nbytes / t_ref / bw:.0f}%), ours {nbytes / t_ours / 1e9:,.0f} "
+            f"({100 * nbytes / t_ours / bw:.0f}%) [{cfg.kwargs}, {cfg.num_warps} warps]")
+    row("GEMV b=1, one 8B layer's four projections + lm_head: ours / cuBLAS time",
+        f"{total['ours'] / total['cublas']:.3f}")
+
+
 # ---- 4. 8B decode -----------------------------------------------------------------------------------
 class Llama8B:
     """The transformers model with random bf16 weights, and our engine assembled from the same tensors."""
@@ -331,14 +382,18 @@ def llama8b_decode(m: Llama8B, bw: float):
     base = eng.variant
     graphs = dataclasses.replace(base, kernels=TRITON_ALL, kernel_params=BEST_ATTN, cuda_graph_batch_sizes=GRAPH_SIZES)
     unfused = dataclasses.replace(graphs, kernels={**TRITON_ALL, "rotary_store_kv": "reference"})
+    gemv = dataclasses.replace(graphs, kernels={**TRITON_ALL, **GEMV})
+    gemv_unfused = dataclasses.replace(graphs, kernels={**TRITON_ALL, "linear": "triton"})
     specs = [  # (label, spec, run ahead)
         ("reference kernels, eager", base, False),
         ("triton, eager, ahead", dataclasses.replace(base, kernels=TRITON_ALL, kernel_params=BEST_ATTN), True),
         ("triton + graphs, rotary and store_kv unfused, not ahead (previous best)", unfused, False),
         ("triton + graphs, fused rotary+store_kv, not ahead", graphs, False),
-        ("triton + graphs, fused rotary+store_kv, ahead (best)", graphs, True),
+        ("triton + graphs, fused rotary+store_kv, ahead (previous best)", graphs, True),
+        ("triton + graphs + Triton GEMV (norm, act unfused), ahead", gemv_unfused, True),
+        ("triton + graphs + Triton GEMV with norm / act fused, ahead", gemv, True),
     ]
-    best = (0.0, None)
+    best = (0.0, None, "")
     for name, spec, ahead in specs:
         eng.config = dataclasses.replace(eng.config, async_decode=ahead)
         eng.apply_variant(spec)
@@ -347,7 +402,7 @@ def llama8b_decode(m: Llama8B, bw: float):
         agree = sum(a == b for a, b in zip(got, want))
         tps = max(decode_tps(eng, prompt, new, SamplingParams) for _ in range(2))
         if tps > best[0]:
-            best = (tps, spec)
+            best = (tps, spec, name)
         row(f"8B decode b=1 [{name}]", f"{tps:.1f} tok/s = {100 * tps / roofline:.1f}% roofline "
             f"({100 * tps / strict:.1f}% strict); greedy agree w/ HF {agree}/16")
         if eng.runner.graphs is not None:
@@ -371,6 +426,8 @@ def llama8b_decode(m: Llama8B, bw: float):
             hf_rates[label] = new / (time.perf_counter() - t)
         row(f"8B transformers generate, static cache, {label}, b=1 (incl. prefill)",
             f"{hf_rates[label]:.1f} tok/s = {100 * hf_rates[label] / roofline:.0f}% roofline (warm-up {warm:.0f} s)")
+    row(f"8B best decode b=1: [{best[2]}]", f"{best[0]:.1f} tok/s = {100 * best[0] / roofline:.1f}% roofline, "
+        f"{100 * best[0] / strict:.1f}% of the stricter one")
     row("8B best decode / transformers static (best of the two)", f"{best[0] / max(hf_rates.values()):.2f}x")
     eng.config = dataclasses.replace(eng.config, async_decode=True)
     return best[1]
@@ -593,11 +650,11 @@ def cold_start_and_swap(m: Llama8B, spec, tmp: Path):
 
 # ---- 7. MoE -----------------------------------------------------------------------------------------
 @section
-def moe_decode(bw: float, layers: int | None):
+def moe_decode(bw: float, layers: int | None, sweep: bool):
     from engine import EngineConfig, LLMEngine, SamplingParams, resolve
     from engine.variant import VariantSpec
 
-    spec = VariantSpec(kernels=TRITON_ALL, kernel_params=BEST_ATTN, cuda_graph_batch_sizes=(1, 2, 4))
+    spec = VariantSpec(kernels={**TRITON_ALL, **GEMV}, kernel_params=BEST_ATTN, cuda_graph_batch_sizes=(1, 2, 4))
     t = time.perf_counter()
     eng = LLMEngine(EngineConfig(source=resolve("qwen3-30b-a3b"), device="cuda", dtype="bfloat16",
                                  num_kv_blocks=256, load_tokenizer=False, layers=layers, variant=spec))
@@ -623,7 +680,7 @@ def moe_decode(bw: float, layers: int | None):
     tps = max(decode_tps(eng, prompt, new, SamplingParams) for _ in range(2))
     graph, _ = eng.runner.graphs.graphs[1]
     replay = timed(graph.replay, iters=30)
-    row("MoE decode b=1, triton + graphs + ahead (default moe params)", f"{tps:.1f} tok/s = {100 * tps / roofline:.1f}% "
+    row("MoE decode b=1, triton + graphs + GEMV + ahead (default moe params)", f"{tps:.1f} tok/s = {100 * tps / roofline:.1f}% "
         f"of the active roofline; graph replay alone {1 / replay:.1f} tok/s = {100 / replay / roofline:.1f}%")
     # the MoE layer alone at batch 1 (routing + expert kernels), over decode parameters, against cuBLAS
     # reading the same bytes as one dense matrix-vector product
@@ -638,6 +695,10 @@ def moe_decode(bw: float, layers: int | None):
     t_dense = graph_timed(lambda: torch.nn.functional.linear(x, dense))
     row("MoE layer bytes at batch 1 (8 experts), one cuBLAS GEMV of the same bytes",
         f"{moe_bytes / 1e6:.1f} MB; cuBLAS {1e6 * t_dense:.1f} us = {moe_bytes / t_dense / 1e9:,.0f} GB/s")
+    if not sweep:
+        del eng
+        torch.cuda.empty_cache()
+        return
     results = []
     for bn in (8, 16, 32):
         for bk in (128, 256, 512):
@@ -673,11 +734,12 @@ def main() -> None:
     global OUT
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("/tmp"))
-    ap.add_argument("--only", default="", help="comma-separated: attention,decode,throughput,swap,moe")
+    ap.add_argument("--only", default="", help="comma-separated: attention,gemv,decode,throughput,swap,moe")
     ap.add_argument("--trace", type=Path, default=ROOT / "bench" / "data" / "azure_conv_400.csv")
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--hf-batch", type=int, default=32)
     ap.add_argument("--moe-layers", type=int, default=None)
+    ap.add_argument("--moe-sweep", action="store_true", help="also sweep the MoE decode kernel parameters")
     ap.add_argument("--cold-start", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--t0", type=float, default=None, help=argparse.SUPPRESS)
@@ -697,6 +759,8 @@ def main() -> None:
     bw, peak = machine() or (4.27e12, 700e12)
     if want("attention"):
         attention_bandwidth()
+    if want("gemv") or want("decode"):
+        gemv_bandwidth(bw)
     if not (ok and ok2):
         row("model figures", "skipped: correctness checks failed")
     else:
@@ -706,7 +770,8 @@ def main() -> None:
                 best = llama8b_decode(m, bw) if want("decode") else None
                 if best is None:
                     from engine.variant import VariantSpec
-                    best = VariantSpec(kernels=TRITON_ALL, kernel_params=BEST_ATTN, cuda_graph_batch_sizes=GRAPH_SIZES)
+                    best = VariantSpec(kernels={**TRITON_ALL, **GEMV}, kernel_params=BEST_ATTN,
+                                       cuda_graph_batch_sizes=GRAPH_SIZES)
                 if want("throughput"):
                     llama8b_throughput(m, args.trace, peak, args.requests, args.hf_batch)
                 if want("swap"):
@@ -714,7 +779,7 @@ def main() -> None:
                 del m
                 torch.cuda.empty_cache()
         if want("moe"):
-            moe_decode(bw, args.moe_layers)
+            moe_decode(bw, args.moe_layers, args.moe_sweep)
     print("\n| what | figure |\n|---|---|")
     for n, v in ROWS:
         print(f"| {n} | {v} |")

@@ -25,6 +25,7 @@ from engine.errors import RequestError
 from engine.forward_ops import ForwardOps, build_ops
 from engine.generated_source import VariantError
 from engine.loader import load_model
+from engine.parallel import current_group, shard_model
 from engine.model_runner import KVCache, ModelRunner
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
@@ -95,8 +96,14 @@ class LoadedModel:
 
     @classmethod
     def load(cls, config: EngineConfig) -> "LoadedModel":
+        """Loads the weights; with a variant of tp > 1, this rank's shard of them (engine.parallel)."""
         t0 = time.perf_counter()
+        tp = config.initial_variant().tp
+        group = current_group(tp) if tp > 1 else None  # fails before loading anything
         model_cfg, model = load_model(config.source, torch.device(config.device), config.torch_dtype, config.layers)
+        if group is not None:
+            model = shard_model(model, group)  # the whole model is dropped once its shard is copied
+            model_cfg = model.config
         tok = Tokenizer(config.source.tokenizer_path) if config.load_tokenizer and config.source.tokenizer_path else None
         return cls(model_cfg, model, tok, time.perf_counter() - t0)
 
@@ -174,7 +181,12 @@ class LLMEngine:
         self._seqs[rid] = seq
         if not params.greedy:
             gen = torch.Generator()
-            gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+            if params.seed is not None:
+                gen.manual_seed(params.seed)
+            elif self.model.tp is not None:  # every rank must draw the same tokens: seed from the arrival order
+                gen.manual_seed(0x9E3779B9 + seq.arrival)
+            else:
+                gen.manual_seed(torch.seed())
             self._generators[rid] = gen
         self.scheduler.add(seq)
         return rid

@@ -28,6 +28,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.qk_norm = cfg.qk_norm
+        self.tp = None  # a TPGroup when the heads are split across ranks (engine.parallel)
         if cfg.qk_norm:
             self.q_norm = nn.Parameter(torch.empty(self.head_dim))
             self.k_norm = nn.Parameter(torch.empty(self.head_dim))
@@ -51,7 +52,8 @@ class Attention(nn.Module):
             k = ops.rms_norm(k, self.k_norm, self.eps)
         q = ops.rotary_store_kv(q, k, v, positions, cos_sin, kv[0], kv[1], attn.slot_mapping)
         o = ops.attention(q, kv[0], kv[1], attn, self.scale)
-        return ops.linear(o.reshape(t, q_size), self.o_proj.weight)
+        out = ops.linear(o.reshape(t, q_size), self.o_proj.weight)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
@@ -59,10 +61,12 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.tp = None  # a TPGroup when the intermediate columns are split across ranks
 
     def forward(self, gate_up: torch.Tensor, ops: ForwardOps) -> torch.Tensor:
         """gate_up: (T, 2I), the gate/up projection of the normed input."""
-        return ops.act_linear(gate_up, self.down_proj.weight)
+        out = ops.act_linear(gate_up, self.down_proj.weight)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MoE(nn.Module):
@@ -74,9 +78,11 @@ class MoE(nn.Module):
         self.gate = nn.Linear(h, e, bias=False)
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))  # [gate | up] per expert
         self.w2 = nn.Parameter(torch.empty(e, h, i))
+        self.tp = None  # a TPGroup when every expert's intermediate columns are split across ranks
 
     def forward(self, x: torch.Tensor, ops: ForwardOps) -> torch.Tensor:
-        return ops.moe(x, self.gate(x), self.w13, self.w2, self.top_k, self.renormalize)
+        out = ops.moe(x, self.gate(x), self.w13, self.w2, self.top_k, self.renormalize)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -107,14 +113,17 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, lm_head_rows: int | None = None) -> None:
+        """``lm_head_rows``: the vocabulary rows this rank's lm_head holds (tensor parallel); default all."""
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size))
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+            self.lm_head = nn.Parameter(torch.empty(lm_head_rows or cfg.vocab_size, cfg.hidden_size))
+        self.tp = None  # a TPGroup when the weights are split across ranks (engine.parallel.shard_model)
+        self.vocab_split = False  # lm_head holds this rank's vocabulary rows; logits are gathered
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head
@@ -137,4 +146,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, ops: ForwardOps | None = None) -> torch.Tensor:
         """hidden: (N, hidden) -> logits (N, vocab) in float32, through ``ops.linear`` when given."""
-        return (ops.linear if ops is not None else F.linear)(hidden, self.lm_head_weight()).float()
+        logits = (ops.linear if ops is not None else F.linear)(hidden, self.lm_head_weight())
+        if self.vocab_split:
+            logits = self.tp.gather_columns(logits)
+        return logits.float()

@@ -51,30 +51,51 @@ def _engine_config(args: argparse.Namespace):
     )
 
 
+def _generate(rank: int, config, prompt: str, params, chat: bool) -> dict:
+    """One engine (one rank of a tensor-parallel group) generating for one prompt."""
+    import dataclasses
+
+    from engine import LLMEngine
+    from engine.parallel import rank_device
+
+    engine = LLMEngine(dataclasses.replace(config, device=rank_device(config.device, rank)))
+    ids = prompt
+    if engine.tokenizer is None:
+        ids = [int(t) for t in prompt.replace(",", " ").split()] if prompt.strip() else []
+    t0 = time.perf_counter()
+    out = engine.generate([ids], params, chat=chat)[0]
+    secs = time.perf_counter() - t0
+    return {"text": out.text, "token_ids": out.token_ids, "prompt_token_ids": out.prompt_token_ids,
+            "finish_reason": out.finish_reason, "variant_id": engine.variant.variant_id, "seconds": round(secs, 4),
+            "tokens_per_second": round(len(out.token_ids) / secs if secs > 0 else 0.0, 2),
+            "load_seconds": round(engine.load_seconds, 2)}
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine import LLMEngine, SamplingParams
+    from engine import SamplingParams
+    from engine.parallel import run_ranks
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.sample_seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
     )
-    engine = LLMEngine(_engine_config(args))
-    prompt = args.prompt
-    if engine.tokenizer is None:
-        prompt = [int(t) for t in args.prompt.replace(",", " ").split()] if args.prompt.strip() else []
-    t0 = time.perf_counter()
-    out = engine.generate([prompt], params, chat=args.chat)[0]
-    secs = time.perf_counter() - t0
-    tps = len(out.token_ids) / secs if secs > 0 else 0.0
-    if args.json:
-        print(json.dumps({
-            "text": out.text, "token_ids": out.token_ids, "prompt_token_ids": out.prompt_token_ids,
-            "finish_reason": out.finish_reason, "variant_id": engine.variant.variant_id, "seconds": round(secs, 4), "tokens_per_second": round(tps, 2),
-        }))
+    config = _engine_config(args)
+    tp = config.initial_variant().tp
+    if tp > 1:  # one process per rank (GPU i for rank i, or gloo on CPU); rank 0 reports
+        from engine.loader import load_config
+        from engine.parallel import shard_config
+
+        shard_config(load_config(config.source), tp)  # an indivisible model fails here, before any process starts
+        out = run_ranks(tp, config.device, _generate, config, args.prompt, params, args.chat)
     else:
-        print(out.text)
-        print(f"[{len(out.token_ids)} tokens in {secs:.2f} s: {tps:.1f} tokens/s; "
-              f"model loaded in {engine.load_seconds:.1f} s]", file=sys.stderr)
+        out = _generate(0, config, args.prompt, params, args.chat)
+    if args.json:
+        print(json.dumps({k: v for k, v in out.items() if k != "load_seconds"}))
+    else:
+        print(out["text"])
+        print(f"[{len(out['token_ids'])} tokens in {out['seconds']:.2f} s: {out['tokens_per_second']:.1f} tokens/s; "
+              f"model loaded in {out['load_seconds']:.1f} s" + (f"; tensor parallel over {tp} ranks" if tp > 1 else "")
+              + "]", file=sys.stderr)
     return 0
 
 
