@@ -56,6 +56,8 @@ def _gemv_kernel(
             ss += tl.sum(sf * sf, axis=1)
         rstd = tl.rsqrt(ss / K + eps)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # one row: accumulate elementwise and reduce once at the end (no cross-thread sum per chunk)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_mask = rk < K
@@ -73,7 +75,12 @@ def _gemv_kernel(
         else:
             a = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0)
         w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if BLOCK_M == 1:
+            acc1 += w.to(tl.float32) * tl.sum(a.to(tl.float32), axis=0)[None, :]
+        else:
+            acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if BLOCK_M == 1:
+        acc = tl.sum(acc1, axis=1)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rm[:, None] * stride_out + rn[None, :], acc.to(out_ptr.dtype.element_ty),
