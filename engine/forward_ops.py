@@ -1,6 +1,7 @@
 """The table of operations a forward pass calls. Variants swap the whole table between two steps."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Callable
@@ -31,6 +32,15 @@ class ForwardOps:
     linear: Callable
     norm_linear: Callable  # residual add + RMSNorm, then a projection; fused or composed
     act_linear: Callable  # SiLU-and-multiply, then a projection; fused or composed
+
+    def replace(self, **changes: Callable) -> "ForwardOps":
+        """A copy with some operations replaced; composite operations built from parts follow the new parts."""
+        table = {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, **changes}
+        for op, (compose, parts) in _COMPOSED.items():
+            f = table[op]
+            if op not in changes and isinstance(f, functools.partial) and f.func is compose:
+                table[op] = functools.partial(compose, *(table[p] for p in parts))
+        return ForwardOps(**table)
 
 
 REFERENCE_OPS = ForwardOps(

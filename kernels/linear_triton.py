@@ -11,7 +11,11 @@ matrix multiply, after the Triton norm or activation kernel.
 
 Tile sizes come from the kernel parameters (``block_n``, ``block_k``, ``num_warps``) when a
 variant fixes them, and otherwise from Triton's autotuner, per (rows, N, K, prologue), timed on
-the device; on CPU (``TRITON_INTERPRET=1``) the default tiles are used.
+the device; on CPU (``TRITON_INTERPRET=1``) the default tiles are used. With autotuned tiles on a
+GPU, each shape is also timed once against the plain-torch path (cuBLAS, after the Triton norm or
+activation kernel) and keeps the faster of the two: cuBLAS wins some shapes (measured on an H200:
+the norm-fused prologue re-reads the row in every program, which costs more than the separate norm
+kernel on wide projections).
 """
 from __future__ import annotations
 
@@ -97,6 +101,26 @@ _gemv_tuned = triton.autotune(
 )(_gemv_kernel)
 
 
+# (rows, N, K, prologue, dtype, device) -> whether the Triton kernel beat the plain-torch path
+_FASTER: dict[tuple, bool] = {}
+
+
+def _triton_is_faster(key: tuple, triton_call, torch_call) -> bool:
+    """Times both paths once per shape (L2 flushed between runs, as a decode step streams its weights)."""
+    if key not in _FASTER:
+        if torch.cuda.is_current_stream_capturing():
+            return True  # cannot time inside a graph capture; the warm-up before it decides
+        triton_call()  # autotune the tiles first
+        bench = lambda f: triton.testing.do_bench(f, warmup=5, rep=25)  # noqa: E731
+        _FASTER[key] = bench(triton_call) < bench(torch_call)
+    return _FASTER[key]
+
+
+def _auto(x: torch.Tensor, tiles: dict) -> bool:
+    """Whether tiles are autotuned and the choice against torch is timed (a GPU, no tiles fixed)."""
+    return not tiles and x.is_cuda and not _interpreted()
+
+
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -132,9 +156,15 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None
                   ) -> torch.Tensor:
     """x: (T, K), weight: (N, K) -> (T, N). T > max_m goes to torch's matrix multiply."""
+    tiles = _tiles(block_n, block_k, num_warps)
     if x.shape[0] > max_m or x.shape[0] == 0:
         return F.linear(x, weight, bias)
-    return _gemv(x.contiguous(), weight, bias, NONE, _tiles(block_n, block_k, num_warps))[0]
+    x = x.contiguous()
+    if _auto(x, tiles) and not _triton_is_faster(
+            (x.shape[0], *weight.shape, NONE, x.dtype, x.device), lambda: _gemv(x, weight, bias, NONE, tiles),
+            lambda: F.linear(x, weight, bias)):
+        return F.linear(x, weight, bias)
+    return _gemv(x, weight, bias, NONE, tiles)[0]
 
 
 def norm_linear_triton(
@@ -143,22 +173,41 @@ def norm_linear_triton(
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (linear(rms_norm(x + residual)), x + residual); x, residual: (T, K)."""
-    assert residual.shape == x.shape and norm_weight.shape == (x.shape[1],)
-    if x.shape[0] > max_m or x.shape[0] == 0:
-        from kernels.norm_triton import fused_add_rms_norm_triton
+    from kernels.norm_triton import fused_add_rms_norm_triton
 
+    assert residual.shape == x.shape and norm_weight.shape == (x.shape[1],)
+    tiles = _tiles(block_n, block_k, num_warps)
+
+    def unfused():
         h, summed = fused_add_rms_norm_triton(x, residual, norm_weight, eps)
         return F.linear(h, weight, bias), summed
-    return _gemv(x.contiguous(), weight, bias, ADD_RMS_NORM, _tiles(block_n, block_k, num_warps),
-                 r=residual.contiguous(), norm_weight=norm_weight, eps=eps)
+
+    if x.shape[0] > max_m or x.shape[0] == 0:
+        return unfused()
+    x, residual = x.contiguous(), residual.contiguous()
+
+    def fused():
+        return _gemv(x, weight, bias, ADD_RMS_NORM, tiles, r=residual, norm_weight=norm_weight, eps=eps)
+
+    if _auto(x, tiles) and not _triton_is_faster((x.shape[0], *weight.shape, ADD_RMS_NORM, x.dtype, x.device),
+                                                 fused, unfused):
+        return unfused()
+    return fused()
 
 
 def act_linear_triton(x: torch.Tensor, weight: torch.Tensor, *, max_m: int = 4, block_n: int | None = None,
                       block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """x: (T, 2K) holding [gate | up]; weight: (N, K) -> linear(silu(gate) * up)."""
-    assert x.shape[1] == 2 * weight.shape[1], f"input {tuple(x.shape)} does not hold [gate | up] for {tuple(weight.shape)}"
-    if x.shape[0] > max_m or x.shape[0] == 0:
-        from kernels.activation_triton import silu_and_mul_triton
+    from kernels.activation_triton import silu_and_mul_triton
 
+    assert x.shape[1] == 2 * weight.shape[1], f"input {tuple(x.shape)} does not hold [gate | up] for {tuple(weight.shape)}"
+    tiles = _tiles(block_n, block_k, num_warps)
+    if x.shape[0] > max_m or x.shape[0] == 0:
         return F.linear(silu_and_mul_triton(x), weight)
-    return _gemv(x.contiguous(), weight, None, SILU_MUL, _tiles(block_n, block_k, num_warps), k=weight.shape[1])[0]
+    x = x.contiguous()
+    if _auto(x, tiles) and not _triton_is_faster(
+            (x.shape[0], *weight.shape, SILU_MUL, x.dtype, x.device),
+            lambda: _gemv(x, weight, None, SILU_MUL, tiles, k=weight.shape[1]),
+            lambda: F.linear(silu_and_mul_triton(x), weight)):
+        return F.linear(silu_and_mul_triton(x), weight)
+    return _gemv(x, weight, None, SILU_MUL, tiles, k=weight.shape[1])[0]

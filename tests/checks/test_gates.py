@@ -1,7 +1,6 @@
 """The gates reject planted faults, each with a reason naming the failure, and pass clean variants (SmolLM2)."""
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -34,7 +33,7 @@ def _with_ops(base, **ops):
 
     def make(s: GateSettings) -> LLMEngine:
         eng = ref(s)
-        eng.ops = dataclasses.replace(eng.ops, **ops)
+        eng.ops = eng.ops.replace(**ops)
         return eng
     return make
 
