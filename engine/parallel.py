@@ -141,6 +141,7 @@ def run_ranks(tp: int, device: str, fn, *args):
 
     ``fn`` must be importable by name (a module-level function). NCCL when ``device`` is a GPU, else gloo.
     """
+    import queue
     import socket
 
     import torch.multiprocessing as mp
@@ -151,16 +152,24 @@ def run_ranks(tp: int, device: str, fn, *args):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
+    results = ctx.Queue()
     backend = "nccl" if device.startswith("cuda") else "gloo"
     procs = [ctx.Process(target=_rank_main, args=(r, tp, port, backend, fn, args, results)) for r in range(tp)]
     for p in procs:
         p.start()
+    # read before joining: a large result fills the pipe, and rank 0 cannot exit until it is read
+    got = None
+    while got is None:
+        try:
+            got = results.get(timeout=1.0)
+        except queue.Empty:
+            if procs[0].exitcode is not None and results.empty():
+                break  # rank 0 ended without a result
     for p in procs:
         p.join()
-    if results.empty():
+    if got is None:
         raise EngineError(f"tensor-parallel ranks exited with {[p.exitcode for p in procs]} and no result")
-    status, out = results.get()
+    status, out = got
     if status != "ok":
         raise EngineError(f"tensor-parallel rank 0 failed: {out}")
     return out
