@@ -422,6 +422,16 @@ class LLMEngine:
             self.previous_variant, self.variant = self.variant, spec
             return SwapReport(spec.variant_id, sorted(scopes), time.perf_counter() - t0)
 
+    def swap_variant(self, spec: VariantSpec) -> "SwapReport":
+        """The serving path's swap: a ``forward`` change is prepared first, without holding the engine, so
+        steps from other threads go on meanwhile; then it is switched in between two steps (the pause is
+        one step's drain). Changes with a ``kv_layout`` scope drain and rebuild as ``apply_variant`` does."""
+        scopes = spec.changed_scopes(self.variant)
+        prepared = None
+        if FORWARD in scopes and not scopes & {KV_LAYOUT, PARALLEL}:
+            prepared = self.prepare_variant(spec)
+        return self.apply_variant(spec, prepared)
+
     def _forward_fn(self, spec: VariantSpec):
         """The eager forward for ``spec``: the model, or torch.compile of it (GPU only)."""
         if spec.compile_mode == "none" or self.device.type != "cuda":
@@ -447,7 +457,7 @@ class LLMEngine:
     def rollback(self) -> "SwapReport":
         if self.previous_variant is None:
             raise VariantError("no previous variant to roll back to")
-        return self.apply_variant(self.previous_variant)
+        return self.swap_variant(self.previous_variant)
 
     def _build_kv(self, spec: VariantSpec) -> tuple[KVCache, BlockManager]:
         """A new KV pool of the same memory under the new block size, and its block manager."""

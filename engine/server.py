@@ -292,7 +292,7 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
         except EngineError as e:
             raise APIError(400, str(e)) from None
         try:
-            report = await asyncio.to_thread(engine.apply_variant, spec)
+            report = await asyncio.to_thread(engine.swap_variant, spec)  # prepared while serving
         except (VariantError, EngineError) as e:
             raise APIError(422, f"variant refused, previous variant stays active: {e}", code="variant_refused") from None
         return {"variant_id": report.variant_id, "scopes": report.scopes, "seconds": report.seconds}

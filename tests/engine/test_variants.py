@@ -213,3 +213,31 @@ def test_forward_swap_drops_the_prefix_cache():
     eng.apply_variant(dataclasses.replace(eng.variant, kernels={"silu_and_mul": "triton"}))
     assert eng.generate([prompt], params)[0].num_cached_tokens == 0
     assert eng.generate([prompt], params)[0].num_cached_tokens > 0  # and caching resumes under the new kernels
+
+
+def test_swap_is_prepared_while_another_thread_serves():
+    import threading
+    import time
+
+    prompts = [[1, 5, 9, 13, 2, 7, 33], [4, 4, 8], list(range(10, 31))]
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    ref = [o.token_ids for o in _tiny().generate(prompts, params)]
+    eng = _tiny()
+    rids = [eng.add_request(p, params) for p in prompts]
+    out: dict = {}
+
+    def serve():
+        while eng.has_unfinished():
+            out.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+            time.sleep(0.01)  # leave the GIL to the preparing thread
+
+    eng.step()
+    server = threading.Thread(target=serve)
+    server.start()
+    spec = dataclasses.replace(eng.variant, kernels={"rms_norm": "triton", "silu_and_mul": "triton"})
+    report = eng.swap_variant(spec)
+    in_flight = eng.has_unfinished()
+    server.join()
+    assert report.scopes == ["forward"] and eng.variant == spec
+    assert in_flight, "the requests finished before the swap: the test did not swap mid-generation"
+    assert [out[r] for r in rids] == ref
