@@ -27,7 +27,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     load_tokenizer: bool = True
     # Launch a greedy decode step before the previous one's tokens reach the host (see llm_engine).
-    async_decode: bool = True
+    # None: on a GPU only. On a CPU the launch computes the step, so running ahead overlaps nothing and
+    # only hands each token out one step late (and makes per-step times alternate long/short).
+    async_decode: bool | None = None
     # The engine form to start with; its knobs override block_size, prefix caching and scheduler above.
     variant: VariantSpec | None = None
 
@@ -55,6 +57,10 @@ class EngineConfig:
             torch.device(self.device)
         except RuntimeError as e:
             raise ConfigError(f"bad device {self.device!r}: {e}") from None
+
+    @property
+    def run_ahead(self) -> bool:
+        return self.async_decode if self.async_decode is not None else torch.device(self.device).type == "cuda"
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -2,8 +2,8 @@
 
 ``step`` is schedule -> launch -> collect (sample, postprocess); everything else hides behind those names.
 
-Decode runs one step ahead of the host: when a greedy decode step is launched and nothing waits
-for admission, the next step of the same sequences is launched right behind it, its input tokens
+Decode runs one step ahead of the host (on a GPU; see ``EngineConfig.async_decode``): when a
+greedy decode step is launched and nothing waits for admission, the next step of the same sequences is launched right behind it, its input tokens
 taken on the device from the first one's, before the host reads the first one's tokens. The
 host's work (postprocess, scheduling, staging) then overlaps the device's. A sequence that
 stopped meanwhile has its ahead token dropped: its KV went into a slot of its own that no
@@ -281,7 +281,7 @@ class LLMEngine:
         """Whether the next step can be launched before this one's tokens are read: a greedy decode of
         every running sequence, nothing waiting for admission, and a KV slot for each next token."""
         rows = launched.batch.scheduled
-        if (not self.config.async_decode or launched.tokens is not None or self.scheduler.waiting
+        if (not self.config.run_ahead or launched.tokens is not None or self.scheduler.waiting
                 or len(rows) != len(self.scheduler.running) or not all(self._live(launched))):
             return False
         if any(item.num_new_tokens != 1 or not item.samples or start + 2 > self.max_model_len

@@ -87,7 +87,7 @@ def test_hot_swaps_mid_generation_match_the_reference(smollm2_engine_factory):
     ref_engine = smollm2_engine_factory(num_kv_blocks=128)
     alone = [ref_engine.generate([p], params)[0].token_ids for p in prompts]
 
-    eng = smollm2_engine_factory(num_kv_blocks=128)
+    eng = smollm2_engine_factory(num_kv_blocks=128, async_decode=True)  # swaps must also drain a step run ahead
     weights = _weights(eng)
     rids = [eng.add_request(p, params) for p in prompts]
     out = {}
