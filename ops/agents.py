@@ -18,7 +18,7 @@ from engine.errors import ConfigError
 from engine.generated_source import VariantError, check_source
 from engine.variant import COMPILE_MODES, OP_NAMES, VariantSpec
 from ops.board import Board, Result
-from ops.cost_model import CostModelPlan
+from ops.cost_model import Calibration, CostModelPlan, StepShape, step_time
 from ops.hardware import HardwareProfile
 from ops.model_spec import ModelSpec
 from ops.traces import TrafficProfile
@@ -50,6 +50,9 @@ class SearchState:
     max_input: int | None = None
     fast: list[tuple[Result, VariantSpec]] = field(default_factory=list)
     tried: set[str] = field(default_factory=set)  # variant ids already queued in this search
+    calibration: Calibration | None = None  # the full model's, once measured
+    slo_tpot_s: float | None = None
+    max_output: int | None = None
 
     @classmethod
     def read(cls, board: Board, search: str, **kw) -> "SearchState":
@@ -164,7 +167,41 @@ class TrafficRules(Agent):
                                           cuda_graph_batch_sizes=graphs if on_gpu else ()),
                       f"estimated concurrency {conc:.1f}: max_num_seqs {seqs} (twice it, a power of two)"
                       + (f", CUDA graphs for batches {list(graphs)}" if on_gpu else "")))
+        rules = self._tpot_rules(state) + rules
         return [Proposal(v, why) for v, why in rules if state.fresh(v)][:n]
+
+    @staticmethod
+    def _tpot_rules(state: SearchState) -> list[tuple[VariantSpec, str]]:
+        """A TPOT target: the most sequences whose decode step takes at most half the TPOT SLO (room for
+        the prefill chunks that share steps with them), and the token budget that keeps a step of those
+        decodes plus prefill within the SLO, with prefill chunked to fit it. Step times from the cost
+        model calibrated on the full model."""
+        if state.calibration is None or not state.slo_tpot_s:
+            return []
+        t, base, slo, cal = state.traffic, state.baseline, state.slo_tpot_s, state.calibration
+        prompt = min(t.input_p50, state.max_input or t.input_p50)
+        ctx = int(prompt + min(t.output_p50, state.max_output or t.output_p50) / 2) + 1
+
+        def step_s(seqs: int, prefill: int) -> float:
+            shape = StepShape(seqs + prefill, seqs * ctx + prefill, seqs + (prefill > 0),
+                              seqs * ctx + prefill * (prefill + 1) // 2)
+            return step_time(state.spec, state.hardware, shape, cal)
+
+        sizes = [b for b in (256, 128, 64, 32, 16, 8, 4, 2, 1) if b <= base.max_num_seqs]
+        seqs = next((b for b in sizes if step_s(b, 0) <= slo / 2), None)
+        if seqs is None or seqs >= base.max_num_seqs:
+            return []
+        budget = next((b for b in (2048, 1024, 512, 256, 128, 64) if b > seqs and step_s(seqs, b - seqs) <= slo), None)
+        why = (f"TPOT SLO {1e3 * slo:.0f} ms: a decode step of {seqs} sequences at {ctx} tokens of context is "
+               f"modelled at {1e3 * step_s(seqs, 0):.0f} ms (of {max(sizes)}: {1e3 * step_s(max(sizes), 0):.0f} ms)")
+        out = [(dataclasses.replace(base, name=f"rule: TPOT, max_num_seqs {seqs}", max_num_seqs=seqs), why)]
+        if budget is not None:
+            out.insert(0, (dataclasses.replace(base, name=f"rule: TPOT, {seqs} seqs, {budget} tokens chunked",
+                                               max_num_seqs=seqs, max_num_batched_tokens=budget,
+                                               prefill_chunk_size=budget - seqs),
+                           why + f"; with prefill chunked so a step of {budget} tokens stays within the SLO "
+                           f"({1e3 * step_s(seqs, budget - seqs):.0f} ms)"))
+        return out
 
 
 TRITON_ALL = {"rms_norm": "triton", "fused_add_rms_norm": "triton", "rotary": "triton", "silu_and_mul": "triton",

@@ -138,7 +138,8 @@ class Search:
     def state(self) -> SearchState:
         st = SearchState.read(self.board, self.search, spec=self.spec, hardware=self.hardware,
                               traffic=self.bench.traffic, plan=self.plan, baseline=self.baseline,
-                              device=self.cfg.device, max_input=self.cfg.max_input)
+                              device=self.cfg.device, max_input=self.cfg.max_input, calibration=self.cal,
+                              slo_tpot_s=self.cfg.slo_tpot_s, max_output=self.cfg.max_output)
         st.fast = self.fast_results(st.fast)
         return st
 

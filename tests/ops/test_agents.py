@@ -143,3 +143,19 @@ def test_local_search_steps_around_the_best_result(tmp_path):
     assert all(len(p.variant.changed_scopes(good)) == 1 for p in props)  # one knob at a time
     assert {p.variant.max_num_seqs for p in props} >= {8, 32}
     assert all(state.fresh(p.variant) for p in props)
+
+
+def test_traffic_rules_fit_decode_steps_to_the_tpot_slo(tmp_path):
+    from ops.cost_model import Calibration
+
+    board = Board(tmp_path / "b.db")
+    state = _state(board, "t")
+    assert not any("TPOT" in p.variant.name for p in TrafficRules().propose(state, 8))  # not calibrated yet
+    # a step costs 10 ms per sequence: half a 200 ms TPOT holds 10 sequences, so 8 (a power of two)
+    state.calibration = Calibration(mem=0.0, compute=0.0, launch=0.0, per_seq_s=0.01, fitted=True)
+    state.slo_tpot_s = 0.2
+    tpot = [p for p in TrafficRules().propose(state, 8) if "TPOT" in p.variant.name]
+    assert tpot and {p.variant.max_num_seqs for p in tpot} == {8}
+    assert "200 ms" in tpot[0].rationale and "80 ms" in tpot[0].rationale
+    state.slo_tpot_s = 10.0  # every batch the baseline allows fits: nothing to propose
+    assert not any("TPOT" in p.variant.name for p in TrafficRules().propose(state, 8))
