@@ -5,9 +5,10 @@
 Decode runs one step ahead of the host (on a GPU; see ``EngineConfig.async_decode``): when a
 greedy decode step is launched and nothing waits for admission, the next step of the same
 sequences is launched right behind it, its input tokens taken on the device from the first
-one's, before the host reads the first one's tokens. The host's work (postprocess, scheduling, staging) then overlaps the device's. A sequence that
-stopped meanwhile has its ahead token dropped: its KV went into a slot of its own that no
-prefix hash covers, so nothing else ever reads it.
+one's, before the host reads the first one's tokens. The host's work (postprocess, scheduling,
+staging) then overlaps the device's. A sequence that stopped meanwhile has its ahead token
+dropped: its KV went into a slot of its own that no prefix hash covers, so nothing else ever
+reads it.
 """
 from __future__ import annotations
 
