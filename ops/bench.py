@@ -173,8 +173,15 @@ def fast_tier(engine: LLMEngine, prefill_lengths: list[int], decode_batches: lis
         times[f"prefill n={n}"] = 1e3 * statistics.median(samples)
     decode_tokens = decode_time = 0.0
     spreads = []
+    bm = engine.block_manager
     for b, c in decode_batches:
-        engine.block_manager.reset_prefix_cache()
+        # as many sequences as the KV pool holds to their last token and the scheduler runs at once: a batch
+        # the pool cannot hold would be preempted into a smaller one, and timed under the wrong shape
+        need = -(-(c + decode_steps * repeats + 2) // bm.block_size)
+        b = min(b, bm.num_blocks // need, engine.scheduler.config.max_num_seqs)
+        if b < 1:
+            continue
+        bm.reset_prefix_cache()
         for i in range(b):
             engine.add_request(ids(c, 1000 + i), SamplingParams(max_tokens=decode_steps * repeats + 2, ignore_eos=True))
         while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):
