@@ -37,6 +37,7 @@ import torch
 
 ROWS: list[tuple[str, str]] = []
 OUT = Path("/tmp")
+LOG = "gpu_bench"  # rows go to OUT/LOG.jsonl as measured, the table to OUT/LOG.json at the end
 ROOT = Path(__file__).resolve().parent.parent
 DATASHEET_BF16 = 989e12  # H100/H200 SXM dense bf16, FLOP/s
 TRITON_ALL = {"rms_norm": "triton", "fused_add_rms_norm": "triton", "rotary": "triton", "silu_and_mul": "triton",
@@ -49,7 +50,7 @@ GRAPH_SIZES = (1, 2, 4, 8)
 def row(name: str, value: str) -> None:
     ROWS.append((name, value))
     print(f"{name:70} {value}", flush=True)
-    with open(OUT / "gpu_bench.jsonl", "a") as f:
+    with open(OUT / f"{LOG}.jsonl", "a") as f:
         f.write(json.dumps([name, value]) + "\n")
 
 
@@ -796,10 +797,15 @@ def main() -> None:
                 torch.cuda.empty_cache()
         if want("moe"):
             moe_decode(bw, args.moe_layers, args.moe_sweep)
+    finish()
+
+
+def finish() -> None:
+    """Prints every row as one table and writes them to OUT/LOG.json."""
     print("\n| what | figure |\n|---|---|")
     for n, v in ROWS:
         print(f"| {n} | {v} |")
-    (OUT / "gpu_bench.json").write_text(json.dumps(ROWS, indent=1))
+    (OUT / f"{LOG}.json").write_text(json.dumps(ROWS, indent=1))
 
 
 if __name__ == "__main__":

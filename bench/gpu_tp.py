@@ -9,32 +9,24 @@
    throughput on the Azure conversation trace's request lengths, TP=2 against TP=1.
 
 Each configuration runs in fresh processes (one per rank), so no run inherits another's memory.
-Rows go to DIR/gpu_tp.jsonl as they are measured.
+Rows go to DIR/gpu_tp.jsonl as they are measured, the table to DIR/gpu_tp.json.
 """
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import time
 from pathlib import Path
 
 import torch
 
+from bench import gpu_bench as gb
+from bench.gpu_bench import row, trace_requests
+
 ROOT = Path(__file__).resolve().parent.parent
-OUT = Path("/tmp")
-ROWS: list[tuple[str, str]] = []
 TRITON = {"rms_norm": "triton", "fused_add_rms_norm": "triton", "rotary": "triton", "silu_and_mul": "triton",
           "store_kv": "triton", "rotary_store_kv": "triton", "attention": "triton_paged", "moe": "triton",
           "linear": "triton", "norm_linear": "triton", "act_linear": "triton"}
 ATTN = {"attention": {"block_n": 128, "num_warps": 8}}
-
-
-def row(name: str, value: str) -> None:
-    ROWS.append((name, value))
-    print(f"{name:70} {value}", flush=True)
-    with open(OUT / "gpu_tp.jsonl", "a") as f:
-        f.write(json.dumps([name, value]) + "\n")
 
 
 MODEL, DEVICE = "llama-3.1-8b", "cuda"  # a smaller model and "cpu" (gloo) only to try the script itself
@@ -119,7 +111,7 @@ def _with_globals(rank: int, model: str, device: str, job, *args) -> dict:
 
 
 def main() -> None:
-    global OUT, MODEL, DEVICE
+    global MODEL, DEVICE
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("/tmp"))
     ap.add_argument("--trace", type=Path, default=ROOT / "bench" / "data" / "azure_conv_400.csv")
@@ -129,8 +121,8 @@ def main() -> None:
     ap.add_argument("--device", default=DEVICE, help=argparse.SUPPRESS)
     args = ap.parse_args()
     MODEL, DEVICE = args.model, args.device
-    OUT = args.out
-    OUT.mkdir(parents=True, exist_ok=True)
+    gb.OUT, gb.LOG = args.out, "gpu_tp"
+    args.out.mkdir(parents=True, exist_ok=True)
     if DEVICE == "cuda":
         assert torch.cuda.device_count() >= 2, "this benchmark needs two GPUs"
         row("devices", f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()} torch {torch.__version__}")
@@ -153,9 +145,7 @@ def main() -> None:
         row("8B bf16 decode b=1, Triton + GEMV + graphs: TP=1 / TP=2 tok/s",
             f"{d1['tps']:.1f} / {d2['tps']:.1f} = {d2['tps'] / d1['tps']:.2f}x (weights per GPU {d1['weights_gb']:.1f} / "
             f"{d2['weights_gb']:.1f} GB)")
-        with open(args.trace) as f:
-            rows = list(csv.DictReader(f))[:args.requests]
-        reqs = [(min(int(r["ContextTokens"]), 2048), max(1, min(int(r["GeneratedTokens"]), 256))) for r in rows]
+        reqs = trace_requests(args.trace, args.requests, 2048, 256)
         batch = {**fast, "max_num_seqs": 128, "max_num_batched_tokens": 8192,
                  "cuda_graph_batch_sizes": [1, 2, 4, 8, 16, 32, 48, 64, 96, 128]}
         t1, t2 = run(1, throughput_job, batch, reqs), run(2, throughput_job, batch, reqs)
@@ -164,10 +154,7 @@ def main() -> None:
         row(f"8B bf16 offline, {len(reqs)} Azure-conv requests (in<=2048, out<=256): TP=1 / TP=2",
             f"{t1['seconds']:.2f} s / {t2['seconds']:.2f} s = {out / t1['seconds']:,.0f} / {out / t2['seconds']:,.0f} "
             f"output tok/s = {t1['seconds'] / t2['seconds']:.2f}x")
-    print("\n| what | figure |\n|---|---|")
-    for n, v in ROWS:
-        print(f"| {n} | {v} |")
-    (OUT / "gpu_tp.json").write_text(json.dumps(ROWS, indent=1))
+    gb.finish()
 
 
 if __name__ == "__main__":
