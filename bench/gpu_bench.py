@@ -41,7 +41,8 @@ LOG = "gpu_bench"  # rows go to OUT/LOG.jsonl as measured, the table to OUT/LOG.
 ROOT = Path(__file__).resolve().parent.parent
 DATASHEET_BF16 = 989e12  # H100/H200 SXM dense bf16, FLOP/s
 TRITON_ALL = {"rms_norm": "triton", "fused_add_rms_norm": "triton", "rotary": "triton", "silu_and_mul": "triton",
-              "store_kv": "triton", "rotary_store_kv": "triton", "attention": "triton_paged", "moe": "triton"}
+              "store_kv": "triton", "rotary_store_kv": "triton", "norm_rotary_store_kv": "triton",
+              "attention": "triton_paged", "moe": "triton"}
 GEMV = {"linear": "triton", "norm_linear": "triton", "act_linear": "triton"}
 BEST_ATTN = {"attention": {"block_n": 128, "num_warps": 8}}
 GRAPH_SIZES = (1, 2, 4, 8)
@@ -665,6 +666,32 @@ def cold_start_and_swap(m: Llama8B, spec, tmp: Path):
             + (f", prepared in background {100 * prep / cold:.1f}%" if prepared is not None else ""))
 
 
+def kernel_profile(label: str, fn, steps: int = 5, top: int = 14) -> None:
+    """GPU time of each kernel ``fn`` launches (one call = one step), from the CUDA profiler: the kernels a
+    step spends its time in, their count per step, and the step's time not covered by any kernel."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / steps
+    per: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA and e.time_range.elapsed_us() > 0:
+            per.setdefault(e.name[:60], []).append(e.time_range.elapsed_us())
+    total = sum(sum(v) for v in per.values()) / steps
+    row(f"{label}: kernel time per step", f"{total:.0f} us in {sum(len(v) for v in per.values()) // steps} "
+        f"kernels; wall {1e6 * wall:.0f} us (not covered by kernels {1e6 * wall - total:.0f} us)")
+    for name, v in sorted(per.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        row(f"  {label}: {name}", f"{sum(v) / steps:.0f} us/step, {len(v) / steps:.0f} per step, "
+            f"{sum(v) / len(v):.1f} us each, {100 * sum(v) / steps / total:.0f}%")
+
+
 # ---- 7. MoE -----------------------------------------------------------------------------------------
 @section
 def moe_decode(bw: float, layers: int | None, sweep: bool):
@@ -699,6 +726,7 @@ def moe_decode(bw: float, layers: int | None, sweep: bool):
     replay = timed(graph.replay, iters=30)
     row("MoE decode b=1, triton + graphs + GEMV + ahead (default moe params)", f"{tps:.1f} tok/s = {100 * tps / roofline:.1f}% "
         f"of the active roofline; graph replay alone {1 / replay:.1f} tok/s = {100 / replay / roofline:.1f}%")
+    kernel_profile("MoE graph replay", graph.replay)
     # the MoE layer alone at batch 1 (routing + expert kernels), over decode parameters, against cuBLAS
     # reading the same bytes as one dense matrix-vector product
     from kernels.moe_triton import moe_triton
@@ -712,37 +740,48 @@ def moe_decode(bw: float, layers: int | None, sweep: bool):
     t_dense = graph_timed(lambda: torch.nn.functional.linear(x, dense))
     row("MoE layer bytes at batch 1 (8 experts), one cuBLAS GEMV of the same bytes",
         f"{moe_bytes / 1e6:.1f} MB; cuBLAS {1e6 * t_dense:.1f} us = {moe_bytes / t_dense / 1e9:,.0f} GB/s")
-    if not sweep:
-        del eng
-        torch.cuda.empty_cache()
-        return
+    # decode attention at batch 1 has one program per KV head (4 here): split the context so more SMs read it
+    best_tps, best_attn = tps, BEST_ATTN["attention"]
+    for attn in ({"block_n": 64, "num_warps": 4}, {"num_splits": 4, "block_n": 64, "num_warps": 4},
+                 {"num_splits": 8, "block_n": 32, "num_warps": 4}, {"num_splits": 16, "block_n": 16, "num_warps": 4}):
+        eng.apply_variant(dataclasses.replace(spec, kernel_params={"attention": attn}))
+        b3 = eng.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+        tps3 = max(decode_tps(eng, prompt, new, SamplingParams) for _ in range(2))
+        row(f"MoE decode b=1, attention {attn} (greedy vs reference MoE {sum(x_ == y for x_, y in zip(a, b3))}/8)",
+            f"{tps3:.1f} tok/s = {100 * tps3 / roofline:.1f}%")
+        if tps3 > best_tps:
+            best_tps, best_attn = tps3, attn
+    spec = dataclasses.replace(spec, kernel_params={"attention": best_attn})
+    # the MoE layer alone at batch 1 over decode parameters (routing in its own launch or in the gate/up kernel)
     results = []
-    for bn in (8, 16, 32):
-        for bk in (128, 256, 512):
-            for dbn, split in ((4, 0), (8, 0), (16, 0), (8, 1), (16, 1), (32, 1)):
-                for warps in (2, 4):
-                    params = dict(decode_block_n=bn, decode_block_k=bk, decode_down_block_n=dbn,
-                                  decode_split_down=split, decode_warps=warps)
-                    try:
-                        tm = graph_timed(lambda: moe_triton(x, lg, layer.w13, layer.w2, k, True, **params))
-                    except Exception as e:  # a configuration Triton cannot build: skip it
-                        print("moe config failed", params, type(e).__name__, flush=True)
-                        continue
-                    results.append((tm, params))
+    grid = [(bn, bk, dbn, 1, 4, fuse) for bn in (8, 16) for bk in (256,) for dbn in (8, 16, 32) for fuse in (0, 1)]
+    if sweep:
+        grid += [(bn, bk, dbn, split, warps, 1) for bn in (4, 8, 16, 32) for bk in (128, 256, 512)
+                 for dbn, split in ((4, 0), (8, 0), (16, 0), (8, 1), (16, 1), (32, 1)) for warps in (2, 4, 8)]
+    for bn, bk, dbn, split, warps, fuse in grid:
+        params = dict(decode_block_n=bn, decode_block_k=bk, decode_down_block_n=dbn, decode_split_down=split,
+                      decode_warps=warps, decode_fuse_route=fuse)
+        try:
+            tm = graph_timed(lambda: moe_triton(x, lg, layer.w13, layer.w2, k, True, **params))
+        except Exception as e:  # a configuration Triton cannot build: skip it
+            print("moe config failed", params, type(e).__name__, flush=True)
+            continue
+        results.append((tm, params))
     results.sort(key=lambda r: r[0])
     for tm, params in results[:3] + results[-1:]:
         row(f"MoE layer alone b=1 {params}", f"{1e6 * tm:.1f} us = {moe_bytes / tm / 1e9:,.0f} GB/s")
     best_params = results[0][1]
-    variant = dataclasses.replace(spec, kernel_params={**BEST_ATTN, "moe": best_params})
+    variant = dataclasses.replace(spec, kernel_params={"attention": best_attn, "moe": best_params})
     eng.apply_variant(variant)
     b2 = eng.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
-    tps2 = max(decode_tps(eng, prompt, new, SamplingParams) for _ in range(2))
+    tps2 = max(decode_tps(eng, prompt, new, SamplingParams) for _ in range(3))
     graph, _ = eng.runner.graphs.graphs[1]
     replay = timed(graph.replay, iters=30)
-    row("MoE decode b=1, best moe params (greedy vs reference MoE " f"{sum(x_ == y for x_, y in zip(a, b2))}/8)",
+    row(f"MoE decode b=1, best attention and moe params (greedy vs reference MoE {sum(x_ == y for x_, y in zip(a, b2))}/8)",
         f"{tps2:.1f} tok/s = {100 * tps2 / roofline:.1f}% of the active roofline; graph replay alone "
         f"{1 / replay:.1f} tok/s = {100 / replay / roofline:.1f}%; the MoE layers' share of a replay "
         f"{100 * cfg.num_hidden_layers * results[0][0] / replay:.0f}%")
+    kernel_profile("MoE best, graph replay", graph.replay)
     del eng
     torch.cuda.empty_cache()
 

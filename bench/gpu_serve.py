@@ -20,7 +20,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TRITON_ALL = {"rms_norm": "triton", "fused_add_rms_norm": "triton", "rotary": "triton", "silu_and_mul": "triton",
-              "store_kv": "triton", "rotary_store_kv": "triton", "attention": "triton_paged", "moe": "triton"}
+              "store_kv": "triton", "rotary_store_kv": "triton", "norm_rotary_store_kv": "triton",
+              "attention": "triton_paged", "moe": "triton"}
 
 
 def ensure_serving_packages(deps: Path) -> dict:

@@ -24,7 +24,8 @@ from bench.gpu_bench import row, trace_requests
 
 ROOT = Path(__file__).resolve().parent.parent
 TRITON = {"rms_norm": "triton", "fused_add_rms_norm": "triton", "rotary": "triton", "silu_and_mul": "triton",
-          "store_kv": "triton", "rotary_store_kv": "triton", "attention": "triton_paged", "moe": "triton",
+          "store_kv": "triton", "rotary_store_kv": "triton", "norm_rotary_store_kv": "triton",
+          "attention": "triton_paged", "moe": "triton",
           "linear": "triton", "norm_linear": "triton", "act_linear": "triton"}
 ATTN = {"attention": {"block_n": 128, "num_warps": 8}}
 

@@ -13,7 +13,7 @@ from kernels.kv_store import store_kv_ref
 from kernels.linear import act_linear_ref, linear_ref, norm_linear_ref
 from kernels.moe import moe_ref
 from kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
-from kernels.rotary import rotary_ref, rotary_store_kv_ref
+from kernels.rotary import norm_rotary_store_kv_ref, rotary_ref, rotary_store_kv_ref
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class ForwardOps:
     silu_and_mul: Callable
     store_kv: Callable
     rotary_store_kv: Callable  # rotary then store_kv, fused or composed from the two fields above
+    norm_rotary_store_kv: Callable  # per-head RMSNorm of q and k, then rotary_store_kv; fused or composed
     attention: Callable
     moe: Callable
     linear: Callable
@@ -51,6 +52,7 @@ REFERENCE_OPS = ForwardOps(
     silu_and_mul=silu_and_mul_ref,
     store_kv=store_kv_ref,
     rotary_store_kv=rotary_store_kv_ref,
+    norm_rotary_store_kv=norm_rotary_store_kv_ref,
     attention=paged_attention_ref,
     moe=moe_ref,
     linear=linear_ref,
@@ -64,7 +66,7 @@ def _builtin(op: str, impl: str, params: dict) -> Callable:
     try:
         if op in ("rms_norm", "fused_add_rms_norm"):
             from kernels import norm_triton as m
-        elif op in ("rotary", "rotary_store_kv"):
+        elif op in ("rotary", "rotary_store_kv", "norm_rotary_store_kv"):
             from kernels import rotary_triton as m
         elif op == "silu_and_mul":
             from kernels import activation_triton as m
@@ -95,6 +97,12 @@ def _rotary_then_store(rotary, store_kv, q, k, v, positions, cos_sin, k_cache, v
     return q
 
 
+def _norm_then_rotary_store(rms_norm, rotary_store_kv, q, k, v, q_weight, k_weight, eps, positions, cos_sin,
+                             k_cache, v_cache, slot_mapping):
+    return rotary_store_kv(rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), v, positions, cos_sin, k_cache,
+                           v_cache, slot_mapping)
+
+
 def _norm_then_linear(fused_add_rms_norm, linear, x, residual, norm_weight, eps, weight, bias=None):
     h, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
     return linear(h, weight, bias), summed
@@ -107,6 +115,7 @@ def _act_then_linear(silu_and_mul, linear, x, weight):
 # composite operations whose "reference" is the table's own parts, called one after the other
 _COMPOSED = {
     "rotary_store_kv": (_rotary_then_store, ("rotary", "store_kv")),
+    "norm_rotary_store_kv": (_norm_then_rotary_store, ("rms_norm", "rotary_store_kv")),
     "norm_linear": (_norm_then_linear, ("fused_add_rms_norm", "linear")),
     "act_linear": (_act_then_linear, ("silu_and_mul", "linear")),
 }

@@ -48,9 +48,10 @@ class Attention(nn.Module):
         k = qkv[:, q_size : q_size + kv_size].reshape(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size :].reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q = ops.rms_norm(q, self.q_norm, self.eps)
-            k = ops.rms_norm(k, self.k_norm, self.eps)
-        q = ops.rotary_store_kv(q, k, v, positions, cos_sin, kv[0], kv[1], attn.slot_mapping)
+            q = ops.norm_rotary_store_kv(q, k, v, self.q_norm, self.k_norm, self.eps, positions, cos_sin, kv[0],
+                                         kv[1], attn.slot_mapping)
+        else:
+            q = ops.rotary_store_kv(q, k, v, positions, cos_sin, kv[0], kv[1], attn.slot_mapping)
         o = ops.attention(q, kv[0], kv[1], attn, self.scale)
         out = ops.linear(o.reshape(t, q_size), self.o_proj.weight)
         return out if self.tp is None else self.tp.all_reduce(out)
@@ -81,7 +82,7 @@ class MoE(nn.Module):
         self.tp = None  # a TPGroup when every expert's intermediate columns are split across ranks
 
     def forward(self, x: torch.Tensor, ops: ForwardOps) -> torch.Tensor:
-        out = ops.moe(x, self.gate(x), self.w13, self.w2, self.top_k, self.renormalize)
+        out = ops.moe(x, ops.linear(x, self.gate.weight), self.w13, self.w2, self.top_k, self.renormalize)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 

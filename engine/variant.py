@@ -21,9 +21,10 @@ FORWARD, SCHEDULER, KV_LAYOUT, PARALLEL = "forward", "scheduler", "kv_layout", "
 # The order in which scopes grow in cost; a swap does the work of the largest scope it touches.
 SCOPE_ORDER = (SCHEDULER, FORWARD, KV_LAYOUT, PARALLEL)
 
-# composite operations (rotary_store_kv, norm_linear, act_linear) come after the parts they are composed of
-OP_NAMES = ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "store_kv", "rotary_store_kv", "attention",
-            "moe", "linear", "norm_linear", "act_linear")
+# composite operations (rotary_store_kv, norm_rotary_store_kv, norm_linear, act_linear) come after the parts
+# they are composed of
+OP_NAMES = ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "store_kv", "rotary_store_kv",
+            "norm_rotary_store_kv", "attention", "moe", "linear", "norm_linear", "act_linear")
 BUILTIN_IMPLS = {
     "rms_norm": ("reference", "triton"),
     "fused_add_rms_norm": ("reference", "triton"),
@@ -32,6 +33,9 @@ BUILTIN_IMPLS = {
     "store_kv": ("reference", "triton"),
     # "reference": the variant's rotary, then its store_kv; "triton": one fused launch
     "rotary_store_kv": ("reference", "triton"),
+    # q_norm / k_norm (Qwen3), then rotary_store_kv: "reference": the variant's rms_norm, then its
+    # rotary_store_kv; "triton": one launch
+    "norm_rotary_store_kv": ("reference", "triton"),
     "attention": ("reference", "triton_paged", "triton_split_kv"),
     "moe": ("reference", "triton"),
     "linear": ("reference", "triton"),  # "triton": matrix-vector kernel for decode batches of <= max_m rows

@@ -136,6 +136,24 @@ def _prefill_kernel(
              out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
+@triton.jit
+def _merge_kernel(part_ptr, m_ptr, l_ptr, o_ptr, S, D, S_PAD: tl.constexpr, D_PAD: tl.constexpr):
+    """One program per (sequence, head): the splits' partial results weighed by their running max and sum.
+    A split past a short context saw no keys (m = -inf, l = 0) and weighs nothing."""
+    row = tl.program_id(0)  # sequence * heads + head
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    mask_s = offs_s < S
+    m = tl.load(m_ptr + row * S + offs_s, mask=mask_s, other=float("-inf"))
+    l = tl.load(l_ptr + row * S + offs_s, mask=mask_s, other=0.0)
+    w = tl.exp(m - tl.max(m, axis=0))
+    w = tl.where(mask_s & (l > 0), w, 0.0)
+    part = tl.load(part_ptr + (row * S + offs_s)[:, None] * D + offs_d[None, :],
+                   mask=mask_s[:, None] & (offs_d[None, :] < D), other=0.0)
+    out = tl.sum(part * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(o_ptr + row * D + offs_d, out.to(o_ptr.dtype.element_ty), mask=offs_d < D)
+
+
 def _check(q, k_cache, v_cache, meta: AttentionMetadata):
     t, h, d = q.shape
     assert q.stride(2) == 1, "the head dimension of q must be contiguous"
@@ -162,9 +180,10 @@ def _decode(q, k_cache, v_cache, meta, scale, num_splits, block_n, num_warps, nu
     l = torch.empty_like(m)
     _decode_kernel[(b, kvh, num_splits)](q, k_cache, v_cache, meta.block_tables, meta.context_lens_t, part, m, l,
                                          *args, SPLIT=True, **common)
-    # Merge the splits; a split past a short context saw no keys (m = -inf, l = 0) and weighs nothing.
-    w = torch.exp(m - m.max(dim=-1, keepdim=True).values)  # (B, H, S)
-    return ((part * w[..., None]).sum(dim=2) / (l * w).sum(dim=2)[..., None]).to(q.dtype)
+    out = torch.empty((b, h, d), device=q.device, dtype=q.dtype)
+    _merge_kernel[(b * h,)](part, m, l, out, num_splits, d, S_PAD=triton.next_power_of_2(num_splits),
+                            D_PAD=max(16, triton.next_power_of_2(d)))
+    return out
 
 
 def _prefill(q, k_cache, v_cache, meta, scale, block_m, block_n, num_warps, num_stages):

@@ -36,3 +36,15 @@ def rotary_store_kv_ref(
     q, k = rotary_ref(q, k, positions, cos_sin)
     store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
     return q
+
+
+def norm_rotary_store_kv_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+    positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Per-head RMSNorm of q and k (Qwen3's q_norm / k_norm, weights (D,)), then ``rotary_store_kv_ref``."""
+    from kernels.norm import rms_norm_ref
+
+    return rotary_store_kv_ref(rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps), v, positions, cos_sin,
+                               k_cache, v_cache, slot_mapping)

@@ -205,7 +205,8 @@ class TrafficRules(Agent):
 
 
 TRITON_ALL = {"rms_norm": "triton", "fused_add_rms_norm": "triton", "rotary": "triton", "silu_and_mul": "triton",
-              "store_kv": "triton", "rotary_store_kv": "triton", "attention": "triton_paged", "moe": "triton"}
+              "store_kv": "triton", "rotary_store_kv": "triton", "norm_rotary_store_kv": "triton",
+              "attention": "triton_paged", "moe": "triton"}
 # the decode-step matrix-vector kernels, with the norm and the activation fused into their input
 TRITON_GEMV = {"linear": "triton", "norm_linear": "triton", "act_linear": "triton"}
 

@@ -23,7 +23,8 @@ def silu_and_mul(x):
     return F.silu(x[..., :half]) * x[..., half:]
 '''
 ALL_TRITON = {"rms_norm": "triton", "fused_add_rms_norm": "triton", "rotary": "triton", "silu_and_mul": "triton",
-              "store_kv": "triton", "rotary_store_kv": "triton", "attention": "triton_paged", "moe": "triton",
+              "store_kv": "triton", "rotary_store_kv": "triton", "norm_rotary_store_kv": "triton",
+              "attention": "triton_paged", "moe": "triton",
               "linear": "triton", "norm_linear": "triton", "act_linear": "triton"}
 
 
@@ -72,7 +73,9 @@ def test_all_triton_variant_equals_reference_on_a_tiny_model():
         spec = VariantSpec(block_size=4, kernels={**ALL_TRITON, "attention": attention},
                            kernel_params={"attention": {"block_n": 8}})
         assert [o.token_ids for o in _tiny(spec).generate(prompts, params)] == ref
-    for op in ("rotary", "store_kv", "rotary_store_kv", "moe", "linear", "norm_linear", "act_linear"):  # each Triton kernel alone among the references
+    # each Triton kernel alone among the references
+    for op in ("rotary", "store_kv", "rotary_store_kv", "norm_rotary_store_kv", "moe", "linear", "norm_linear",
+               "act_linear"):
         spec = VariantSpec(block_size=4, kernels={op: ALL_TRITON[op]})
         assert [o.token_ids for o in _tiny(spec).generate(prompts, params)] == ref, op
 

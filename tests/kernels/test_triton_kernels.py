@@ -63,12 +63,16 @@ def test_rotary(t, h, kvh, d):
     torch.testing.assert_close(got[1], ref[1], **TOL)
 
 
+@pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("t,h,kvh,d,bs", [(1, 4, 4, 8, 4), (7, 9, 3, 64, 16), (5, 6, 2, 40, 5)])
-def test_rotary_store_kv(t, h, kvh, d, bs):
+def test_rotary_store_kv(t, h, kvh, d, bs, norm):
+    """rotary + KV store in one launch; with ``norm`` the q and k head norms too (Qwen3)."""
+    import functools
+
     from engine.config import ModelConfig
     from engine.rope import rope_cos_sin
-    from kernels.rotary import rotary_store_kv_ref
-    from kernels.rotary_triton import rotary_store_kv_triton
+    from kernels.rotary import norm_rotary_store_kv_ref, rotary_store_kv_ref
+    from kernels.rotary_triton import norm_rotary_store_kv_triton, rotary_store_kv_triton
 
     cfg = ModelConfig(model_type="llama", vocab_size=10, hidden_size=h * d, intermediate_size=8,
                       num_hidden_layers=1, num_attention_heads=h, num_key_value_heads=kvh, head_dim=d)
@@ -82,8 +86,17 @@ def test_rotary_store_kv(t, h, kvh, d, bs):
     slots = torch.randperm(nb * bs)[:t]
     kc, vc = torch.randn(nb, bs, kvh, d), torch.randn(nb, bs, kvh, d)
     caches = [kc.clone(), vc.clone(), kc.clone(), vc.clone()]
-    got = rotary_store_kv_triton(q, k, v, pos, cs, caches[0], caches[1], slots)
-    ref = rotary_store_kv_ref(q, k, v, pos, cs, caches[2], caches[3], slots)
+    if norm:
+        qkv = qkv * 3.0  # heads far from unit RMS, so a missing norm shows
+        q, k, v = (x.view(t, -1, d) for x in (qkv[:, : h * d], qkv[:, h * d : (h + kvh) * d], qkv[:, (h + kvh) * d :]))
+        qw, kw = torch.rand(d) + 0.5, torch.rand(d) + 0.5
+        fused = functools.partial(norm_rotary_store_kv_triton, q, k, v, qw, kw, 1e-6)
+        plain = functools.partial(norm_rotary_store_kv_ref, q, k, v, qw, kw, 1e-6)
+    else:
+        fused = functools.partial(rotary_store_kv_triton, q, k, v)
+        plain = functools.partial(rotary_store_kv_ref, q, k, v)
+    got = fused(pos, cs, caches[0], caches[1], slots)
+    ref = plain(pos, cs, caches[2], caches[3], slots)
     torch.testing.assert_close(got, ref, **TOL)
     torch.testing.assert_close(caches[0], caches[2], **TOL)
     torch.testing.assert_close(caches[1], caches[3], rtol=0, atol=0)
@@ -171,6 +184,11 @@ def test_moe_grouped_matmul(t, h, e, k, i, renorm):
     split = moe_triton(x, logits, w13, w2, k, renorm, max_decode_pairs=t * k, decode_block_n=16, decode_block_k=16,
                        decode_down_block_n=8, decode_split_down=1)
     torch.testing.assert_close(split, ref, rtol=1e-4, atol=1e-4)
+    for fuse, split_down in ((1, 0), (0, 0), (0, 1)):  # routed by its own launch instead of inside the gate/up kernel
+        routed = moe_triton(x, logits, w13, w2, k, renorm, max_decode_pairs=t * k, decode_block_n=16,
+                            decode_block_k=16, decode_down_block_n=8, decode_split_down=split_down,
+                            decode_fuse_route=fuse)
+        torch.testing.assert_close(routed, ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("t,e,k,renorm", [(1, 4, 2, True), (6, 128, 8, True), (3, 60, 3, False)])
