@@ -743,7 +743,7 @@ def moe_decode(bw: float, layers: int | None, sweep: bool):
     # decode attention at batch 1 has one program per KV head (4 here): split the context so more SMs read it
     best_tps, best_attn = tps, BEST_ATTN["attention"]
     for attn in ({"block_n": 64, "num_warps": 4}, {"num_splits": 4, "block_n": 64, "num_warps": 4},
-                 {"num_splits": 8, "block_n": 32, "num_warps": 4}, {"num_splits": 16, "block_n": 16, "num_warps": 4}):
+                 {"num_splits": 8, "block_n": 32, "num_warps": 4}, {"num_splits": 0, "block_n": 32}):
         eng.apply_variant(dataclasses.replace(spec, kernel_params={"attention": attn}))
         b3 = eng.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
         tps3 = max(decode_tps(eng, prompt, new, SamplingParams) for _ in range(2))

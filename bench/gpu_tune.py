@@ -97,6 +97,8 @@ def main() -> int:
     ap.add_argument("--slo-ttft-ms", type=float, default=1000)
     ap.add_argument("--slo-tpot-ms", type=float, default=50)
     ap.add_argument("--only", nargs="*", default=["azure", "mooncake", "growth"])
+    ap.add_argument("--stale", type=Path, default=None,
+                    help="growth without the azure search: the stale variant from an earlier run's tune_azure.json")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     board = args.out / "board.sqlite"
@@ -123,10 +125,10 @@ def main() -> int:
         except Exception as e:  # one failed search must not lose the others
             row(args.out, f"{name}: FAILED", f"{type(e).__name__}: {e}")
             traceback.print_exc()
-    if "growth" in args.only and "azure" in reports:
+    if "growth" in args.only and ("azure" in reports or args.stale):
         try:
             path = grown(args.azure, args.out, 1.8, args.requests)
-            stale = reports["azure"].chosen
+            stale = reports["azure"].chosen if "azure" in reports else json.loads(args.stale.read_text())["chosen"]
             retuned = tune(cfg(path), board, budget=budget, slow_top=2, gate=True,
                            log=lambda m: print(f"[growth] {m}", flush=True))
             print(retuned.text(), flush=True)

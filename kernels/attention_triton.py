@@ -5,8 +5,9 @@ Two kernels, chosen per batch:
   the KV head's query heads form the rows of one ``tl.dot`` tile, so each key and value is
   read once per KV head. It reads sequence lengths from device tensors only, so it can be
   captured in a CUDA graph. With ``num_splits > 1`` (flash-decoding) each context is split
-  into ranges processed in parallel and merged afterwards, which keeps the GPU busy when a
-  few sequences have long contexts.
+  into ranges processed in parallel and merged afterwards (one more launch), which keeps the
+  GPU busy when a few sequences have long contexts, or one sequence has few KV heads
+  (``num_splits=0`` picks the splits from the batch size).
 - prefill / chunked prefill (any sequence has several new tokens): one program per
   (tile of BLOCK_M new tokens of one sequence, query head), walking the causal context
   through the block table with an online softmax.
@@ -154,6 +155,11 @@ def _merge_kernel(part_ptr, m_ptr, l_ptr, o_ptr, S, D, S_PAD: tl.constexpr, D_PA
     tl.store(o_ptr + row * D + offs_d, out.to(o_ptr.dtype.element_ty), mask=offs_d < D)
 
 
+# ``num_splits=0``: split each context so a decode batch runs about this many programs (a batch of one
+# sequence with 4-8 KV heads otherwise leaves most SMs idle), and at most this many splits
+AUTO_PROGRAMS, AUTO_MAX_SPLITS = 32, 16
+
+
 def _check(q, k_cache, v_cache, meta: AttentionMetadata):
     t, h, d = q.shape
     assert q.stride(2) == 1, "the head dimension of q must be contiguous"
@@ -167,6 +173,8 @@ def _decode(q, k_cache, v_cache, meta, scale, num_splits, block_n, num_warps, nu
     b, h, d = q.shape
     kvh, bs = k_cache.shape[2], k_cache.shape[1]
     group = h // kvh
+    if num_splits == 0:  # automatic: about AUTO_PROGRAMS programs, whatever the batch (fixed per graph size)
+        num_splits = max(1, min(AUTO_MAX_SPLITS, -(-AUTO_PROGRAMS // (b * kvh))))
     common = dict(G_PAD=max(16, triton.next_power_of_2(group)), D_PAD=max(16, triton.next_power_of_2(d)),
                   BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
     args = (q.stride(0), q.stride(1), meta.block_tables.stride(0), scale, group, d, bs, kvh)
@@ -211,7 +219,8 @@ def paged_attention_triton(
     q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
     num_splits: int = 1, block_n: int = 32, block_m: int = 32, num_warps: int = 4, num_stages: int = 2,
 ):
-    """Decode batches go to the decode kernel (split into ``num_splits`` KV ranges), others to the prefill kernel."""
+    """Decode batches go to the decode kernel (split into ``num_splits`` KV ranges; 0: by the batch's size),
+    others to the prefill kernel."""
     _check(q, k_cache, v_cache, meta)
     if q.shape[0] == 0:
         return torch.empty_like(q)

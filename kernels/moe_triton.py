@@ -237,8 +237,9 @@ def moe_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool)
     weights = torch.empty((t, top_k), device=logits.device, dtype=torch.float32)
     ids = torch.empty((t, top_k), device=logits.device, dtype=torch.int32)
     if t:
+        # one warp for up to 256 experts: each of the k serial reductions stays within the warp
         _route_kernel[(t,)](logits, weights, ids, e, TOP_K=top_k, RENORM=renormalize,
-                            BLOCK_E=triton.next_power_of_2(e))
+                            BLOCK_E=triton.next_power_of_2(e), num_warps=1 if e <= 256 else 4)
     return weights, ids
 
 

@@ -120,7 +120,8 @@ def _rotary_store_kv(q, k, v, q_weight, k_weight, eps, positions, cos_sin, k_cac
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[2:] == (kvh, d)
     assert slot_mapping.shape == (t,)
     norm = q_weight is not None
-    assert not norm or (q_weight.shape == k_weight.shape == (d,) and q_weight.is_contiguous() and k_weight.is_contiguous())
+    assert not norm or (q_weight.shape == k_weight.shape == (d,) and q_weight.is_contiguous()
+                        and k_weight.is_contiguous())
     out = torch.empty((t, h, d), device=q.device, dtype=q.dtype)
     if t:
         _rotary_store_kv_kernel[(t,)](

@@ -243,6 +243,13 @@ class KernelChoices(Agent):
                                  cuda_graph_batch_sizes=graphs),
              "decode projections as Triton matrix-vector kernels with the norm and activation fused in"),
         ]
+        if conc <= 4:
+            cands.append((dataclasses.replace(v, name="kernels: triton + graphs + fused GEMV + split-KV",
+                                              kernels={**TRITON_ALL, **TRITON_GEMV},
+                                              kernel_params={"attention": {"num_splits": 0, "block_n": 32}},
+                                              cuda_graph_batch_sizes=graphs),
+                          f"few sequences at once (concurrency {conc:.1f}): decode attention split so a batch "
+                          "of one still spreads over the GPU"))
         if ctx >= 4096:
             cands.append((dataclasses.replace(v, name="kernels: split-KV attention + graphs",
                                               kernels={**TRITON_ALL, "attention": "triton_split_kv"},

@@ -161,7 +161,7 @@ def test_paged_attention(case):
                                     list(range(len(last) + 1)), "cpu")
     dref = paged_attention_ref(dq, kc, vc, dmeta, d**-0.5)
     torch.testing.assert_close(paged_attention_triton(dq, kc, vc, dmeta, d**-0.5, block_n=16), dref, **TOL)
-    for splits in (1, 3):
+    for splits in (1, 3, 0):  # 0: automatic
         got = split_kv_attention_triton(dq, kc, vc, dmeta, d**-0.5, num_splits=splits, block_n=16)
         torch.testing.assert_close(got, dref, **TOL)
 
