@@ -10,7 +10,9 @@ from typing import Any
 class QualityThresholds:
     """Limits a candidate must stay within against the reference variant."""
 
-    min_greedy_agreement: float  # mean share of each prompt's reference tokens matched before divergence
+    # share of positions along the reference's tokens where the candidate's top-1 matches the reference's
+    # (flips at a rounding tie of the reference excused)
+    min_greedy_agreement: float
     max_abs_logit_delta: float  # along the reference's tokens (teacher forcing)
     max_mean_kl: float  # KL(reference || candidate) per position, averaged
     # contamination checks in low precision: the most KL(alone || batched) one position may show when
@@ -49,7 +51,11 @@ class QualityReport:
     prompts: int
     max_tokens: int
     exact: bool
-    greedy_agreement: float | None = None
+    greedy_agreement: float | None = None  # teacher-forced top-1 agreement, rounding ties excused
+    free_running_agreement: float | None = None  # mean share of each prompt's tokens matched before divergence
+    tie_margin: float | None = None  # 2x the reference's batch noise: flips within it are ties (or within 2 ulp)
+    excused_ties: int | None = None  # top-1 flips excused as rounding ties
+    decided_positions: int | None = None  # positions judged strictly: all but the excused ties
     max_abs_logit_delta: float | None = None
     mean_kl: float | None = None
     quality: list[CheckResult] = field(default_factory=list)
@@ -74,8 +80,12 @@ class QualityReport:
                  f"{self.reference_variant}, {self.prompts} prompts x {self.max_tokens} tokens, {self.dtype}, "
                  f"{self.seconds:.1f} s)"]
         if self.greedy_agreement is not None:
-            lines.append(f"greedy agreement {self.greedy_agreement:.3f}, max |dlogit| {self.max_abs_logit_delta:.3g}, "
-                         f"mean KL {self.mean_kl:.3g}")
+            ties = (f" ({self.excused_ties} rounding ties excused, {self.decided_positions} positions decided)"
+                    if self.excused_ties is not None else "")
+            free = (f", free-running {self.free_running_agreement:.3f}"
+                    if self.free_running_agreement is not None else "")
+            lines.append(f"greedy agreement {self.greedy_agreement:.3f}{ties}{free}, max |dlogit| "
+                         f"{self.max_abs_logit_delta:.3g}, mean KL {self.mean_kl:.3g}")
         for c in self.quality + self.contamination:
             lines.append(f"  [{'ok' if c.passed else 'FAIL'}] {c.name}: {c.detail}")
         return "\n".join(lines)

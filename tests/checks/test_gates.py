@@ -1,11 +1,13 @@
 """The gates reject planted faults, each with a reason naming the failure, and pass clean variants (SmolLM2)."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from checks.gates import GateSettings, factory_for, run_gates
+from checks.prompts import shipped_prompts
+from checks.quality import quality_checks
+from checks.report import DEFAULT_THRESHOLDS, QualityReport
 from engine import LLMEngine
 from engine.block_manager import BlockManager
 from engine.variant import REFERENCE_VARIANT, VariantSpec
@@ -192,12 +194,34 @@ def base_bf16(smollm2_engine_factory):
 
 def test_bf16_contamination_tolerates_rounding_but_not_contamination(base_bf16):
     """In bf16 the contamination checks accept tokens that flip only through rounding (logits within the
-    tolerance when teacher-forced), and still reject a cache handing out a block without the request's data."""
+    tolerance when teacher-forced), and still reject a cache handing out a block without the request's data.
+    The reference against itself agrees everywhere, with its batch noise measured."""
     clean = run_gates(factory_for(base_bf16, REFERENCE_VARIANT), factory_for(base_bf16, REFERENCE_VARIANT),
                       reference_id="reference", candidate_id="reference", dtype="bfloat16")
     print(clean.summary())
     assert clean.verdict == "pass", clean.reasons
+    assert clean.greedy_agreement == 1.0 and clean.excused_ties == 0 and clean.tie_margin > 0
     stale = run_gates(factory_for(base_bf16, REFERENCE_VARIANT), _with_block_manager(base_bf16, StaleReuse),
                       reference_id="reference", candidate_id="stale", dtype="bfloat16")
     print(stale.summary())
     assert stale.verdict == "fail" and any("prefix cache hits" in r for r in stale.reasons)
+
+
+BF16_FAULTS = {
+    "silu_and_mul doubled": lambda base: _with_ops(base, silu_and_mul=lambda x: silu_and_mul_ref(x) * 2),
+    "attention drops the last partial block": lambda base: _with_ops(
+        base, attention=_attention_keeping(lambda ctx, bs: ctx - ctx % bs or ctx)),
+}
+
+
+@pytest.mark.parametrize("fault", list(BF16_FAULTS))
+def test_bf16_greedy_agreement_rejects_decided_flips(base_bf16, fault):
+    """Ties excused at the reference's bf16 batch noise still leave a real fault's flips counted."""
+    report = QualityReport(reference_variant="reference", candidate_variant="planted", dtype="bfloat16",
+                           prompts=8, max_tokens=12, exact=False)
+    ref = factory_for(base_bf16, REFERENCE_VARIANT)
+    quality_checks(ref, BF16_FAULTS[fault](base_bf16), shipped_prompts(ref(GateSettings(8, False))), 12,
+                   DEFAULT_THRESHOLDS["bfloat16"], False, report)
+    print(report.summary())
+    assert any(r.startswith("greedy agreement") for r in report.reasons), report.reasons
+    assert report.decided_positions + report.excused_ties == 96 and report.tie_margin > 0
