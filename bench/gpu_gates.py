@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 from checks.gates import gate_variant  # noqa: E402
 from engine import EngineConfig, LLMEngine, resolve  # noqa: E402
 from engine.variant import REFERENCE_VARIANT, VariantSpec  # noqa: E402
-from ops.agents import TRITON_ALL  # noqa: E402
+from ops.agents import TRITON_ALL, TRITON_GEMV  # noqa: E402
 
 
 def main() -> int:
@@ -33,6 +33,9 @@ def main() -> int:
         "triton": VariantSpec(kernels=TRITON_ALL),
         "triton + graphs": VariantSpec(kernels=TRITON_ALL, kernel_params={"attention": {"block_n": 128, "num_warps": 8}},
                                        cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32)),
+        "triton + graphs + GEMV + split-KV": VariantSpec(
+            kernels={**TRITON_ALL, **TRITON_GEMV}, kernel_params={"attention": {"num_splits": 0, "block_n": 32}},
+            cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32)),
     }
     rows = []
     for dtype in args.dtypes:
@@ -42,13 +45,18 @@ def main() -> int:
             t = time.perf_counter()
             try:
                 rep = gate_variant(base, dataclasses.replace(v, name=name))
-                verdict, why = rep.verdict, "; ".join(rep.reasons)[:400]
+                print(rep.summary(), flush=True)
+                verdict = rep.verdict
+                why = "; ".join(rep.reasons)[:400] or (
+                    f"agreement {rep.greedy_agreement:.3f} ({rep.excused_ties} ties excused, reference batch noise "
+                    f"{rep.tie_margin / 2:.3g}), free-running {rep.free_running_agreement:.3f}, "
+                    f"max |dlogit| {rep.max_abs_logit_delta:.3g}, mean KL {rep.mean_kl:.2g}")
             except Exception as e:  # noqa: BLE001 — a crash is a finding, print it and go on
                 verdict, why = "error", f"{type(e).__name__}: {e}"[:400]
             rows.append((dtype, name, verdict, why, time.perf_counter() - t))
             print(f"{dtype:9} {name:28} {verdict:5} {rows[-1][4]:6.1f} s  {why}", flush=True)
         del base
-    print("\n| dtype | variant | verdict | reasons |\n|---|---|---|---|")
+    print("\n| dtype | variant | verdict | reasons, or the quality figures |\n|---|---|---|---|")
     for dtype, name, verdict, why, _ in rows:
         print(f"| {dtype} | {name} | {verdict} | {why or '-'} |")
     return 0
