@@ -159,3 +159,29 @@ def test_traffic_rules_fit_decode_steps_to_the_tpot_slo(tmp_path):
     assert "200 ms" in tpot[0].rationale and "80 ms" in tpot[0].rationale
     state.slo_tpot_s = 10.0  # every batch the baseline allows fits: nothing to propose
     assert not any("TPOT" in p.variant.name for p in TrafficRules().propose(state, 8))
+
+
+def test_kernel_choices_follow_device_and_concurrency(tmp_path):
+    """Nothing on a CPU (Triton would run interpreted); on a GPU every proposal is a valid variant, the
+    GEMV kernels come with the decode graphs, and split-KV attention is proposed for low concurrency
+    (a batch of one sequence otherwise reads its context with one program per KV head) or long prompts."""
+    import dataclasses
+
+    from ops.agents import KernelChoices
+
+    board = Board(tmp_path / "b.sqlite")
+    state = _state(board, "k")
+    assert KernelChoices().propose(state, 8) == []
+    gpu = dataclasses.replace(state, device="cuda",
+                              traffic=dataclasses.replace(state.traffic, estimated_concurrency=1.5))
+    props = KernelChoices().propose(gpu, 8)
+    for p in props:
+        VariantSpec.from_json(p.variant.to_json())  # round-trips through validation
+    split = [p.variant for p in props if p.variant.params("attention").get("num_splits") == 0]
+    assert len(split) == 1
+    assert split[0].impl("linear") == "triton" and split[0].cuda_graph_batch_sizes
+    busy = dataclasses.replace(gpu, traffic=dataclasses.replace(gpu.traffic, estimated_concurrency=32.0))
+    assert not any(p.variant.params("attention").get("num_splits") == 0 for p in KernelChoices().propose(busy, 8))
+    long = dataclasses.replace(gpu, traffic=dataclasses.replace(gpu.traffic, input_p90=8192.0))
+    assert any(p.variant.impl("attention") == "triton_split_kv" for p in KernelChoices().propose(long, 8))
+    assert not any(p.variant.impl("attention") == "triton_split_kv" for p in props)
