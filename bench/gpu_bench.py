@@ -752,15 +752,15 @@ def moe_decode(bw: float, layers: int | None, sweep: bool):
         if tps3 > best_tps:
             best_tps, best_attn = tps3, attn
     spec = dataclasses.replace(spec, kernel_params={"attention": best_attn})
-    # the MoE layer alone at batch 1 over decode parameters (routing in its own launch or in the gate/up kernel)
+    # the MoE layer alone at batch 1 over decode parameters
     results = []
-    grid = [(bn, bk, dbn, 1, 4, fuse) for bn in (8, 16) for bk in (256,) for dbn in (8, 16, 32) for fuse in (0, 1)]
+    grid = [(bn, bk, dbn, 1, 4) for bn in (8, 16) for bk in (256,) for dbn in (8, 16, 32)]
     if sweep:
-        grid += [(bn, bk, dbn, split, warps, 1) for bn in (4, 8, 16, 32) for bk in (128, 256, 512)
+        grid += [(bn, bk, dbn, split, warps) for bn in (4, 8, 16, 32) for bk in (128, 256, 512)
                  for dbn, split in ((4, 0), (8, 0), (16, 0), (8, 1), (16, 1), (32, 1)) for warps in (2, 4, 8)]
-    for bn, bk, dbn, split, warps, fuse in grid:
+    for bn, bk, dbn, split, warps in grid:
         params = dict(decode_block_n=bn, decode_block_k=bk, decode_down_block_n=dbn, decode_split_down=split,
-                      decode_warps=warps, decode_fuse_route=fuse)
+                      decode_warps=warps)
         try:
             tm = graph_timed(lambda: moe_triton(x, lg, layer.w13, layer.w2, k, True, **params))
         except Exception as e:  # a configuration Triton cannot build: skip it

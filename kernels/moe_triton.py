@@ -110,46 +110,13 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, TOP_K: tl.constexpr, RENORM: tl
 
 
 @triton.jit
-def _route_slot(logits_ptr, t, j, E, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr):
-    """The j-th of token t's top-k experts and its routing weight, by the rule of ``_route_kernel``."""
-    offs = tl.arange(0, BLOCK_E)
-    x = tl.load(logits_ptr + t * E + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
-    p = tl.exp(x - tl.max(x, axis=0))
-    p = p / tl.sum(p, axis=0)
-    p = tl.where(offs < E, p, -1.0)
-    total = 0.0
-    sel_e = 0
-    sel_w = 0.0
-    for jj in tl.static_range(TOP_K):
-        best = tl.max(p, axis=0)
-        idx = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)
-        sel_e = tl.where(jj == j, idx, sel_e)
-        sel_w = tl.where(jj == j, best, sel_w)
-        total += best
-        p = tl.where(offs == idx, -1.0, p)
-    if RENORM:
-        sel_w = sel_w / total
-    return sel_e, sel_w
-
-
-@triton.jit
-def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, logits_ptr, rw_ptr, N, K, E, stride_we, stride_wn,
-                         TOP_K: tl.constexpr, ROUTE: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
+def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, TOP_K, stride_we, stride_wn,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[pair, n] = x[pair // TOP_K] . w13[expert(pair), n] for one block of n. With ROUTE every program
-    routes its token from the router logits itself (no routing launch before it); the first program of a
-    pair writes the pair's expert and weight for the down projection."""
+    """out[pair, n] = x[pair // TOP_K] . w13[expert(pair), n] for one block of n."""
     pair = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    if ROUTE:
-        sel_e, sel_w = _route_slot(logits_ptr, pair // TOP_K, pair % TOP_K, E, TOP_K, RENORM, BLOCK_E)
-        if tl.program_id(1) == 0:
-            tl.store(ids_ptr + pair, sel_e)
-            tl.store(rw_ptr + pair, sel_w)
-        e = sel_e.to(tl.int64)
-    else:
-        e = tl.load(ids_ptr + pair).to(tl.int64)
+    e = tl.load(ids_ptr + pair).to(tl.int64)
     row = x_ptr + (pair // TOP_K) * K
     acc = tl.zeros([BLOCK_N], tl.float32)
     k0 = 0
@@ -244,23 +211,16 @@ def moe_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool)
 
 
 def _moe_pairs(x, router_logits, w13, w2, top_k, renormalize, block_n, block_k, down_block_n, num_warps,
-               split_down, fuse_route):
+               split_down):
     """The decode path: per (token, slot) pair matrix-vector products, no host synchronization."""
     t, h = x.shape
     i = w2.shape[2]
-    e = router_logits.shape[1]
     assert w13.is_contiguous() and w2.is_contiguous()
-    logits = router_logits.contiguous()
-    if fuse_route:
-        weights = torch.empty((t, top_k), device=x.device, dtype=torch.float32)
-        ids = torch.empty((t, top_k), device=x.device, dtype=torch.int32)
-    else:
-        weights, ids = moe_route_triton(logits, top_k, renormalize)
+    weights, ids = moe_route_triton(router_logits, top_k, renormalize)
     x = x.contiguous()
     gate_up = torch.empty((t * top_k, 2 * i), device=x.device, dtype=x.dtype)
     _pair_gate_up_kernel[(t * top_k, triton.cdiv(2 * i, block_n))](
-        x, w13, ids, gate_up, logits, weights, 2 * i, h, e, w13.stride(0), w13.stride(1),
-        TOP_K=top_k, ROUTE=bool(fuse_route), RENORM=renormalize, BLOCK_E=triton.next_power_of_2(e),
+        x, w13, ids, gate_up, 2 * i, h, top_k, w13.stride(0), w13.stride(1),
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
     if split_down:
         part = torch.empty((t * top_k, h), device=x.device, dtype=torch.float32)
@@ -281,14 +241,13 @@ def moe_triton(
     x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool,
     block_m: int = 16, block_n: int = 32, block_k: int = 32,
     max_decode_pairs: int = 64, decode_block_n: int = 8, decode_block_k: int = 256, decode_down_block_n: int = 8,
-    decode_warps: int = 4, decode_split_down: int = 1, decode_fuse_route: int = 0,
+    decode_warps: int = 4, decode_split_down: int = 1,
 ) -> torch.Tensor:
     """x: (T, H); router_logits: (T, E); w13: (E, 2I, H) holding [gate | up]; w2: (E, H, I). Returns (T, H).
 
     Up to ``max_decode_pairs`` routed pairs take the device-only decode path (``decode_*`` parameters;
     ``decode_split_down=1``: one down-projection program row per pair, summed afterwards, instead of one
-    per token looping over its k experts; ``decode_fuse_route=1``: the gate/up kernel routes, no routing
-    launch); more take the grouped matmul (``block_*``).
+    per token looping over its k experts); more take the grouped matmul (``block_*``).
     """
     t, h = x.shape
     assert w13.shape[2] == h and w2.shape[1] == h and w13.shape[1] == 2 * w2.shape[2]
@@ -296,7 +255,7 @@ def moe_triton(
         return torch.empty_like(x)
     if t * top_k <= max_decode_pairs:
         return _moe_pairs(x, router_logits, w13, w2, top_k, renormalize, decode_block_n, decode_block_k,
-                          decode_down_block_n, decode_warps, decode_split_down, decode_fuse_route)
+                          decode_down_block_n, decode_warps, decode_split_down)
     weights, ids = moe_route_ref(router_logits, top_k, renormalize)
     pairs, tile_expert = _group_by_expert(ids, w13.shape[0], block_m)
     num_pairs = t * top_k
