@@ -35,15 +35,13 @@ from pathlib import Path
 
 import torch
 
+from engine.variant import TRITON_ALL, TRITON_GEMV
+
 ROWS: list[tuple[str, str]] = []
 OUT = Path("/tmp")
 LOG = "gpu_bench"  # rows go to OUT/LOG.jsonl as measured, the table to OUT/LOG.json at the end
 ROOT = Path(__file__).resolve().parent.parent
 DATASHEET_BF16 = 989e12  # H100/H200 SXM dense bf16, FLOP/s
-TRITON_ALL = {"rms_norm": "triton", "fused_add_rms_norm": "triton", "rotary": "triton", "silu_and_mul": "triton",
-              "store_kv": "triton", "rotary_store_kv": "triton", "norm_rotary_store_kv": "triton",
-              "attention": "triton_paged", "moe": "triton"}
-GEMV = {"linear": "triton", "norm_linear": "triton", "act_linear": "triton"}
 BEST_ATTN = {"attention": {"block_n": 128, "num_warps": 8}}
 GRAPH_SIZES = (1, 2, 4, 8)
 
@@ -219,7 +217,7 @@ def tiny_models_vs_transformers(tmp: Path) -> bool:
         with torch.no_grad():
             want = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=16, do_sample=False,
                                eos_token_id=None, pad_token_id=0)[0, 40:].tolist()
-        spec = VariantSpec(kernels={**TRITON_ALL, **GEMV})
+        spec = VariantSpec(kernels={**TRITON_ALL, **TRITON_GEMV})
         graphs = dataclasses.replace(spec, cuda_graph_batch_sizes=(1, 2, 4))
         results = {}
         for label, variant, ahead in (("reference", None, False), ("triton", spec, True),
@@ -396,7 +394,7 @@ def llama8b_decode(m: Llama8B, bw: float, quick: bool = False):
                              cache_implementation="static")[0, len(prompt):].tolist()
     base = eng.variant
     graphs = dataclasses.replace(base, kernels=TRITON_ALL, kernel_params=BEST_ATTN, cuda_graph_batch_sizes=GRAPH_SIZES)
-    gemv = dataclasses.replace(graphs, kernels={**TRITON_ALL, **GEMV})
+    gemv = dataclasses.replace(graphs, kernels={**TRITON_ALL, **TRITON_GEMV})
     specs = [  # (label, spec, run ahead)
         ("reference kernels, eager", base, False),
         ("triton, eager, ahead", dataclasses.replace(base, kernels=TRITON_ALL, kernel_params=BEST_ATTN), True),
@@ -703,7 +701,7 @@ def moe_decode(bw: float, layers: int | None, sweep: bool):
     from engine import EngineConfig, LLMEngine, SamplingParams, resolve
     from engine.variant import VariantSpec
 
-    spec = VariantSpec(kernels={**TRITON_ALL, **GEMV}, kernel_params=BEST_ATTN, cuda_graph_batch_sizes=(1, 2, 4))
+    spec = VariantSpec(kernels={**TRITON_ALL, **TRITON_GEMV}, kernel_params=BEST_ATTN, cuda_graph_batch_sizes=(1, 2, 4))
     t = time.perf_counter()
     eng = LLMEngine(EngineConfig(source=resolve("qwen3-30b-a3b"), device="cuda", dtype="bfloat16",
                                  num_kv_blocks=256, load_tokenizer=False, layers=layers, variant=spec))
@@ -833,7 +831,7 @@ def main() -> None:
                 best = llama8b_decode(m, bw, args.decode_quick) if want("decode") else None
                 if best is None:
                     from engine.variant import VariantSpec
-                    best = VariantSpec(kernels={**TRITON_ALL, **GEMV}, kernel_params=BEST_ATTN,
+                    best = VariantSpec(kernels={**TRITON_ALL, **TRITON_GEMV}, kernel_params=BEST_ATTN,
                                        cuda_graph_batch_sizes=GRAPH_SIZES)
                 if want("throughput"):
                     llama8b_throughput(m, args.trace, peak, args.requests, args.hf_batch)

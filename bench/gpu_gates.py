@@ -17,8 +17,7 @@ sys.path.insert(0, str(ROOT))
 
 from checks.gates import gate_variant  # noqa: E402
 from engine import EngineConfig, LLMEngine, resolve  # noqa: E402
-from engine.variant import REFERENCE_VARIANT, VariantSpec  # noqa: E402
-from ops.agents import TRITON_ALL, TRITON_GEMV  # noqa: E402
+from engine.variant import REFERENCE_VARIANT, TRITON_ALL, TRITON_GEMV, VariantSpec  # noqa: E402
 
 
 def main() -> int:

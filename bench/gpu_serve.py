@@ -19,9 +19,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TRITON_ALL = {"rms_norm": "triton", "fused_add_rms_norm": "triton", "rotary": "triton", "silu_and_mul": "triton",
-              "store_kv": "triton", "rotary_store_kv": "triton", "norm_rotary_store_kv": "triton",
-              "attention": "triton_paged", "moe": "triton"}
 
 
 def ensure_serving_packages(deps: Path) -> dict:
@@ -59,7 +56,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     env = ensure_serving_packages(Path("/tmp/polyinf-serving-deps"))
     sys.path.insert(0, str(ROOT))
-    from engine.variant import VariantSpec
+    from engine.variant import TRITON_ALL, VariantSpec
 
     variant = VariantSpec(name="tuned: triton + graphs", kernels=TRITON_ALL,
                           kernel_params={"attention": {"block_n": 128, "num_warps": 8}},

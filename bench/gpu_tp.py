@@ -21,12 +21,10 @@ import torch
 
 from bench import gpu_bench as gb
 from bench.gpu_bench import row, trace_requests
+from engine.variant import TRITON_ALL, TRITON_GEMV
 
 ROOT = Path(__file__).resolve().parent.parent
-TRITON = {"rms_norm": "triton", "fused_add_rms_norm": "triton", "rotary": "triton", "silu_and_mul": "triton",
-          "store_kv": "triton", "rotary_store_kv": "triton", "norm_rotary_store_kv": "triton",
-          "attention": "triton_paged", "moe": "triton",
-          "linear": "triton", "norm_linear": "triton", "act_linear": "triton"}
+TRITON = {**TRITON_ALL, **TRITON_GEMV}
 ATTN = {"attention": {"block_n": 128, "num_warps": 8}}
 
 

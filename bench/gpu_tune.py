@@ -21,7 +21,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.trace_record import TraceRecord  # noqa: E402
 from ops.tune import Budget, Search, tune  # noqa: E402
 from ops.traces import load_trace  # noqa: E402
 from ops.worker import SLOW, SearchConfig, bench_from  # noqa: E402

@@ -44,6 +44,12 @@ BUILTIN_IMPLS = {
     "act_linear": ("reference", "triton"),
 }
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
+# every operation on its built-in Triton kernel, and apart from them the decode projections' matrix-vector
+# kernels (with the norm and the activation fused into their input)
+TRITON_ALL = {"rms_norm": "triton", "fused_add_rms_norm": "triton", "rotary": "triton", "silu_and_mul": "triton",
+              "store_kv": "triton", "rotary_store_kv": "triton", "norm_rotary_store_kv": "triton",
+              "attention": "triton_paged", "moe": "triton"}
+TRITON_GEMV = {"linear": "triton", "norm_linear": "triton", "act_linear": "triton"}
 
 
 def _f(scope: str, default: Any = dataclasses.MISSING, **kw):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from engine.errors import ConfigError
 from engine.generated_source import VariantError, check_source
-from engine.variant import COMPILE_MODES, OP_NAMES, VariantSpec
+from engine.variant import COMPILE_MODES, OP_NAMES, TRITON_ALL, TRITON_GEMV, VariantSpec
 from ops.board import Board, Result
 from ops.cost_model import Calibration, CostModelPlan, StepShape, step_time
 from ops.hardware import HardwareProfile
@@ -202,13 +202,6 @@ class TrafficRules(Agent):
                            why + f"; with prefill chunked so a step of {budget} tokens stays within the SLO "
                            f"({1e3 * step_s(seqs, budget - seqs):.0f} ms)"))
         return out
-
-
-TRITON_ALL = {"rms_norm": "triton", "fused_add_rms_norm": "triton", "rotary": "triton", "silu_and_mul": "triton",
-              "store_kv": "triton", "rotary_store_kv": "triton", "norm_rotary_store_kv": "triton",
-              "attention": "triton_paged", "moe": "triton"}
-# the decode-step matrix-vector kernels, with the norm and the activation fused into their input
-TRITON_GEMV = {"linear": "triton", "norm_linear": "triton", "act_linear": "triton"}
 
 
 class KernelChoices(Agent):

@@ -11,7 +11,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import ConfigError
 from engine.generated_source import VariantError, check_source
 from engine.loader import ModelSource
-from engine.variant import REFERENCE_VARIANT, VariantSpec
+from engine.variant import REFERENCE_VARIANT, TRITON_ALL, TRITON_GEMV, VariantSpec
 
 TINY = Path(__file__).parent / "tiny_moe" / "config.json"
 
@@ -22,10 +22,7 @@ def silu_and_mul(x):
     half = x.shape[-1] // 2
     return F.silu(x[..., :half]) * x[..., half:]
 '''
-ALL_TRITON = {"rms_norm": "triton", "fused_add_rms_norm": "triton", "rotary": "triton", "silu_and_mul": "triton",
-              "store_kv": "triton", "rotary_store_kv": "triton", "norm_rotary_store_kv": "triton",
-              "attention": "triton_paged", "moe": "triton",
-              "linear": "triton", "norm_linear": "triton", "act_linear": "triton"}
+ALL_TRITON = {**TRITON_ALL, **TRITON_GEMV}
 
 
 def test_variant_id_is_content_hashed_and_round_trips():
