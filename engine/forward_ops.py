@@ -11,7 +11,7 @@ from kernels.activation import silu_and_mul_ref
 from kernels.attention import paged_attention_ref
 from kernels.kv_store import store_kv_ref
 from kernels.linear import act_linear_ref, linear_ref, norm_linear_ref
-from kernels.moe import moe_ref
+from kernels.moe import moe_ref, norm_moe_ref
 from kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary import norm_rotary_store_kv_ref, rotary_ref, rotary_store_kv_ref
 
@@ -33,6 +33,7 @@ class ForwardOps:
     linear: Callable
     norm_linear: Callable  # residual add + RMSNorm, then a projection; fused or composed
     act_linear: Callable  # SiLU-and-multiply, then a projection; fused or composed
+    norm_moe: Callable  # residual add + RMSNorm, router, then moe (an MoE layer after attention); fused or composed
 
     def replace(self, **changes: Callable) -> "ForwardOps":
         """A copy with some operations replaced; composite operations built from parts follow the new parts."""
@@ -58,6 +59,7 @@ REFERENCE_OPS = ForwardOps(
     linear=linear_ref,
     norm_linear=norm_linear_ref,
     act_linear=act_linear_ref,
+    norm_moe=norm_moe_ref,
 )
 
 
@@ -72,7 +74,7 @@ def _builtin(op: str, impl: str, params: dict) -> Callable:
             from kernels import activation_triton as m
         elif op == "store_kv":
             from kernels import kv_store_triton as m
-        elif op == "moe":
+        elif op in ("moe", "norm_moe"):
             from kernels import moe_triton as m
         elif op in ("linear", "norm_linear", "act_linear"):
             from kernels import linear_triton as m
@@ -112,12 +114,19 @@ def _act_then_linear(silu_and_mul, linear, x, weight):
     return linear(silu_and_mul(x), weight)
 
 
+def _norm_then_moe(fused_add_rms_norm, linear, moe, x, residual, norm_weight, eps, gate_weight, w13, w2, top_k,
+                   renormalize):
+    h, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return moe(h, linear(h, gate_weight), w13, w2, top_k, renormalize), summed
+
+
 # composite operations whose "reference" is the table's own parts, called one after the other
 _COMPOSED = {
     "rotary_store_kv": (_rotary_then_store, ("rotary", "store_kv")),
     "norm_rotary_store_kv": (_norm_then_rotary_store, ("rms_norm", "rotary_store_kv")),
     "norm_linear": (_norm_then_linear, ("fused_add_rms_norm", "linear")),
     "act_linear": (_act_then_linear, ("silu_and_mul", "linear")),
+    "norm_moe": (_norm_then_moe, ("fused_add_rms_norm", "linear", "moe")),
 }
 
 

@@ -123,6 +123,8 @@ def smoke_case(op: str) -> tuple[tuple, Callable]:
         args = (r(3, 24), r(3, 24), r(24), 1e-6, r(10, 24), None)
     elif op == "act_linear":
         args = (r(3, 48), r(10, 24))
+    elif op == "norm_moe":
+        args = (r(5, 8), r(5, 8), r(8), 1e-6, r(4, 8), r(4, 12, 8), r(4, 8, 6), 2, True)
     else:
         raise VariantError(f"unknown operation {op!r}")
     return args, getattr(REFERENCE_OPS, op)

@@ -81,9 +81,12 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(e, h, i))
         self.tp = None  # a TPGroup when every expert's intermediate columns are split across ranks
 
-    def forward(self, x: torch.Tensor, ops: ForwardOps) -> torch.Tensor:
-        out = ops.moe(x, ops.linear(x, self.gate.weight), self.w13, self.w2, self.top_k, self.renormalize)
-        return out if self.tp is None else self.tp.all_reduce(out)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                ops: ForwardOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the attention's output; returns (this block's output, x + residual), normed with ``norm_weight``."""
+        out, residual = ops.norm_moe(x, residual, norm_weight, eps, self.gate.weight, self.w13, self.w2, self.top_k,
+                                     self.renormalize)
+        return (out if self.tp is None else self.tp.all_reduce(out)), residual
 
 
 class DecoderLayer(nn.Module):
@@ -106,8 +109,7 @@ class DecoderLayer(nn.Module):
                                             qkv_proj.bias)
         h = self.self_attn(qkv, positions, cos_sin, kv, attn, ops)
         if isinstance(self.mlp, MoE):
-            h, residual = ops.fused_add_rms_norm(h, residual, self.post_attention_layernorm, self.eps)
-            return self.mlp(h, ops), residual
+            return self.mlp(h, residual, self.post_attention_layernorm, self.eps, ops)
         gate_up, residual = ops.norm_linear(h, residual, self.post_attention_layernorm, self.eps,
                                             self.mlp.gate_up_proj.weight)
         return self.mlp(gate_up, ops), residual

@@ -24,7 +24,7 @@ SCOPE_ORDER = (SCHEDULER, FORWARD, KV_LAYOUT, PARALLEL)
 # composite operations (rotary_store_kv, norm_rotary_store_kv, norm_linear, act_linear) come after the parts
 # they are composed of
 OP_NAMES = ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "store_kv", "rotary_store_kv",
-            "norm_rotary_store_kv", "attention", "moe", "linear", "norm_linear", "act_linear")
+            "norm_rotary_store_kv", "attention", "moe", "linear", "norm_linear", "act_linear", "norm_moe")
 BUILTIN_IMPLS = {
     "rms_norm": ("reference", "triton"),
     "fused_add_rms_norm": ("reference", "triton"),
@@ -42,6 +42,9 @@ BUILTIN_IMPLS = {
     # "reference": the variant's fused_add_rms_norm (silu_and_mul), then its linear; "triton": one fused kernel
     "norm_linear": ("reference", "triton"),
     "act_linear": ("reference", "triton"),
+    # the block after attention of an MoE layer: residual add + RMSNorm, router, moe; "reference": the variant's
+    # fused_add_rms_norm, linear and moe; "triton": norm, router and routing in one launch, then the experts
+    "norm_moe": ("reference", "triton"),
 }
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
 # every operation on its built-in Triton kernel, and apart from them the decode projections' matrix-vector
@@ -49,7 +52,19 @@ COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
 TRITON_ALL = {"rms_norm": "triton", "fused_add_rms_norm": "triton", "rotary": "triton", "silu_and_mul": "triton",
               "store_kv": "triton", "rotary_store_kv": "triton", "norm_rotary_store_kv": "triton",
               "attention": "triton_paged", "moe": "triton"}
-TRITON_GEMV = {"linear": "triton", "norm_linear": "triton", "act_linear": "triton"}
+TRITON_GEMV = {"linear": "triton", "norm_linear": "triton", "act_linear": "triton", "norm_moe": "triton"}
+# the operations whose Triton kernels take ``pdl``: programmatic dependent launch on Hopper and later
+# (kernels/pdl.py), each kernel of a decode step scheduled while the one before it finishes
+PDL_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_store_kv", "norm_rotary_store_kv", "attention", "moe", "linear",
+           "norm_linear", "act_linear", "norm_moe")
+
+
+def with_pdl(kernel_params: dict | None = None) -> dict:
+    """``kernel_params`` (op -> params) with ``pdl=1`` added for every operation in PDL_OPS."""
+    params = {op: dict(p) for op, p in dict(kernel_params or {}).items()}
+    for op in PDL_OPS:
+        params.setdefault(op, {})["pdl"] = 1
+    return params
 
 
 def _f(scope: str, default: Any = dataclasses.MISSING, **kw):

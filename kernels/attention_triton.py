@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention import AttentionMetadata
+from kernels.pdl import launch_options, pdl_enter
 
 
 @triton.jit
@@ -36,8 +37,10 @@ def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, o_ptr, m_ptr, l_ptr,
     stride_qt, stride_qh, stride_bt, scale, GROUP, D, BLOCK_SIZE, KVH,
     G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     b = tl.program_id(0)
+    pdl_enter(PDL)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     n_splits = tl.num_programs(2)
@@ -138,10 +141,12 @@ def _prefill_kernel(
 
 
 @triton.jit
-def _merge_kernel(part_ptr, m_ptr, l_ptr, o_ptr, S, D, S_PAD: tl.constexpr, D_PAD: tl.constexpr):
+def _merge_kernel(part_ptr, m_ptr, l_ptr, o_ptr, S, D, S_PAD: tl.constexpr, D_PAD: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """One program per (sequence, head): the splits' partial results weighed by their running max and sum.
     A split past a short context saw no keys (m = -inf, l = 0) and weighs nothing."""
     row = tl.program_id(0)  # sequence * heads + head
+    pdl_enter(PDL)
     offs_s = tl.arange(0, S_PAD)
     offs_d = tl.arange(0, D_PAD)
     mask_s = offs_s < S
@@ -169,14 +174,15 @@ def _check(q, k_cache, v_cache, meta: AttentionMetadata):
     assert bt.dtype == torch.int32 and bt.is_contiguous() and bt.shape[0] == meta.context_lens_t.shape[0]
 
 
-def _decode(q, k_cache, v_cache, meta, scale, num_splits, block_n, num_warps, num_stages):
+def _decode(q, k_cache, v_cache, meta, scale, num_splits, block_n, num_warps, num_stages, pdl):
     b, h, d = q.shape
     kvh, bs = k_cache.shape[2], k_cache.shape[1]
     group = h // kvh
     if num_splits == 0:  # automatic: about AUTO_PROGRAMS programs, whatever the batch (fixed per graph size)
         num_splits = max(1, min(AUTO_MAX_SPLITS, -(-AUTO_PROGRAMS // (b * kvh))))
     common = dict(G_PAD=max(16, triton.next_power_of_2(group)), D_PAD=max(16, triton.next_power_of_2(d)),
-                  BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
+                  BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+                  **launch_options(pdl, q))
     args = (q.stride(0), q.stride(1), meta.block_tables.stride(0), scale, group, d, bs, kvh)
     if num_splits == 1:
         out = torch.empty((b, h, d), device=q.device, dtype=q.dtype)
@@ -190,7 +196,7 @@ def _decode(q, k_cache, v_cache, meta, scale, num_splits, block_n, num_warps, nu
                                          *args, SPLIT=True, **common)
     out = torch.empty((b, h, d), device=q.device, dtype=q.dtype)
     _merge_kernel[(b * h,)](part, m, l, out, num_splits, d, S_PAD=triton.next_power_of_2(num_splits),
-                            D_PAD=max(16, triton.next_power_of_2(d)))
+                            D_PAD=max(16, triton.next_power_of_2(d)), **launch_options(pdl, q))
     return out
 
 
@@ -218,14 +224,16 @@ def _prefill(q, k_cache, v_cache, meta, scale, block_m, block_n, num_warps, num_
 def paged_attention_triton(
     q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
     num_splits: int = 1, block_n: int = 32, block_m: int = 32, num_warps: int = 4, num_stages: int = 2,
+    pdl: int = 0,
 ):
     """Decode batches go to the decode kernel (split into ``num_splits`` KV ranges; 0: by the batch's size),
-    others to the prefill kernel."""
+    others to the prefill kernel. ``pdl``: the decode kernels with programmatic dependent launch
+    (kernels/pdl.py)."""
     _check(q, k_cache, v_cache, meta)
     if q.shape[0] == 0:
         return torch.empty_like(q)
     if meta.max_query_len == 1:
-        return _decode(q, k_cache, v_cache, meta, scale, num_splits, block_n, num_warps, num_stages)
+        return _decode(q, k_cache, v_cache, meta, scale, num_splits, block_n, num_warps, num_stages, pdl)
     return _prefill(q, k_cache, v_cache, meta, scale, block_m, block_n, num_warps, num_stages)
 
 

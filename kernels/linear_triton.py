@@ -26,6 +26,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, pdl_enter
+
 NONE, SILU_MUL, ADD_RMS_NORM = 0, 1, 2  # input prologues
 DEFAULT_TILES = {"block_n": 8, "block_k": 512, "num_warps": 4}
 # (BLOCK_N, BLOCK_K, warps): small programs, many per SM, so loads from many programs overlap
@@ -34,18 +36,50 @@ AUTOTUNE_TILES = ((4, 512, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256,
 
 
 @triton.jit
+def _gemv_chunk(acc, acc1, w, k0, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r, rstd,
+                K: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Adds one BLOCK_K chunk of the product (``w`` holds its weights) to the accumulators."""
+    rk = k0 + tl.arange(0, BLOCK_K)
+    k_mask = rk < K
+    mk = m_mask[:, None] & k_mask[None, :]
+    if PROLOGUE == 1:  # x holds [gate | up], each K wide
+        g = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0)
+        u = tl.load(x_ptr + rm[:, None] * stride_x + K + rk[None, :], mask=mk, other=0.0)
+        gf = g.to(tl.float32)
+        a = (gf / (1.0 + tl.exp(-gf))).to(g.dtype) * u
+    elif PROLOGUE == 2:
+        s = tl.load(r_ptr + rm[:, None] * stride_r + rk[None, :], mask=mk, other=0.0) + tl.load(
+            x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0)
+        h = (s.to(tl.float32) * rstd[:, None]).to(s.dtype)
+        a = tl.load(nw_ptr + rk, mask=k_mask, other=0.0)[None, :] * h
+    else:
+        a = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0)
+    if BLOCK_M == 1:
+        acc1 += w.to(tl.float32) * tl.sum(a.to(tl.float32), axis=0)[None, :]
+    else:
+        acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    return acc, acc1
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr,
     M, N, stride_x, stride_r, stride_w, stride_out, stride_sum, eps,
     K: tl.constexpr,  # a compile-time bound keeps the loop a plain counted loop (and the interpreter happy)
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
     n_mask = rn < N
+    # the first chunk of weights is requested before waiting for the kernel that writes x (kernels/pdl.py)
+    rk0 = tl.arange(0, BLOCK_K)
+    w_first = tl.load(w_ptr + rn[:, None] * stride_w + rk0[None, :], mask=n_mask[:, None] & (rk0 < K)[None, :],
+                      other=0.0)
+    pdl_enter(PDL)
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if PROLOGUE == 2:
         # statistics of x + residual over the whole row; program 0 also writes the sum (the new residual)
         ss = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -62,27 +96,13 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # one row: accumulate elementwise and reduce once at the end (no cross-thread sum per chunk)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    acc, acc1 = _gemv_chunk(acc, acc1, w_first, 0, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r, rstd,
+                            K, PROLOGUE, BLOCK_M, BLOCK_K)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        k_mask = rk < K
-        mk = m_mask[:, None] & k_mask[None, :]
-        if PROLOGUE == 1:  # x holds [gate | up], each K wide
-            g = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0)
-            u = tl.load(x_ptr + rm[:, None] * stride_x + K + rk[None, :], mask=mk, other=0.0)
-            gf = g.to(tl.float32)
-            a = (gf / (1.0 + tl.exp(-gf))).to(g.dtype) * u
-        elif PROLOGUE == 2:
-            s = tl.load(r_ptr + rm[:, None] * stride_r + rk[None, :], mask=mk, other=0.0) + tl.load(
-                x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0)
-            h = (s.to(tl.float32) * rstd[:, None]).to(s.dtype)
-            a = tl.load(nw_ptr + rk, mask=k_mask, other=0.0)[None, :] * h
-        else:
-            a = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0)
-        w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if BLOCK_M == 1:
-            acc1 += w.to(tl.float32) * tl.sum(a.to(tl.float32), axis=0)[None, :]
-        else:
-            acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
+        acc, acc1 = _gemv_chunk(acc, acc1, w, k0, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r, rstd,
+                                K, PROLOGUE, BLOCK_M, BLOCK_K)
     if BLOCK_M == 1:
         acc = tl.sum(acc1, axis=1)[None, :]
     if HAS_BIAS:
@@ -162,7 +182,7 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _gemv(x, weight, bias, prologue, tiles, r=None, norm_weight=None, eps=0.0, k=None):
+def _gemv(x, weight, bias, prologue, tiles, r=None, norm_weight=None, eps=0.0, k=None, pdl=0):
     """Launches the kernel for x's rows (x is the prologue's input); returns (out, summed or None)."""
     m, n = x.shape[0], weight.shape[0]
     k = weight.shape[1] if k is None else k
@@ -175,7 +195,8 @@ def _gemv(x, weight, bias, prologue, tiles, r=None, norm_weight=None, eps=0.0, k
     b = weight if bias is None else bias
     args = (x, r, norm_weight, weight, b, out, summed, m, n, x.stride(0), r.stride(0), weight.stride(0),
             out.stride(0), summed.stride(0), eps)
-    meta = dict(K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_M=max(triton.next_power_of_2(m), 1))
+    meta = dict(K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_M=max(triton.next_power_of_2(m), 1),
+                **launch_options(pdl, x))
     if tiles or _interpreted() or not x.is_cuda:
         t = {**DEFAULT_TILES, **tiles}
         _gemv_kernel[(triton.cdiv(n, t["block_n"]),)](*args, **meta, BLOCK_N=t["block_n"], BLOCK_K=t["block_k"],
@@ -190,9 +211,10 @@ def _tiles(block_n, block_k, num_warps) -> dict:
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, max_m: int = 4,
-                  block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None
+                  block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None, pdl: int = 0
                   ) -> torch.Tensor:
-    """x: (T, K), weight: (N, K) -> (T, N). T > max_m goes to torch's matrix multiply."""
+    """x: (T, K), weight: (N, K) -> (T, N). T > max_m goes to torch's matrix multiply. ``pdl``: programmatic
+    dependent launch (kernels/pdl.py)."""
     tiles = _tiles(block_n, block_k, num_warps)
     if x.shape[0] > max_m or x.shape[0] == 0:
         return F.linear(x, weight, bias)
@@ -201,13 +223,13 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             (x.shape[0], *weight.shape, NONE, x.dtype, x.device), lambda: _gemv(x, weight, bias, NONE, tiles),
             lambda: F.linear(x, weight, bias)):
         return F.linear(x, weight, bias)
-    return _gemv(x, weight, bias, NONE, tiles)[0]
+    return _gemv(x, weight, bias, NONE, tiles, pdl=pdl)[0]
 
 
 def norm_linear_triton(
     x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
     bias: torch.Tensor | None = None, *, max_m: int = 4, block_n: int | None = None, block_k: int | None = None,
-    num_warps: int | None = None,
+    num_warps: int | None = None, pdl: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (linear(rms_norm(x + residual)), x + residual); x, residual: (T, K)."""
     from kernels.norm_triton import fused_add_rms_norm_triton
@@ -216,7 +238,7 @@ def norm_linear_triton(
     tiles = _tiles(block_n, block_k, num_warps)
 
     def unfused():
-        h, summed = fused_add_rms_norm_triton(x, residual, norm_weight, eps)
+        h, summed = fused_add_rms_norm_triton(x, residual, norm_weight, eps, pdl=pdl)
         return F.linear(h, weight, bias), summed
 
     if x.shape[0] > max_m or x.shape[0] == 0:
@@ -224,7 +246,7 @@ def norm_linear_triton(
     x, residual = x.contiguous(), residual.contiguous()
 
     def fused():
-        return _gemv(x, weight, bias, ADD_RMS_NORM, tiles, r=residual, norm_weight=norm_weight, eps=eps)
+        return _gemv(x, weight, bias, ADD_RMS_NORM, tiles, r=residual, norm_weight=norm_weight, eps=eps, pdl=pdl)
 
     if _auto(x, tiles) and not _triton_is_faster((x.shape[0], *weight.shape, ADD_RMS_NORM, x.dtype, x.device),
                                                  fused, unfused):
@@ -233,7 +255,7 @@ def norm_linear_triton(
 
 
 def act_linear_triton(x: torch.Tensor, weight: torch.Tensor, *, max_m: int = 4, block_n: int | None = None,
-                      block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                      block_k: int | None = None, num_warps: int | None = None, pdl: int = 0) -> torch.Tensor:
     """x: (T, 2K) holding [gate | up]; weight: (N, K) -> linear(silu(gate) * up)."""
     from kernels.activation_triton import silu_and_mul_triton
 
@@ -247,4 +269,4 @@ def act_linear_triton(x: torch.Tensor, weight: torch.Tensor, *, max_m: int = 4, 
             lambda: _gemv(x, weight, None, SILU_MUL, tiles, k=weight.shape[1]),
             lambda: F.linear(silu_and_mul_triton(x), weight)):
         return F.linear(silu_and_mul_triton(x), weight)
-    return _gemv(x, weight, None, SILU_MUL, tiles, k=weight.shape[1])[0]
+    return _gemv(x, weight, None, SILU_MUL, tiles, k=weight.shape[1], pdl=pdl)[0]

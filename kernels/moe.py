@@ -33,3 +33,17 @@ def moe_ref(
         y = F.linear(h, w2[e]) * weights[token, slot, None]
         out.index_add_(0, token, y.to(x.dtype))
     return out
+
+
+def norm_moe_ref(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor,
+    w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE block after attention: returns (moe(h, router(h)), x + residual), h = rms_norm(x + residual).
+
+    x, residual: (T, H); gate_weight: (E, H), the router; the rest as in ``moe_ref``.
+    """
+    from kernels.norm import fused_add_rms_norm_ref
+
+    h, summed = fused_add_rms_norm_ref(x, residual, norm_weight, eps)
+    return moe_ref(h, F.linear(h, gate_weight), w13, w2, top_k, renormalize), summed

@@ -7,8 +7,13 @@
 - many pairs (prefill): routing is the reference's; the pairs are sorted by expert and padded
   to whole BLOCK_M tiles, so every program of the grouped matmul multiplies rows of one
   expert only (the grouping reads the counts on the host).
+
+``norm_moe_triton`` is the whole block after attention (residual add, RMSNorm, router, routing,
+experts): for a decode batch the first four are one launch.
 """
 from __future__ import annotations
+
+import inspect
 
 import torch
 import triton
@@ -16,6 +21,8 @@ import triton.language as tl
 
 from kernels.activation import silu_and_mul_ref
 from kernels.moe import moe_route_ref
+from kernels.linear_triton import _gemv_chunk
+from kernels.pdl import launch_options, pdl_enter
 
 
 @triton.jit
@@ -88,11 +95,11 @@ def _grouped_matmul(a, w, pairs, tile_expert, num_pairs, a_div, weights, block_m
 
 
 @triton.jit
-def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr):
-    """One token: softmax over the experts in float32, the top k (lowest index on ties), optionally renormalized."""
-    t = tl.program_id(0)
+def _route_row(logits_ptr, w_ptr, ids_ptr, t, E, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Token t: softmax over the experts in float32, the top k (lowest index on ties), optionally renormalized.
+    The logits are read from L2 (``.cg``): another program of the same launch may have just written them."""
     offs = tl.arange(0, BLOCK_E)
-    x = tl.load(logits_ptr + t * E + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
+    x = tl.load(logits_ptr + t * E + offs, mask=offs < E, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)
     p = tl.where(offs < E, p, -1.0)
@@ -110,10 +117,78 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, TOP_K: tl.constexpr, RENORM: tl
 
 
 @triton.jit
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    """One program per token (``_route_row``)."""
+    t = tl.program_id(0)
+    pdl_enter(PDL)
+    _route_row(logits_ptr, w_ptr, ids_ptr, t, E, TOP_K, RENORM, BLOCK_E)
+
+
+@triton.jit
+def _norm_router_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, logits_ptr, sum_ptr, h_ptr, rw_ptr, ids_ptr, cnt_ptr,
+                        M, E, eps, K: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
+    """The MoE block's first step in one launch: the router logits of h = rms_norm(x + residual) for BLOCK_N
+    experts per program (program 0 also writes x + residual and h for the expert kernels), and routing by
+    the last program to finish, which alone sees every expert's logit."""
+    pid = tl.program_id(0)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < E
+    rk0 = tl.arange(0, BLOCK_K)
+    w_first = tl.load(w_ptr + rn[:, None] * K + rk0[None, :], mask=n_mask[:, None] & (rk0 < K)[None, :], other=0.0)
+    pdl_enter(PDL)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        mk = m_mask[:, None] & (rk < K)[None, :]
+        s = tl.load(r_ptr + rm[:, None] * K + rk[None, :], mask=mk, other=0.0) + tl.load(
+            x_ptr + rm[:, None] * K + rk[None, :], mask=mk, other=0.0)
+        if pid == 0:
+            tl.store(sum_ptr + rm[:, None] * K + rk[None, :], s, mask=mk)
+        sf = s.to(tl.float32)
+        ss += tl.sum(sf * sf, axis=1)
+    rstd = tl.rsqrt(ss / K + eps)
+    if pid == 0:  # h, the experts' input, in the reference's rounding (kernels.norm)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            mk = m_mask[:, None] & (rk < K)[None, :]
+            s = tl.load(r_ptr + rm[:, None] * K + rk[None, :], mask=mk, other=0.0) + tl.load(
+                x_ptr + rm[:, None] * K + rk[None, :], mask=mk, other=0.0)
+            h = tl.load(nw_ptr + rk, mask=rk < K, other=0.0)[None, :] * (s.to(tl.float32) * rstd[:, None]).to(s.dtype)
+            tl.store(h_ptr + rm[:, None] * K + rk[None, :], h, mask=mk)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc, acc1 = _gemv_chunk(acc, acc1, w_first, 0, x_ptr, r_ptr, nw_ptr, rm, m_mask, K, K, rstd, K, 2, BLOCK_M,
+                            BLOCK_K)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
+        acc, acc1 = _gemv_chunk(acc, acc1, w, k0, x_ptr, r_ptr, nw_ptr, rm, m_mask, K, K, rstd, K, 2, BLOCK_M,
+                                BLOCK_K)
+    if BLOCK_M == 1:
+        acc = tl.sum(acc1, axis=1)[None, :]
+    tl.store(logits_ptr + rm[:, None] * E + rn[None, :], acc.to(logits_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+    # the last program to get here routes: its acquire sees every program's logits (released after a barrier)
+    tl.debug_barrier()
+    if tl.atomic_add(cnt_ptr, 1) == tl.num_programs(0) - 1:
+        t = 0
+        while t < M:  # a while loop: the CPU interpreter's range() wants Python scalars
+            _route_row(logits_ptr, rw_ptr, ids_ptr, t, E, TOP_K, RENORM, BLOCK_E)
+            t += 1
+        tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch
+
+
+@triton.jit
 def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, TOP_K, stride_we, stride_wn,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """out[pair, n] = x[pair // TOP_K] . w13[expert(pair), n] for one block of n."""
     pair = tl.program_id(0)
+    pdl_enter(PDL)  # the expert comes from the routing kernel: no weight can be requested before
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     e = tl.load(ids_ptr + pair).to(tl.int64)
@@ -133,10 +208,11 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, TOP_K, stride_we,
 
 @triton.jit
 def _pair_down_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, I, stride_we, stride_wn,
-                      TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """out[t, n] = sum_j weight[t, j] * (silu(gate) * up)[t, j] . w2[expert(t, j), n]: the activation, the
     routing weights and the sum over the k experts, in one pass per block of n."""
     t = tl.program_id(0)
+    pdl_enter(PDL)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     total = tl.zeros([BLOCK_N], tl.float32)
@@ -161,11 +237,14 @@ def _pair_down_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, I, stride_we, 
 
 
 @triton.jit
-def _pair_down_split_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, I, stride_we, stride_wn,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[pair, n] = weight[pair] * (silu(gate) * up)[pair] . w2[expert(pair), n]: one pair per program row,
-    so k times the programs of the fused kernel; the k rows of a token are summed afterwards."""
+def _pair_down_split_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, part_ptr, out_ptr, cnt_ptr, N, I, stride_we, stride_wn,
+                            TOP_K: tl.constexpr, SUM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            PDL: tl.constexpr = False):
+    """part[pair, n] = weight[pair] * (silu(gate) * up)[pair] . w2[expert(pair), n]: one pair per program row,
+    so k times the programs of the fused kernel. The k rows of a token are summed afterwards, or with SUM by
+    the last of the token's k programs for this block of n (in slot order, as ``_sum_pairs_kernel``)."""
     pair = tl.program_id(0)
+    pdl_enter(PDL)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     e = tl.load(ids_ptr + pair).to(tl.int64)
@@ -182,13 +261,25 @@ def _pair_down_split_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, I, strid
                     mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * act[None, :], axis=1)
         k0 += BLOCK_K
-    tl.store(out_ptr + pair * N + offs_n, acc * tl.load(rw_ptr + pair), mask=mask_n)
+    tl.store(part_ptr + pair * N + offs_n, acc * tl.load(rw_ptr + pair), mask=mask_n)
+    if SUM:
+        t = pair // TOP_K
+        cnt = cnt_ptr + t * tl.num_programs(1) + tl.program_id(1)
+        tl.debug_barrier()
+        if tl.atomic_add(cnt, 1) == TOP_K - 1:
+            total = tl.zeros([BLOCK_N], tl.float32)
+            for j in tl.static_range(TOP_K):
+                total += tl.load(part_ptr + (t * TOP_K + j) * N + offs_n, mask=mask_n, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(out_ptr + t * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+            tl.atomic_xchg(cnt, 0)  # ready for the next launch
 
 
 @triton.jit
-def _sum_pairs_kernel(part_ptr, out_ptr, N, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
+def _sum_pairs_kernel(part_ptr, out_ptr, N, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
     """out[t, n] = sum over the token's k pairs of part[t * k + j, n] (float32), cast to out's dtype."""
     t = tl.program_id(0)
+    pdl_enter(PDL)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < N
     acc = tl.zeros([BLOCK_N], tl.float32)
@@ -197,7 +288,8 @@ def _sum_pairs_kernel(part_ptr, out_ptr, N, TOP_K: tl.constexpr, BLOCK_N: tl.con
     tl.store(out_ptr + t * N + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def moe_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool, pdl: int = 0
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``kernels.moe.moe_route_ref`` (ids as int32): weights (T, k) float32, ids (T, k)."""
     t, e = router_logits.shape
     logits = router_logits.contiguous()
@@ -206,34 +298,50 @@ def moe_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool)
     if t:
         # one warp for up to 256 experts: each of the k serial reductions stays within the warp
         _route_kernel[(t,)](logits, weights, ids, e, TOP_K=top_k, RENORM=renormalize,
-                            BLOCK_E=triton.next_power_of_2(e), num_warps=1 if e <= 256 else 4)
+                            BLOCK_E=triton.next_power_of_2(e), num_warps=1 if e <= 256 else 4,
+                            **launch_options(pdl, logits))
     return weights, ids
 
 
-def _moe_pairs(x, router_logits, w13, w2, top_k, renormalize, block_n, block_k, down_block_n, num_warps,
-               split_down):
-    """The decode path: per (token, slot) pair matrix-vector products, no host synchronization."""
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+COUNTERS = 1 << 16  # int32 arrival counters per device, zero between launches (each launch resets its own)
+
+
+def _counters(device: torch.device, needed: int) -> torch.Tensor | None:
+    """The device's arrival counters (allocated once, so a CUDA graph can hold their address), or None when
+    a launch needs more than there are."""
+    if needed > COUNTERS:
+        return None
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
+
+
+def _pair_experts(x, weights, ids, w13, w2, top_k, block_n, block_k, down_block_n, num_warps, split_down, pdl):
+    """The routed experts of the decode path: per (token, slot) pair matrix-vector products."""
     t, h = x.shape
     i = w2.shape[2]
     assert w13.is_contiguous() and w2.is_contiguous()
-    weights, ids = moe_route_triton(router_logits, top_k, renormalize)
     x = x.contiguous()
+    opts = launch_options(pdl, x)
     gate_up = torch.empty((t * top_k, 2 * i), device=x.device, dtype=x.dtype)
     _pair_gate_up_kernel[(t * top_k, triton.cdiv(2 * i, block_n))](
         x, w13, ids, gate_up, 2 * i, h, top_k, w13.stride(0), w13.stride(1),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **opts)
+    out = torch.empty_like(x)
     if split_down:
         part = torch.empty((t * top_k, h), device=x.device, dtype=torch.float32)
-        _pair_down_split_kernel[(t * top_k, triton.cdiv(h, down_block_n))](
-            gate_up, w2, ids, weights, part, h, i, w2.stride(0), w2.stride(1),
-            BLOCK_N=down_block_n, BLOCK_K=block_k, num_warps=num_warps)
-        out = torch.empty_like(x)
-        _sum_pairs_kernel[(t, triton.cdiv(h, 1024))](part, out, h, TOP_K=top_k, BLOCK_N=1024)
+        n_blocks = triton.cdiv(h, down_block_n)
+        cnt = _counters(x.device, t * n_blocks) if split_down == 2 else None
+        _pair_down_split_kernel[(t * top_k, n_blocks)](
+            gate_up, w2, ids, weights, part, out, cnt if cnt is not None else ids, h, i, w2.stride(0), w2.stride(1),
+            TOP_K=top_k, SUM=cnt is not None, BLOCK_N=down_block_n, BLOCK_K=block_k, num_warps=num_warps, **opts)
+        if cnt is None:
+            _sum_pairs_kernel[(t, triton.cdiv(h, 1024))](part, out, h, TOP_K=top_k, BLOCK_N=1024, **opts)
         return out
-    out = torch.empty_like(x)
     _pair_down_kernel[(t, triton.cdiv(h, down_block_n))](
         gate_up, w2, ids, weights, out, h, i, w2.stride(0), w2.stride(1),
-        TOP_K=top_k, BLOCK_N=down_block_n, BLOCK_K=block_k, num_warps=num_warps)
+        TOP_K=top_k, BLOCK_N=down_block_n, BLOCK_K=block_k, num_warps=num_warps, **opts)
     return out
 
 
@@ -241,21 +349,24 @@ def moe_triton(
     x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool,
     block_m: int = 16, block_n: int = 32, block_k: int = 32,
     max_decode_pairs: int = 64, decode_block_n: int = 8, decode_block_k: int = 256, decode_down_block_n: int = 8,
-    decode_warps: int = 4, decode_split_down: int = 1,
+    decode_warps: int = 4, decode_split_down: int = 1, pdl: int = 0,
 ) -> torch.Tensor:
     """x: (T, H); router_logits: (T, E); w13: (E, 2I, H) holding [gate | up]; w2: (E, H, I). Returns (T, H).
 
     Up to ``max_decode_pairs`` routed pairs take the device-only decode path (``decode_*`` parameters;
-    ``decode_split_down=1``: one down-projection program row per pair, summed afterwards, instead of one
-    per token looping over its k experts); more take the grouped matmul (``block_*``).
+    ``decode_split_down``: 0, one down-projection program row per token looping over its k experts; 1, one
+    per pair, summed by another launch; 2, one per pair, summed by the last of a token's k programs); more
+    take the grouped matmul (``block_*``). ``pdl``: the decode
+    path's kernels with programmatic dependent launch (kernels/pdl.py).
     """
     t, h = x.shape
     assert w13.shape[2] == h and w2.shape[1] == h and w13.shape[1] == 2 * w2.shape[2]
     if t == 0:
         return torch.empty_like(x)
     if t * top_k <= max_decode_pairs:
-        return _moe_pairs(x, router_logits, w13, w2, top_k, renormalize, decode_block_n, decode_block_k,
-                          decode_down_block_n, decode_warps, decode_split_down)
+        weights, ids = moe_route_triton(router_logits, top_k, renormalize, pdl)
+        return _pair_experts(x, weights, ids, w13, w2, top_k, decode_block_n, decode_block_k, decode_down_block_n,
+                             decode_warps, decode_split_down, pdl)
     weights, ids = moe_route_ref(router_logits, top_k, renormalize)
     pairs, tile_expert = _group_by_expert(ids, w13.shape[0], block_m)
     num_pairs = t * top_k
@@ -265,3 +376,47 @@ def moe_triton(
     down = _grouped_matmul(act, w2, pairs, tile_expert, num_pairs, 1, weights.to(x.dtype).reshape(-1).contiguous(),
                            block_m, block_n, block_k)
     return down.view(t, top_k, h).sum(dim=1)
+
+
+_MOE_PARAMS = {k: p.default for k, p in inspect.signature(moe_triton).parameters.items()
+               if p.default is not inspect.Parameter.empty and k != "pdl"}
+_DECODE_DEFAULTS = {k: v for k, v in _MOE_PARAMS.items() if k.startswith("decode_")}
+
+
+def norm_moe_triton(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor,
+    w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool, *, router_block_n: int = 2,
+    router_block_k: int = 512, router_warps: int = 4, pdl: int = 0, **moe_params,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``kernels.moe.norm_moe_ref``. A decode batch (at most 4 tokens and ``max_decode_pairs``
+    pairs) takes one launch for the residual add, RMSNorm, router and routing (``router_*`` tiles), then
+    the decode path's expert kernels; larger batches the Triton norm, torch's router and ``moe_triton``.
+    ``moe_params``: ``moe_triton``'s parameters; ``pdl``: programmatic dependent launch (kernels/pdl.py)."""
+    from kernels.norm_triton import fused_add_rms_norm_triton
+
+    unknown = set(moe_params) - set(_MOE_PARAMS)
+    if unknown:
+        raise TypeError(f"norm_moe_triton: unknown parameters {', '.join(sorted(unknown))}")
+    t, hidden = x.shape
+    e = gate_weight.shape[0]
+    assert residual.shape == x.shape and norm_weight.shape == (hidden,) and gate_weight.shape == (e, hidden)
+    decode = 0 < t <= 4 and t * top_k <= moe_params.get("max_decode_pairs", 64)
+    cnt = _counters(x.device, 1) if decode else None
+    if cnt is None:
+        h, summed = fused_add_rms_norm_triton(x, residual, norm_weight, eps, pdl=pdl)
+        return moe_triton(h, torch.nn.functional.linear(h, gate_weight), w13, w2, top_k, renormalize, pdl=pdl,
+                          **moe_params), summed
+    assert gate_weight.is_contiguous() and norm_weight.is_contiguous()
+    x, residual = x.contiguous(), residual.contiguous()
+    logits = torch.empty((t, e), device=x.device, dtype=x.dtype)
+    summed, h = torch.empty_like(x), torch.empty_like(x)
+    weights = torch.empty((t, top_k), device=x.device, dtype=torch.float32)
+    ids = torch.empty((t, top_k), device=x.device, dtype=torch.int32)
+    _norm_router_kernel[(triton.cdiv(e, router_block_n),)](
+        x, residual, norm_weight, gate_weight, logits, summed, h, weights, ids, cnt, t, e, eps,
+        K=hidden, TOP_K=top_k, RENORM=renormalize, BLOCK_M=triton.next_power_of_2(t), BLOCK_N=router_block_n,
+        BLOCK_K=router_block_k, BLOCK_E=triton.next_power_of_2(e), num_warps=router_warps,
+        **launch_options(pdl, x))
+    p = {**_DECODE_DEFAULTS, **{k: v for k, v in moe_params.items() if k.startswith("decode_")}}
+    return _pair_experts(h, weights, ids, w13, w2, top_k, p["decode_block_n"], p["decode_block_k"],
+                         p["decode_down_block_n"], p["decode_warps"], p["decode_split_down"], pdl), summed

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, pdl_enter
+
 
 @triton.jit
 def _rotary_kernel(x_ptr, out_ptr, pos_ptr, cs_ptr, stride_xt, stride_xh, H, HALF,
@@ -76,10 +78,11 @@ def _head_norm(x1, x2, w_ptr, offs_d, mask_d, eps, HALF, NORM: tl.constexpr):
 def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr, slot_ptr, cs_ptr, qw_ptr, kw_ptr,
                             eps, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, H, KVH, HALF,
                             NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr,
-                            BLOCK_HALF: tl.constexpr):
+                            BLOCK_HALF: tl.constexpr, PDL: tl.constexpr = False):
     """One program per token: q and k heads RMS-normed (with NORM), rotated q to qo, rotated k and v into
     their cache slot."""
     t = tl.program_id(0)
+    pdl_enter(PDL)
     pos = tl.load(pos_ptr + t)
     slot = tl.load(slot_ptr + t)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -111,7 +114,7 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr
     tl.store(vc_ptr + dst + HALF, tl.load(vbase + HALF, mask=kmask, other=0.0), mask=kmask)
 
 
-def _rotary_store_kv(q, k, v, q_weight, k_weight, eps, positions, cos_sin, k_cache, v_cache, slot_mapping):
+def _rotary_store_kv(q, k, v, q_weight, k_weight, eps, positions, cos_sin, k_cache, v_cache, slot_mapping, pdl=0):
     t, h, d = q.shape
     kvh = k.shape[1]
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1, "the head dimension must be contiguous"
@@ -129,24 +132,25 @@ def _rotary_store_kv(q, k, v, q_weight, k_weight, eps, positions, cos_sin, k_cac
             q_weight if norm else out, k_weight if norm else out, eps,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), h, kvh, d // 2,
             NORM=norm, BLOCK_H=triton.next_power_of_2(h), BLOCK_KVH=triton.next_power_of_2(kvh),
-            BLOCK_HALF=triton.next_power_of_2(d // 2))
+            BLOCK_HALF=triton.next_power_of_2(d // 2), **launch_options(pdl, q))
     return out
 
 
 def rotary_store_kv_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, *, pdl: int = 0,
 ) -> torch.Tensor:
     """Same signature as ``kernels.rotary.rotary_store_kv_ref``: one launch replaces rotary + store_kv
-    (and the copy that made v contiguous)."""
-    return _rotary_store_kv(q, k, v, None, None, 0.0, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    (and the copy that made v contiguous). ``pdl``: programmatic dependent launch (kernels/pdl.py)."""
+    return _rotary_store_kv(q, k, v, None, None, 0.0, positions, cos_sin, k_cache, v_cache, slot_mapping, pdl)
 
 
 def norm_rotary_store_kv_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
     positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    slot_mapping: torch.Tensor, *, pdl: int = 0,
 ) -> torch.Tensor:
     """Same signature as ``kernels.rotary.norm_rotary_store_kv_ref``: the q and k head norms (Qwen3) in the
     same launch as rotary + store_kv."""
-    return _rotary_store_kv(q, k, v, q_weight, k_weight, eps, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    return _rotary_store_kv(q, k, v, q_weight, k_weight, eps, positions, cos_sin, k_cache, v_cache, slot_mapping,
+                            pdl)

@@ -11,7 +11,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import ConfigError
 from engine.generated_source import VariantError, check_source
 from engine.loader import ModelSource
-from engine.variant import REFERENCE_VARIANT, TRITON_ALL, TRITON_GEMV, VariantSpec
+from engine.variant import REFERENCE_VARIANT, TRITON_ALL, TRITON_GEMV, VariantSpec, with_pdl
 
 TINY = Path(__file__).parent / "tiny_moe" / "config.json"
 
@@ -66,13 +66,14 @@ def test_all_triton_variant_equals_reference_on_a_tiny_model():
     prompts = [[1, 5, 9, 13, 2, 7, 33], [4, 4, 8], list(range(10, 31))]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     ref = [o.token_ids for o in _tiny().generate(prompts, params)]
-    for attention in ("triton_paged", "triton_split_kv"):
+    for attention, pdl in (("triton_paged", False), ("triton_split_kv", True)):
+        kernel_params = {"attention": {"block_n": 8}}
         spec = VariantSpec(block_size=4, kernels={**ALL_TRITON, "attention": attention},
-                           kernel_params={"attention": {"block_n": 8}})
+                           kernel_params=with_pdl(kernel_params) if pdl else kernel_params)
         assert [o.token_ids for o in _tiny(spec).generate(prompts, params)] == ref
     # each Triton kernel alone among the references
     for op in ("rotary", "store_kv", "rotary_store_kv", "norm_rotary_store_kv", "moe", "linear", "norm_linear",
-               "act_linear"):
+               "act_linear", "norm_moe"):
         spec = VariantSpec(block_size=4, kernels={op: ALL_TRITON[op]})
         assert [o.token_ids for o in _tiny(spec).generate(prompts, params)] == ref, op
 

@@ -187,6 +187,40 @@ def test_moe_grouped_matmul(t, h, e, k, i, renorm):
     fused = moe_triton(x, logits, w13, w2, k, renorm, max_decode_pairs=t * k, decode_block_n=16, decode_block_k=16,
                        decode_down_block_n=8, decode_split_down=0)  # one down program row per token, over its k
     torch.testing.assert_close(fused, ref, rtol=1e-4, atol=1e-4)
+    # split per pair, summed by the last of each token's k programs (arrival counters), twice: the counters
+    # must be back at zero after a launch
+    for _ in range(2):
+        last = moe_triton(x, logits, w13, w2, k, renorm, max_decode_pairs=t * k, decode_block_n=16,
+                          decode_block_k=16, decode_down_block_n=8, decode_split_down=2, pdl=1)
+        torch.testing.assert_close(last, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("t,h,e,k,i,renorm", [(1, 48, 6, 2, 8, True), (3, 40, 9, 3, 24, False),
+                                               (4, 64, 16, 4, 12, True), (6, 32, 8, 2, 16, True)])
+def test_norm_moe(t, h, e, k, i, renorm):
+    """The MoE block after attention: one launch for add + norm + router + routing (t <= 4), then the experts;
+    larger batches through the Triton norm and the grouped path."""
+    from kernels.moe import moe_ref, moe_route_ref, norm_moe_ref
+    from kernels.moe_triton import norm_moe_triton
+    from kernels.norm import fused_add_rms_norm_ref
+
+    x, r, nw, gw = torch.randn(t, h), torch.randn(t, h), torch.randn(h), torch.randn(e, h) * 0.3
+    w13, w2 = torch.randn(e, 2 * i, h) * 0.2, torch.randn(e, h, i) * 0.2
+    ref, ref_summed = norm_moe_ref(x, r, nw, 1e-6, gw, w13, w2, k, renorm)
+    hn, _ = fused_add_rms_norm_ref(x, r, nw, 1e-6)  # the reference is the composition it claims to be
+    torch.testing.assert_close(ref, moe_ref(hn, hn @ gw.T, w13, w2, k, renorm))
+    # the routing is not degenerate: the top k differ between tokens or the weights are not uniform
+    assert moe_route_ref(hn @ gw.T, k, renorm)[0].std() > 0
+    for split, router_block_n in ((1, 2), (2, 4), (0, 16)):  # 16 > e for the smaller cases: one program
+        for _ in range(2):  # twice: the arrival counter must be back at zero
+            out, summed = norm_moe_triton(x, r, nw, 1e-6, gw, w13, w2, k, renorm, router_block_n=router_block_n,
+                                          router_block_k=32, decode_block_n=16, decode_block_k=16,
+                                          decode_down_block_n=8, decode_split_down=split, pdl=1,
+                                          block_m=16, block_n=16, block_k=16)
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(summed, ref_summed)
+    with pytest.raises(TypeError, match="unknown parameters"):
+        norm_moe_triton(x, r, nw, 1e-6, gw, w13, w2, k, renorm, decode_blok_n=8)
 
 
 @pytest.mark.parametrize("t,e,k,renorm", [(1, 4, 2, True), (6, 128, 8, True), (3, 60, 3, False)])
@@ -206,6 +240,7 @@ def test_moe_route(t, e, k, renorm):
     (3, 100, 130, True, (8, 32, 4)),
     (4, 33, 576, False, (16, 128, 2)),
     (2, 64, 1000, True, (2, 512, 4)),
+    (1, 24, 40, True, (8, 64, 4)),  # K within the first chunk (the one requested before the wait)
 ])
 def test_linear_kernels(m, n, k, bias, tiles):
     from kernels.linear import act_linear_ref, linear_ref, norm_linear_ref
@@ -216,6 +251,8 @@ def test_linear_kernels(m, n, k, bias, tiles):
     b, nw = (torch.randn(n) if bias else None), torch.randn(k)
     tol = dict(rtol=1e-4, atol=1e-4)  # fp32 sums in another order
     torch.testing.assert_close(linear_triton(x, w, b, **t), linear_ref(x, w, b), **tol)
+    # pdl=1 is accepted everywhere; on CPU it launches as usual (kernels/pdl.py)
+    torch.testing.assert_close(linear_triton(x, w, b, **t, pdl=1), linear_ref(x, w, b), **tol)
     out, summed = norm_linear_triton(x, r, nw, 1e-6, w, b, **t)
     ref_out, ref_summed = norm_linear_ref(x, r, nw, 1e-6, w, b)
     torch.testing.assert_close(out, ref_out, **tol)
