@@ -2,7 +2,7 @@
 and bfloat16, on a Llama-3.1-8B-shaped model with synthetic weights (a few layers): tells numeric
 divergence of bf16 from contamination (which float32 would show too).
 
-    PYTHONPATH=$PWD python3 bench/gpu_gates.py [--layers 4]
+    PYTHONPATH=$PWD python3 bench/gpu_gates.py [--layers 4] [--model qwen3-30b-a3b]
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT))
 
 from checks.gates import gate_variant  # noqa: E402
 from engine import EngineConfig, LLMEngine, resolve  # noqa: E402
-from engine.variant import REFERENCE_VARIANT, TRITON_ALL, TRITON_GEMV, VariantSpec  # noqa: E402
+from engine.variant import REFERENCE_VARIANT, TRITON_ALL, TRITON_GEMV, VariantSpec, with_pdl  # noqa: E402
 
 
 def main() -> int:
@@ -34,6 +34,10 @@ def main() -> int:
                                        cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32)),
         "triton + graphs + GEMV + split-KV": VariantSpec(
             kernels={**TRITON_ALL, **TRITON_GEMV}, kernel_params={"attention": {"num_splits": 0, "block_n": 32}},
+            cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32)),
+        "... + dependent launch, experts' sum in down": VariantSpec(
+            kernels={**TRITON_ALL, **TRITON_GEMV}, kernel_params=with_pdl(
+                {"attention": {"num_splits": 0, "block_n": 32}, "norm_moe": {"decode_split_down": 2}}),
             cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32)),
     }
     rows = []
