@@ -237,7 +237,7 @@ def tiny_models_vs_transformers(tmp: Path) -> bool:
         spec = VariantSpec(kernels={**TRITON_ALL, **TRITON_GEMV})
         graphs = dataclasses.replace(spec, cuda_graph_batch_sizes=(1, 2, 4))
         pdl = dataclasses.replace(graphs, kernel_params=with_pdl({"attention": {"num_splits": 0},
-                                                                  "norm_moe": {"decode_split_down": 2}}))
+                                                                  "moe": {"decode_split_down": 2}}, 2))
         results = {}
         for label, variant, ahead in (("reference", None, False), ("triton", spec, True),
                                       ("triton+graphs", graphs, False), ("triton+graphs+pdl", pdl, False),
@@ -434,8 +434,10 @@ def llama8b_decode(m: Llama8B, bw: float, quick: bool = False):
         ("+ GEMV, silu*mul and add+norm fused (each per shape against its unfused path)", gemv, True),
         ("+ GEMV fused, split-KV attention (splits from the batch size)",
          dataclasses.replace(gemv, kernel_params={"attention": {"num_splits": 0, "block_n": 32}}), True),
-        ("+ GEMV fused, split-KV, programmatic dependent launch",
+        ("+ GEMV fused, split-KV, dependent launch (pdl 1: wait, then schedule the next kernel)",
          dataclasses.replace(gemv, kernel_params=with_pdl({"attention": {"num_splits": 0, "block_n": 32}})), True),
+        ("+ GEMV fused, split-KV, dependent launch (pdl 2: schedule the next kernel, then wait)",
+         dataclasses.replace(gemv, kernel_params=with_pdl({"attention": {"num_splits": 0, "block_n": 32}}, 2)), True),
     ]
     if quick:  # the three best forms only, no transformers rows
         specs = specs[-3:]
@@ -780,9 +782,9 @@ def moe_decode(bw: float, layers: int | None, sweep: bool):
     row("MoE block b=1 (add + norm, router, routing, 8 experts), composed: 5 launches",
         f"{1e6 * t_comp:.1f} us = {block_bytes / t_comp / 1e9:,.0f} GB/s")
     results = []
-    grid = [(rbn, rw, split) for rbn in (1, 2, 4, 8) for rw in (2, 4) for split in (1, 2)]
+    grid = [(rbn, rw, 2) for rbn in (1, 2) for rw in (1, 2, 4)]
     if sweep:
-        grid += [(rbn, rw, split) for rbn in (16,) for rw in (1, 2, 4, 8) for split in (1, 2)]
+        grid += [(rbn, rw, split) for rbn in (4, 8, 16) for rw in (1, 2, 4, 8) for split in (1, 2)]
     for rbn, rw, split in grid:
         params = dict(router_block_n=rbn, router_warps=rw, decode_split_down=split)
         tm = graph_timed(lambda: norm_moe_triton(x, res, nw, cfg.rms_norm_eps, moe.gate.weight, moe.w13, moe.w2, k,
@@ -792,17 +794,24 @@ def moe_decode(bw: float, layers: int | None, sweep: bool):
     for tm, params in results[:3] + results[-1:]:
         row(f"MoE block b=1, norm_moe fused {params}", f"{1e6 * tm:.1f} us = {block_bytes / tm / 1e9:,.0f} GB/s")
     best_nm = results[0][1]
-    fused1 = {**best_nm, "decode_split_down": 1}
+    gemv = dataclasses.replace(spec, kernels={**TRITON_ALL, **TRITON_GEMV})
+    whole = {"block_n": 4, "block_k": 2048, "num_warps": 4}  # a program's rows whole: all requested before the wait
     forms = [
-        ("previous best: split-KV, block after attention composed (5 launches)", spec),
-        ("+ norm, router and routing in one launch (norm_moe)",
-         dataclasses.replace(spec, kernels={**TRITON_ALL, **TRITON_GEMV}, kernel_params={**attn, "norm_moe": fused1})),
-        ("+ norm_moe, experts' sum by the last pair's program",
-         dataclasses.replace(spec, kernels={**TRITON_ALL, **TRITON_GEMV}, kernel_params={**attn, "norm_moe": best_nm})),
-        ("previous best + programmatic dependent launch", dataclasses.replace(spec, kernel_params=with_pdl(attn))),
-        ("norm_moe (best) + programmatic dependent launch",
-         dataclasses.replace(spec, kernels={**TRITON_ALL, **TRITON_GEMV},
-                             kernel_params=with_pdl({**attn, "norm_moe": best_nm}))),
+        ("previous best: split-KV, block after attention composed of its parts", gemv),
+        ("+ dependent launch, pdl 1 (wait, then schedule the next kernel)",
+         dataclasses.replace(gemv, kernel_params=with_pdl(attn, 1))),
+        ("+ dependent launch, pdl 2 (schedule the next kernel, then wait)",
+         dataclasses.replace(gemv, kernel_params=with_pdl(attn, 2))),
+        ("pdl 2 + experts' sum by the last pair's program",
+         dataclasses.replace(gemv, kernel_params=with_pdl({**attn, "moe": {"decode_split_down": 2}}, 2))),
+        ("pdl 2 + GEMV tiles 4 x 2048 (a program's weights whole before the wait)",
+         dataclasses.replace(gemv, kernel_params=with_pdl({**attn, "linear": whole, "norm_linear": whole}, 2))),
+        ("pdl 2 + sum in down + GEMV tiles 4 x 2048",
+         dataclasses.replace(gemv, kernel_params=with_pdl(
+             {**attn, "moe": {"decode_split_down": 2}, "linear": whole, "norm_linear": whole}, 2))),
+        ("pdl 2 + norm_moe fused (best tiles above)",
+         dataclasses.replace(gemv, kernels={**TRITON_ALL, **TRITON_GEMV, "norm_moe": "triton"},
+                             kernel_params=with_pdl({**attn, "norm_moe": best_nm}, 2))),
     ]
     best = (0.0, None, "")
     for name, variant in forms:

@@ -37,7 +37,7 @@ def main() -> int:
             cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32)),
         "... + dependent launch, experts' sum in down": VariantSpec(
             kernels={**TRITON_ALL, **TRITON_GEMV}, kernel_params=with_pdl(
-                {"attention": {"num_splits": 0, "block_n": 32}, "norm_moe": {"decode_split_down": 2}}),
+                {"attention": {"num_splits": 0, "block_n": 32}, "moe": {"decode_split_down": 2}}, 2),
             cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32)),
     }
     rows = []

@@ -44,6 +44,7 @@ BUILTIN_IMPLS = {
     "act_linear": ("reference", "triton"),
     # the block after attention of an MoE layer: residual add + RMSNorm, router, moe; "reference": the variant's
     # fused_add_rms_norm, linear and moe; "triton": norm, router and routing in one launch, then the experts
+    # (measured slower at batch 1 on an H200 than the parts, so not in TRITON_GEMV: bench/RESULTS.md)
     "norm_moe": ("reference", "triton"),
 }
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
@@ -52,18 +53,18 @@ COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
 TRITON_ALL = {"rms_norm": "triton", "fused_add_rms_norm": "triton", "rotary": "triton", "silu_and_mul": "triton",
               "store_kv": "triton", "rotary_store_kv": "triton", "norm_rotary_store_kv": "triton",
               "attention": "triton_paged", "moe": "triton"}
-TRITON_GEMV = {"linear": "triton", "norm_linear": "triton", "act_linear": "triton", "norm_moe": "triton"}
+TRITON_GEMV = {"linear": "triton", "norm_linear": "triton", "act_linear": "triton"}
 # the operations whose Triton kernels take ``pdl``: programmatic dependent launch on Hopper and later
 # (kernels/pdl.py), each kernel of a decode step scheduled while the one before it finishes
 PDL_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_store_kv", "norm_rotary_store_kv", "attention", "moe", "linear",
            "norm_linear", "act_linear", "norm_moe")
 
 
-def with_pdl(kernel_params: dict | None = None) -> dict:
-    """``kernel_params`` (op -> params) with ``pdl=1`` added for every operation in PDL_OPS."""
+def with_pdl(kernel_params: dict | None = None, level: int = 1) -> dict:
+    """``kernel_params`` (op -> params) with ``pdl=level`` added for every operation in PDL_OPS."""
     params = {op: dict(p) for op, p in dict(kernel_params or {}).items()}
     for op in PDL_OPS:
-        params.setdefault(op, {})["pdl"] = 1
+        params.setdefault(op, {})["pdl"] = level
     return params
 
 

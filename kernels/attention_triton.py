@@ -37,7 +37,7 @@ def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, o_ptr, m_ptr, l_ptr,
     stride_qt, stride_qh, stride_bt, scale, GROUP, D, BLOCK_SIZE, KVH,
     G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     b = tl.program_id(0)
     pdl_enter(PDL)
@@ -142,7 +142,7 @@ def _prefill_kernel(
 
 @triton.jit
 def _merge_kernel(part_ptr, m_ptr, l_ptr, o_ptr, S, D, S_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                  PDL: tl.constexpr = False):
+                  PDL: tl.constexpr = 0):
     """One program per (sequence, head): the splits' partial results weighed by their running max and sum.
     A split past a short context saw no keys (m = -inf, l = 0) and weighs nothing."""
     row = tl.program_id(0)  # sequence * heads + head

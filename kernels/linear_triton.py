@@ -67,7 +67,7 @@ def _gemv_kernel(
     M, N, stride_x, stride_r, stride_w, stride_out, stride_sum, eps,
     K: tl.constexpr,  # a compile-time bound keeps the loop a plain counted loop (and the interpreter happy)
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)

@@ -118,7 +118,7 @@ def _route_row(logits_ptr, w_ptr, ids_ptr, t, E, TOP_K: tl.constexpr, RENORM: tl
 
 @triton.jit
 def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
-                  PDL: tl.constexpr = False):
+                  PDL: tl.constexpr = 0):
     """One program per token (``_route_row``)."""
     t = tl.program_id(0)
     pdl_enter(PDL)
@@ -129,7 +129,7 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, TOP_K: tl.constexpr, RENORM: tl
 def _norm_router_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, logits_ptr, sum_ptr, h_ptr, rw_ptr, ids_ptr, cnt_ptr,
                         M, E, eps, K: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
+                        BLOCK_E: tl.constexpr, PDL: tl.constexpr = 0):
     """The MoE block's first step in one launch: the router logits of h = rms_norm(x + residual) for BLOCK_N
     experts per program (program 0 also writes x + residual and h for the expert kernels), and routing by
     the last program to finish, which alone sees every expert's logit."""
@@ -185,7 +185,7 @@ def _norm_router_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, logits_ptr, sum_ptr, h_ptr,
 
 @triton.jit
 def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, TOP_K, stride_we, stride_wn,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
     """out[pair, n] = x[pair // TOP_K] . w13[expert(pair), n] for one block of n."""
     pair = tl.program_id(0)
     pdl_enter(PDL)  # the expert comes from the routing kernel: no weight can be requested before
@@ -208,7 +208,7 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, TOP_K, stride_we,
 
 @triton.jit
 def _pair_down_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, I, stride_we, stride_wn,
-                      TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                      TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
     """out[t, n] = sum_j weight[t, j] * (silu(gate) * up)[t, j] . w2[expert(t, j), n]: the activation, the
     routing weights and the sum over the k experts, in one pass per block of n."""
     t = tl.program_id(0)
@@ -239,7 +239,7 @@ def _pair_down_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, I, stride_we, 
 @triton.jit
 def _pair_down_split_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, part_ptr, out_ptr, cnt_ptr, N, I, stride_we, stride_wn,
                             TOP_K: tl.constexpr, SUM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            PDL: tl.constexpr = False):
+                            PDL: tl.constexpr = 0):
     """part[pair, n] = weight[pair] * (silu(gate) * up)[pair] . w2[expert(pair), n]: one pair per program row,
     so k times the programs of the fused kernel. The k rows of a token are summed afterwards, or with SUM by
     the last of the token's k programs for this block of n (in slot order, as ``_sum_pairs_kernel``)."""
@@ -276,7 +276,7 @@ def _pair_down_split_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, part_ptr, out_ptr, c
 
 
 @triton.jit
-def _sum_pairs_kernel(part_ptr, out_ptr, N, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+def _sum_pairs_kernel(part_ptr, out_ptr, N, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = 0):
     """out[t, n] = sum over the token's k pairs of part[t * k + j, n] (float32), cast to out's dtype."""
     t = tl.program_id(0)
     pdl_enter(PDL)
@@ -353,7 +353,8 @@ def moe_triton(
 ) -> torch.Tensor:
     """x: (T, H); router_logits: (T, E); w13: (E, 2I, H) holding [gate | up]; w2: (E, H, I). Returns (T, H).
 
-    Up to ``max_decode_pairs`` routed pairs take the device-only decode path (``decode_*`` parameters;
+    Up to ``max_decode_pairs`` routed pairs (any number while a CUDA graph is captured) take the device-only
+    decode path (``decode_*`` parameters;
     ``decode_split_down``: 0, one down-projection program row per token looping over its k experts; 1, one
     per pair, summed by another launch; 2, one per pair, summed by the last of a token's k programs); more
     take the grouped matmul (``block_*``). ``pdl``: the decode
@@ -363,7 +364,8 @@ def moe_triton(
     assert w13.shape[2] == h and w2.shape[1] == h and w13.shape[1] == 2 * w2.shape[2]
     if t == 0:
         return torch.empty_like(x)
-    if t * top_k <= max_decode_pairs:
+    # the grouped path reads counts on the host, which a CUDA graph capture cannot: capture the decode path
+    if t * top_k <= max_decode_pairs or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         weights, ids = moe_route_triton(router_logits, top_k, renormalize, pdl)
         return _pair_experts(x, weights, ids, w13, w2, top_k, decode_block_n, decode_block_k, decode_down_block_n,
                              decode_warps, decode_split_down, pdl)

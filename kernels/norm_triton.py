@@ -10,7 +10,7 @@ from kernels.pdl import launch_options, pdl_enter
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, D, eps, HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = 0):
     row = tl.program_id(0)
     pdl_enter(PDL)
     offs = tl.arange(0, BLOCK_D)

@@ -78,7 +78,7 @@ def _head_norm(x1, x2, w_ptr, offs_d, mask_d, eps, HALF, NORM: tl.constexpr):
 def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr, slot_ptr, cs_ptr, qw_ptr, kw_ptr,
                             eps, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, H, KVH, HALF,
                             NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr,
-                            BLOCK_HALF: tl.constexpr, PDL: tl.constexpr = False):
+                            BLOCK_HALF: tl.constexpr, PDL: tl.constexpr = 0):
     """One program per token: q and k heads RMS-normed (with NORM), rotated q to qo, rotated k and v into
     their cache slot."""
     t = tl.program_id(0)

@@ -22,7 +22,7 @@ def silu_and_mul(x):
     half = x.shape[-1] // 2
     return F.silu(x[..., :half]) * x[..., half:]
 '''
-ALL_TRITON = {**TRITON_ALL, **TRITON_GEMV}
+ALL_TRITON = {**TRITON_ALL, **TRITON_GEMV, "norm_moe": "triton"}
 
 
 def test_variant_id_is_content_hashed_and_round_trips():

@@ -265,3 +265,13 @@ def test_linear_kernels(m, n, k, bias, tiles):
     torch.testing.assert_close(norm_linear_triton(x5, r5, nw, 1e-6, w, b, max_m=4)[0],
                                norm_linear_ref(x5, r5, nw, 1e-6, w, b)[0], **tol)
     torch.testing.assert_close(act_linear_triton(gu5, w, max_m=4), act_linear_ref(gu5, w), **tol)
+
+
+def test_dependent_launch_options():
+    """pdl is 0, 1 or 2; off the GPU (and under the interpreter) kernels launch as usual."""
+    from kernels.pdl import launch_options
+
+    for level in (0, 1, 2):
+        assert launch_options(level, torch.zeros(1)) == {"PDL": 0}
+    with pytest.raises(ValueError, match="pdl must be"):
+        launch_options(3, torch.zeros(1))
