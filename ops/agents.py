@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from engine.errors import ConfigError
 from engine.generated_source import VariantError, check_source
-from engine.variant import COMPILE_MODES, OP_NAMES, TRITON_ALL, TRITON_GEMV, VariantSpec
+from engine.variant import COMPILE_MODES, OP_NAMES, TRITON_ALL, TRITON_GEMV, VariantSpec, with_pdl
 from ops.board import Board, Result
 from ops.cost_model import Calibration, CostModelPlan, StepShape, step_time
 from ops.hardware import HardwareProfile
@@ -243,6 +243,16 @@ class KernelChoices(Agent):
                                               cuda_graph_batch_sizes=graphs),
                           f"few sequences at once (concurrency {conc:.1f}): decode attention split so a batch "
                           "of one still spreads over the GPU"))
+        cap = state.hardware.compute_capability
+        if cap is not None and int(cap.split(".")[0]) >= 9:
+            attn = {"num_splits": 0, "block_n": 32} if conc <= 4 else {"block_n": 128, "num_warps": 8}
+            cands.append((dataclasses.replace(v, name="kernels: triton + graphs + fused GEMV + dependent launch",
+                                              kernels={**TRITON_ALL, **TRITON_GEMV},
+                                              kernel_params=with_pdl({"attention": attn}),
+                                              cuda_graph_batch_sizes=graphs),
+                          f"compute capability {cap}: each decode kernel scheduled while the one before it "
+                          "finishes (programmatic dependent launch), the projections' first weights requested "
+                          "before the wait"))
         if ctx >= 4096:
             cands.append((dataclasses.replace(v, name="kernels: split-KV attention + graphs",
                                               kernels={**TRITON_ALL, "attention": "triton_split_kv"},

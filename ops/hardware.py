@@ -16,6 +16,7 @@ class HardwareProfile:
     matmul_flops: dict[str, float] = field(default_factory=dict)  # dtype -> FLOP/s
     launch_overhead_s: float = 0.0
     interconnect_bandwidth: float | None = None
+    compute_capability: str | None = None  # "9.0" on a Hopper GPU; None on a CPU
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -51,6 +52,7 @@ def probe(device: str = "cpu", size_mb: int = 256, matmul_n: int = 1024) -> Hard
     if dev.type == "cuda":
         name, count = torch.cuda.get_device_name(dev), torch.cuda.device_count()
         mem = torch.cuda.get_device_properties(dev).total_memory
+        capability = "%d.%d" % torch.cuda.get_device_capability(dev)
         if count > 1:  # device-to-device copy to the next device (NVLink or PCIe, whichever links them)
             other = torch.device("cuda", (dev.index or 0) + 1 if (dev.index or 0) + 1 < count else 0)
             src = torch.empty(n // 4, dtype=torch.uint8, device=dev)
@@ -61,7 +63,8 @@ def probe(device: str = "cpu", size_mb: int = 256, matmul_n: int = 1024) -> Hard
     else:
         import os
 
-        name, count = f"cpu x{torch.get_num_threads()}", 1
+        name, count, capability = f"cpu x{torch.get_num_threads()}", 1, None
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return HardwareProfile(device=name, device_count=count, memory_bytes=mem, memory_bandwidth=bw,
-                           matmul_flops=flops, launch_overhead_s=launch, interconnect_bandwidth=interconnect)
+                           matmul_flops=flops, launch_overhead_s=launch, interconnect_bandwidth=interconnect,
+                           compute_capability=capability)

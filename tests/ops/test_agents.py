@@ -7,7 +7,7 @@ import json
 import pytest
 
 from engine.trace_record import TraceRecord
-from engine.variant import VariantSpec
+from engine.variant import PDL_OPS, VariantSpec
 from ops.agents import InvalidReply, LLMAgent, LocalSearch, SearchState, TrafficRules, fast_score, parse_reply
 from ops.board import Board
 from ops.cost_model import plan
@@ -185,3 +185,11 @@ def test_kernel_choices_follow_device_and_concurrency(tmp_path):
     long = dataclasses.replace(gpu, traffic=dataclasses.replace(gpu.traffic, input_p90=8192.0))
     assert any(p.variant.impl("attention") == "triton_split_kv" for p in KernelChoices().propose(long, 8))
     assert not any(p.variant.impl("attention") == "triton_split_kv" for p in props)
+    # programmatic dependent launch on Hopper and later only, for every kernel that takes it
+    assert not any(p.variant.params("linear").get("pdl") for p in props)  # the test hardware has no capability
+    hopper = dataclasses.replace(gpu, hardware=dataclasses.replace(gpu.hardware, compute_capability="9.0"))
+    pdl = [p.variant for p in KernelChoices().propose(hopper, 8) if p.variant.params("linear").get("pdl")]
+    assert len(pdl) == 1 and all(pdl[0].params(op).get("pdl") == 1 for op in PDL_OPS)
+    assert pdl[0].params("attention")["num_splits"] == 0  # low concurrency: with split-KV
+    ampere = dataclasses.replace(gpu, hardware=dataclasses.replace(gpu.hardware, compute_capability="8.0"))
+    assert not any(p.variant.params("linear").get("pdl") for p in KernelChoices().propose(ampere, 8))
