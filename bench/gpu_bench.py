@@ -180,6 +180,12 @@ def kernel_checks() -> bool:
             e_nmoe = max(e_nmoe, (o_ - nref[:t_]).abs().max().item() / nref.abs().max().item(),
                          (s_ - nsum[:t_]).abs().max().item())
     del w13s, w2s
+    # the L2 prefetch kernel reads every element once (its per-program sums add up)
+    from kernels.prefetch_triton import prefetch_sums
+
+    wp = torch.randn(4096 * 4096 + 77, device=dev, dtype=bf)
+    e_pf = abs(prefetch_sums(wp, programs=528, block=4096).double().sum().item() - wp.double().sum().item())
+    e_nmoe = max(e_nmoe, e_pf / 1e3)  # reported with norm_moe; the sum of 16.8M bf16 values is ~1e3 in size
     # decode matrix-vector kernels (autotuned tiles), alone and with the norm / activation fused in; error
     # relative to the output's scale, since bf16 outputs of sums over 4096-14336 terms round at ~1e-2
     from kernels.linear import act_linear_ref, linear_ref, norm_linear_ref
@@ -236,8 +242,9 @@ def tiny_models_vs_transformers(tmp: Path) -> bool:
                                eos_token_id=None, pad_token_id=0)[0, 40:].tolist()
         spec = VariantSpec(kernels={**TRITON_ALL, **TRITON_GEMV})
         graphs = dataclasses.replace(spec, cuda_graph_batch_sizes=(1, 2, 4))
-        pdl = dataclasses.replace(graphs, kernel_params=with_pdl({"attention": {"num_splits": 0},
-                                                                  "moe": {"decode_split_down": 2}}, 2))
+        pdl = dataclasses.replace(graphs, kernels={**TRITON_ALL, **TRITON_GEMV, "prefetch": "triton"},
+                                  kernel_params=with_pdl({"attention": {"num_splits": 0},
+                                                          "moe": {"decode_split_down": 2}}, 2))
         results = {}
         for label, variant, ahead in (("reference", None, False), ("triton", spec, True),
                                       ("triton+graphs", graphs, False), ("triton+graphs+pdl", pdl, False),
@@ -436,8 +443,9 @@ def llama8b_decode(m: Llama8B, bw: float, quick: bool = False):
          dataclasses.replace(gemv, kernel_params={"attention": {"num_splits": 0, "block_n": 32}}), True),
         ("+ GEMV fused, split-KV, dependent launch (pdl 1: wait, then schedule the next kernel)",
          dataclasses.replace(gemv, kernel_params=with_pdl({"attention": {"num_splits": 0, "block_n": 32}})), True),
-        ("+ GEMV fused, split-KV, dependent launch (pdl 2: schedule the next kernel, then wait)",
-         dataclasses.replace(gemv, kernel_params=with_pdl({"attention": {"num_splits": 0, "block_n": 32}}, 2)), True),
+        ("+ GEMV fused, split-KV, dependent launch (pdl 1), o_proj read into L2 during the attention",
+         dataclasses.replace(gemv, kernels={**TRITON_ALL, **TRITON_GEMV, "prefetch": "triton"},
+                             kernel_params=with_pdl({"attention": {"num_splits": 0, "block_n": 32}})), True),
     ]
     if quick:  # the three best forms only, no transformers rows
         specs = specs[-3:]
@@ -734,10 +742,9 @@ def kernel_profile(label: str, fn, steps: int = 5, top: int = 14) -> None:
 
 # ---- 7. MoE -----------------------------------------------------------------------------------------
 @section
-def moe_decode(bw: float, layers: int | None, sweep: bool):
+def moe_decode(bw: float, layers: int | None):
     from engine import EngineConfig, LLMEngine, SamplingParams, resolve
     from engine.variant import VariantSpec
-    from kernels.moe_triton import moe_triton, norm_moe_triton
 
     attn = {"attention": {"num_splits": 0, "block_n": 32}}
     # the previous best form: the block after attention composed of its parts (norm, router GEMV, routing,
@@ -764,54 +771,22 @@ def moe_decode(bw: float, layers: int | None, sweep: bool):
         spec, kernels={**TRITON_ALL, "moe": "reference"}, cuda_graph_batch_sizes=())))
     want = ref_eng.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
     del ref_eng
-    # the block after attention alone at batch 1 (norm + router + routing + experts), composed against fused
-    layer = eng.model.layers[0]
-    moe = layer.mlp
-    k = cfg.num_experts_per_tok
-    x = torch.randn(1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-    res = torch.randn_like(x)
-    nw = layer.post_attention_layernorm
-    block_bytes = (k * 3 * cfg.moe_intermediate_size + cfg.num_experts) * cfg.hidden_size * 2
-    ops = eng.ops
-
-    def composed():
-        h, _ = ops.fused_add_rms_norm(x, res, nw, cfg.rms_norm_eps)
-        return moe_triton(h, ops.linear(h, moe.gate.weight), moe.w13, moe.w2, k, True)
-
-    t_comp = graph_timed(composed)
-    row("MoE block b=1 (add + norm, router, routing, 8 experts), composed: 5 launches",
-        f"{1e6 * t_comp:.1f} us = {block_bytes / t_comp / 1e9:,.0f} GB/s")
-    results = []
-    grid = [(rbn, rw, 2) for rbn in (1, 2) for rw in (1, 2, 4)]
-    if sweep:
-        grid += [(rbn, rw, split) for rbn in (4, 8, 16) for rw in (1, 2, 4, 8) for split in (1, 2)]
-    for rbn, rw, split in grid:
-        params = dict(router_block_n=rbn, router_warps=rw, decode_split_down=split)
-        tm = graph_timed(lambda: norm_moe_triton(x, res, nw, cfg.rms_norm_eps, moe.gate.weight, moe.w13, moe.w2, k,
-                                                 True, **params))
-        results.append((tm, params))
-    results.sort(key=lambda r: r[0])
-    for tm, params in results[:3] + results[-1:]:
-        row(f"MoE block b=1, norm_moe fused {params}", f"{1e6 * tm:.1f} us = {block_bytes / tm / 1e9:,.0f} GB/s")
-    best_nm = results[0][1]
     gemv = dataclasses.replace(spec, kernels={**TRITON_ALL, **TRITON_GEMV})
     whole = {"block_n": 4, "block_k": 2048, "num_warps": 4}  # a program's rows whole: all requested before the wait
+    best2 = with_pdl({**attn, "moe": {"decode_split_down": 2}, "linear": whole, "norm_linear": whole}, 2)
+    pre = {**TRITON_ALL, **TRITON_GEMV, "prefetch": "triton"}
     forms = [
-        ("previous best: split-KV, block after attention composed of its parts", gemv),
-        ("+ dependent launch, pdl 1 (wait, then schedule the next kernel)",
-         dataclasses.replace(gemv, kernel_params=with_pdl(attn, 1))),
-        ("+ dependent launch, pdl 2 (schedule the next kernel, then wait)",
-         dataclasses.replace(gemv, kernel_params=with_pdl(attn, 2))),
-        ("pdl 2 + experts' sum by the last pair's program",
-         dataclasses.replace(gemv, kernel_params=with_pdl({**attn, "moe": {"decode_split_down": 2}}, 2))),
-        ("pdl 2 + GEMV tiles 4 x 2048 (a program's weights whole before the wait)",
-         dataclasses.replace(gemv, kernel_params=with_pdl({**attn, "linear": whole, "norm_linear": whole}, 2))),
-        ("pdl 2 + sum in down + GEMV tiles 4 x 2048",
-         dataclasses.replace(gemv, kernel_params=with_pdl(
-             {**attn, "moe": {"decode_split_down": 2}, "linear": whole, "norm_linear": whole}, 2))),
-        ("pdl 2 + norm_moe fused (best tiles above)",
-         dataclasses.replace(gemv, kernels={**TRITON_ALL, **TRITON_GEMV, "norm_moe": "triton"},
-                             kernel_params=with_pdl({**attn, "norm_moe": best_nm}, 2))),
+        ("previous best: split-KV, no dependent launch", gemv),
+        ("second run's best: pdl 2, experts' sum in down, GEMV tiles 4 x 2048",
+         dataclasses.replace(gemv, kernel_params=best2)),
+        ("+ o_proj read into L2 during the attention (528 programs x 4,096)",
+         dataclasses.replace(gemv, kernels=pre, kernel_params=best2)),
+        ("+ o_proj into L2 (264 programs x 8,192, 8 warps)",
+         dataclasses.replace(gemv, kernels=pre, kernel_params={
+             **best2, "prefetch": {"programs": 264, "block": 8192, "num_warps": 8}})),
+        ("pdl 1, sum in down, tiles 4 x 2048, o_proj into L2",
+         dataclasses.replace(gemv, kernels=pre, kernel_params=with_pdl(
+             {**attn, "moe": {"decode_split_down": 2}, "linear": whole, "norm_linear": whole}, 1))),
     ]
     best = (0.0, None, "")
     for name, variant in forms:
@@ -854,7 +829,6 @@ def main() -> None:
     ap.add_argument("--decode-quick", action="store_true",
                     help="8B decode: only the three best forms, without the transformers rows")
     ap.add_argument("--moe-layers", type=int, default=None)
-    ap.add_argument("--moe-sweep", action="store_true", help="also sweep more router tiles of the fused MoE block")
     ap.add_argument("--cold-start", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--t0", type=float, default=None, help=argparse.SUPPRESS)
@@ -894,7 +868,7 @@ def main() -> None:
                 del m
                 torch.cuda.empty_cache()
         if want("moe"):
-            moe_decode(bw, args.moe_layers, args.moe_sweep)
+            moe_decode(bw, args.moe_layers)
     finish()
 
 

@@ -20,6 +20,9 @@ from engine import EngineConfig, LLMEngine, resolve  # noqa: E402
 from engine.variant import REFERENCE_VARIANT, TRITON_ALL, TRITON_GEMV, VariantSpec, with_pdl  # noqa: E402
 
 
+WHOLE = {"block_n": 4, "block_k": 2048, "num_warps": 4}  # decode projections' tiles: a program's rows whole
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-3.1-8b")
@@ -35,9 +38,10 @@ def main() -> int:
         "triton + graphs + GEMV + split-KV": VariantSpec(
             kernels={**TRITON_ALL, **TRITON_GEMV}, kernel_params={"attention": {"num_splits": 0, "block_n": 32}},
             cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32)),
-        "... + dependent launch, experts' sum in down": VariantSpec(
-            kernels={**TRITON_ALL, **TRITON_GEMV}, kernel_params=with_pdl(
-                {"attention": {"num_splits": 0, "block_n": 32}, "moe": {"decode_split_down": 2}}, 2),
+        "... + dependent launch, sum in down, 4x2048 tiles, o_proj prefetch": VariantSpec(
+            kernels={**TRITON_ALL, **TRITON_GEMV, "prefetch": "triton"}, kernel_params=with_pdl(
+                {"attention": {"num_splits": 0, "block_n": 32}, "moe": {"decode_split_down": 2},
+                 "linear": WHOLE, "norm_linear": WHOLE}, 2),
             cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32)),
     }
     rows = []

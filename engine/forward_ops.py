@@ -13,6 +13,7 @@ from kernels.kv_store import store_kv_ref
 from kernels.linear import act_linear_ref, linear_ref, norm_linear_ref
 from kernels.moe import moe_ref, norm_moe_ref
 from kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
+from kernels.prefetch import prefetch_ref
 from kernels.rotary import norm_rotary_store_kv_ref, rotary_ref, rotary_store_kv_ref
 
 
@@ -34,6 +35,7 @@ class ForwardOps:
     norm_linear: Callable  # residual add + RMSNorm, then a projection; fused or composed
     act_linear: Callable  # SiLU-and-multiply, then a projection; fused or composed
     norm_moe: Callable  # residual add + RMSNorm, router, then moe (an MoE layer after attention); fused or composed
+    prefetch: Callable  # weights a later kernel reads -> join(), called before that kernel
 
     def replace(self, **changes: Callable) -> "ForwardOps":
         """A copy with some operations replaced; composite operations built from parts follow the new parts."""
@@ -60,6 +62,7 @@ REFERENCE_OPS = ForwardOps(
     norm_linear=norm_linear_ref,
     act_linear=act_linear_ref,
     norm_moe=norm_moe_ref,
+    prefetch=prefetch_ref,
 )
 
 
@@ -76,6 +79,8 @@ def _builtin(op: str, impl: str, params: dict) -> Callable:
             from kernels import kv_store_triton as m
         elif op in ("moe", "norm_moe"):
             from kernels import moe_triton as m
+        elif op == "prefetch":
+            from kernels import prefetch_triton as m
         elif op in ("linear", "norm_linear", "act_linear"):
             from kernels import linear_triton as m
         elif op == "attention":

@@ -43,6 +43,7 @@ class Attention(nn.Module):
         ops: ForwardOps,
     ) -> torch.Tensor:
         t = qkv.shape[0]
+        join = ops.prefetch((self.o_proj.weight,), t)  # read while the attention runs (a hint)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q = qkv[:, :q_size].reshape(t, self.num_heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].reshape(t, self.num_kv_heads, self.head_dim)
@@ -53,6 +54,7 @@ class Attention(nn.Module):
         else:
             q = ops.rotary_store_kv(q, k, v, positions, cos_sin, kv[0], kv[1], attn.slot_mapping)
         o = ops.attention(q, kv[0], kv[1], attn, self.scale)
+        join()
         out = ops.linear(o.reshape(t, q_size), self.o_proj.weight)
         return out if self.tp is None else self.tp.all_reduce(out)
 

@@ -24,7 +24,7 @@ SCOPE_ORDER = (SCHEDULER, FORWARD, KV_LAYOUT, PARALLEL)
 # composite operations (rotary_store_kv, norm_rotary_store_kv, norm_linear, act_linear) come after the parts
 # they are composed of
 OP_NAMES = ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "store_kv", "rotary_store_kv",
-            "norm_rotary_store_kv", "attention", "moe", "linear", "norm_linear", "act_linear", "norm_moe")
+            "norm_rotary_store_kv", "attention", "moe", "linear", "norm_linear", "act_linear", "norm_moe", "prefetch")
 BUILTIN_IMPLS = {
     "rms_norm": ("reference", "triton"),
     "fused_add_rms_norm": ("reference", "triton"),
@@ -46,6 +46,9 @@ BUILTIN_IMPLS = {
     # fused_add_rms_norm, linear and moe; "triton": norm, router and routing in one launch, then the experts
     # (measured slower at batch 1 on an H200 than the parts, so not in TRITON_GEMV: bench/RESULTS.md)
     "norm_moe": ("reference", "triton"),
+    # a hint: the attention's output projection read into L2 while the attention runs; "reference": nothing,
+    # "triton": a side-stream kernel (kernels/prefetch_triton.py)
+    "prefetch": ("reference", "triton"),
 }
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
 # every operation on its built-in Triton kernel, and apart from them the decode projections' matrix-vector

@@ -275,3 +275,19 @@ def test_dependent_launch_options():
         assert launch_options(level, torch.zeros(1)) == {"PDL": 0}
     with pytest.raises(ValueError, match="pdl must be"):
         launch_options(3, torch.zeros(1))
+
+
+@pytest.mark.parametrize("n,programs,block", [(1000, 4, 64), (37, 8, 16), (4096, 3, 128)])
+def test_l2_prefetch_reads_every_element(n, programs, block):
+    """The prefetch kernel reads each weight once: its per-program sums add up to the tensor's (a program past
+    the end reads nothing); on a CPU the side-stream form starts nothing."""
+    from kernels.prefetch import no_join
+    from kernels.prefetch_triton import prefetch_sums, prefetch_triton
+
+    w = torch.randn(n, dtype=torch.float64).float()
+    sums = prefetch_sums(w, programs=programs, block=block)
+    torch.testing.assert_close(sums.double().sum(), w.double().sum(), rtol=1e-5, atol=1e-4)
+    per = -(-(-(-n // programs)) // block) * block  # whole blocks per program
+    want = torch.stack([w[p * per:(p + 1) * per].double().sum() for p in range(programs)])
+    torch.testing.assert_close(sums.double(), want, rtol=1e-5, atol=1e-4)
+    assert prefetch_triton((w,), 1) is no_join

@@ -1,0 +1,21 @@
+"""Prefetch: start reading weights that a later kernel of the step will multiply (a hint; no result).
+
+``prefetch(weights, rows)`` returns ``join()``; the forward pass calls it before the kernel that reads the
+weights. The reference starts nothing; the Triton form (``kernels.prefetch_triton``) reads them
+into L2 on a side stream while the step's latency-bound kernels run.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+
+def no_join() -> None:
+    """The join of a prefetch that started nothing."""
+
+
+def prefetch_ref(weights: Sequence[torch.Tensor], rows: int) -> Callable[[], None]:
+    """weights: tensors a later kernel reads, with ``rows`` rows of input. Returns join(), to be called before
+    that kernel."""
+    return no_join

@@ -1,0 +1,83 @@
+"""Weights read into L2 ahead of the kernel that multiplies them, on a side stream.
+
+In a decode step the attention's chain (q/k norms, rotary, KV store, attention, merge) moves
+almost no bytes, and the output projection after it streams ~17-34 MB of weights from HBM.
+``prefetch_triton`` starts a kernel on a second stream that reads those weights with the L2
+"evict last" policy while the chain runs; the projection then reads them from L2. The
+returned ``join`` makes the main stream wait for the reads (a CUDA graph capture must end with
+every side stream joined); weights are never written during a step, so no other ordering is needed.
+
+Same contract as ``kernels.prefetch.prefetch_ref``.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.prefetch import no_join
+
+
+@triton.jit
+def _l2_prefetch_kernel(w_ptr, sink_ptr, N, PER_PROGRAM, BLOCK: tl.constexpr):
+    """Reads elements [pid * PER_PROGRAM, +PER_PROGRAM) of w through L2 (kept there: evict last); the sum of
+    what it read goes to sink[pid], so the reads are not optimized away."""
+    pid = tl.program_id(0)
+    start = pid.to(tl.int64) * PER_PROGRAM
+    end = tl.minimum(start + PER_PROGRAM, N)
+    acc = tl.zeros([BLOCK], tl.float32)
+    off = start
+    while off < end:  # a while loop: the bound is known at run time (and the interpreter wants scalars)
+        offs = off + tl.arange(0, BLOCK)
+        acc += tl.load(w_ptr + offs, mask=offs < end, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        off += BLOCK
+    tl.store(sink_ptr + pid, tl.sum(acc, axis=0))
+
+
+_SIDE: dict[torch.device, torch.cuda.Stream] = {}
+_SINK: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _launch(w: torch.Tensor, sink: torch.Tensor, programs: int, block: int, num_warps: int) -> None:
+    n = w.numel()
+    per = -(-n // programs)
+    per = -(-per // block) * block  # whole blocks per program
+    _l2_prefetch_kernel[(programs,)](w, sink, n, per, BLOCK=block, num_warps=num_warps)
+
+
+def prefetch_sums(w: torch.Tensor, programs: int = 4, block: int = 64) -> torch.Tensor:
+    """The kernel run inline on ``w``: per-program sums of what it read (for tests: they add up to w's sum)."""
+    sink = torch.zeros(programs, device=w.device, dtype=torch.float32)
+    _launch(w.contiguous().view(-1), sink, programs, block, 4)
+    return sink
+
+
+def prefetch_triton(weights: Sequence[torch.Tensor], rows: int, *, max_rows: int = 4, programs: int = 528,
+                    block: int = 4096, num_warps: int = 4) -> Callable[[], None]:
+    """Starts reading ``weights`` into L2 on a side stream when the step multiplies them by at most ``max_rows``
+    rows (decode: the weights' bytes are the kernel's time); returns ``join()``, which makes the current
+    stream wait for those reads. On a CPU (or under the interpreter) nothing is started: no L2 to fill."""
+    ws = [w for w in weights if w is not None]
+    if not ws or rows > max_rows or not ws[0].is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return no_join
+    dev = ws[0].device
+    main = torch.cuda.current_stream(dev)
+    if dev not in _SIDE:
+        _SIDE[dev] = torch.cuda.Stream(dev)
+    side = _SIDE[dev]
+    if (dev, programs) not in _SINK:  # one per device, allocated once: the sums are never read
+        _SINK[(dev, programs)] = torch.empty(programs, device=dev, dtype=torch.float32)
+    sink = _SINK[(dev, programs)]
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        for w in ws:
+            assert w.is_contiguous(), "prefetch reads contiguous weights"
+            _launch(w.view(-1), sink, programs, block, num_warps)
+
+    def join() -> None:
+        main.wait_stream(side)
+
+    return join
