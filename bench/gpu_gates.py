@@ -29,6 +29,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--only", default="", help="gate only the variants whose name contains this text")
     args = ap.parse_args()
     variants = {
         "reference (against itself)": REFERENCE_VARIANT,
@@ -44,6 +45,7 @@ def main() -> int:
                  "linear": WHOLE, "norm_linear": WHOLE}, 2),
             cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32)),
     }
+    variants = {name: v for name, v in variants.items() if args.only in name}
     rows = []
     for dtype in args.dtypes:
         base = LLMEngine(EngineConfig(source=resolve(args.model), device=args.device, dtype=dtype, layers=args.layers,
