@@ -39,6 +39,9 @@ def main() -> int:
         "triton + graphs + GEMV + split-KV": VariantSpec(
             kernels={**TRITON_ALL, **TRITON_GEMV}, kernel_params={"attention": {"num_splits": 0, "block_n": 32}},
             cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32)),
+        "... + dependent launch (pdl 1)": VariantSpec(
+            kernels={**TRITON_ALL, **TRITON_GEMV}, kernel_params=with_pdl({"attention": {"num_splits": 0, "block_n": 32}}),
+            cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32)),
         "... + dependent launch, sum in down, 4x2048 tiles, o_proj prefetch": VariantSpec(
             kernels={**TRITON_ALL, **TRITON_GEMV, "prefetch": "triton"}, kernel_params=with_pdl(
                 {"attention": {"num_splits": 0, "block_n": 32}, "moe": {"decode_split_down": 2},
