@@ -253,6 +253,19 @@ class KernelChoices(Agent):
                           f"compute capability {cap}: each decode kernel scheduled while the one before it "
                           "finishes (programmatic dependent launch), the projections' first weights requested "
                           "before the wait"))
+            if state.spec.experts and conc <= 4:
+                # measured best for batch-1 MoE decode on an H200 (bench/RESULTS.md): the next kernel scheduled
+                # before the wait, the experts' sum in the down kernel, a program's projection rows whole, and
+                # the output projection read into L2 while the attention runs
+                k = min(2048, 1 << max(0, state.spec.hidden_size - 1).bit_length())
+                whole = {"block_n": 4, "block_k": k, "num_warps": 4}
+                cands.append((dataclasses.replace(
+                    v, name="kernels: MoE decode, dependent launch + experts' sum in down + o_proj prefetch",
+                    kernels={**TRITON_ALL, **TRITON_GEMV, "prefetch": "triton"},
+                    kernel_params=with_pdl({"attention": attn, "moe": {"decode_split_down": 2}, "linear": whole,
+                                            "norm_linear": whole}, 2),
+                    cuda_graph_batch_sizes=graphs),
+                    f"mixture of experts at concurrency {conc:.1f}: fewer, overlapped launches per layer"))
         if ctx >= 4096:
             cands.append((dataclasses.replace(v, name="kernels: split-KV attention + graphs",
                                               kernels={**TRITON_ALL, "attention": "triton_split_kv"},
