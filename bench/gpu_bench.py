@@ -773,20 +773,43 @@ def moe_decode(bw: float, layers: int | None):
     del ref_eng
     gemv = dataclasses.replace(spec, kernels={**TRITON_ALL, **TRITON_GEMV})
     whole = {"block_n": 4, "block_k": 2048, "num_warps": 4}  # a program's rows whole: all requested before the wait
-    best2 = with_pdl({**attn, "moe": {"decode_split_down": 2}, "linear": whole, "norm_linear": whole}, 2)
+    best3 = with_pdl({**attn, "moe": {"decode_split_down": 2}, "linear": whole, "norm_linear": whole}, 2)
     pre = {**TRITON_ALL, **TRITON_GEMV, "prefetch": "triton"}
+    # the block after attention alone at batch 1: composed of its parts against norm_moe (add + norm + router +
+    # routing in one launch) with the row in one chunk, over router tiles
+    from kernels.moe_triton import moe_triton, norm_moe_triton
+
+    layer = eng.model.layers[0]
+    moe, k = layer.mlp, cfg.num_experts_per_tok
+    x = torch.randn(1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    res, nw = torch.randn_like(x), layer.post_attention_layernorm
+    block_bytes = (k * 3 * cfg.moe_intermediate_size + cfg.num_experts) * cfg.hidden_size * 2
+
+    ops = eng.ops
+
+    def composed():
+        h, _ = ops.fused_add_rms_norm(x, res, nw, cfg.rms_norm_eps)
+        return moe_triton(h, ops.linear(h, moe.gate.weight), moe.w13, moe.w2, k, True, decode_split_down=2)
+
+    t_comp = graph_timed(composed)
+    row("MoE block b=1 (add + norm, router, routing, 8 experts, sum in down), composed: 4 launches",
+        f"{1e6 * t_comp:.1f} us = {block_bytes / t_comp / 1e9:,.0f} GB/s")
+    results = []
+    for rbn, rw in ((1, 1), (1, 2), (2, 1), (2, 2), (4, 2), (4, 4)):
+        params = dict(router_block_n=rbn, router_block_k=cfg.hidden_size, router_warps=rw, decode_split_down=2)
+        tm = graph_timed(lambda: norm_moe_triton(x, res, nw, cfg.rms_norm_eps, moe.gate.weight, moe.w13, moe.w2, k,
+                                                 True, **params))
+        results.append((tm, params))
+        row(f"MoE block b=1, norm_moe, the row in one chunk {params}",
+            f"{1e6 * tm:.1f} us = {block_bytes / tm / 1e9:,.0f} GB/s")
+    best_nm = min(results, key=lambda r: r[0])[1]
     forms = [
         ("previous best: split-KV, no dependent launch", gemv),
-        ("second run's best: pdl 2, experts' sum in down, GEMV tiles 4 x 2048",
-         dataclasses.replace(gemv, kernel_params=best2)),
-        ("+ o_proj read into L2 during the attention (528 programs x 4,096)",
-         dataclasses.replace(gemv, kernels=pre, kernel_params=best2)),
-        ("+ o_proj into L2 (264 programs x 8,192, 8 warps)",
-         dataclasses.replace(gemv, kernels=pre, kernel_params={
-             **best2, "prefetch": {"programs": 264, "block": 8192, "num_warps": 8}})),
-        ("pdl 1, sum in down, tiles 4 x 2048, o_proj into L2",
-         dataclasses.replace(gemv, kernels=pre, kernel_params=with_pdl(
-             {**attn, "moe": {"decode_split_down": 2}, "linear": whole, "norm_linear": whole}, 1))),
+        ("third run's best: pdl 2, sum in down, tiles 4 x 2,048, o_proj into L2",
+         dataclasses.replace(gemv, kernels=pre, kernel_params=best3)),
+        ("+ norm_moe (add + norm + router + routing in one launch, the row in one chunk)",
+         dataclasses.replace(gemv, kernels={**pre, "norm_moe": "triton"},
+                             kernel_params={**best3, "norm_moe": {**best_nm, "pdl": 2}})),
     ]
     best = (0.0, None, "")
     for name, variant in forms:
@@ -809,11 +832,6 @@ def moe_decode(bw: float, layers: int | None):
             best = (tps, variant, name)
     row(f"MoE best decode b=1: [{best[2]}]", f"{best[0]:.1f} tok/s = {100 * best[0] / roofline:.1f}% of the "
         "active roofline")
-    if best[1] is not None:
-        eng.apply_variant(best[1])
-        eng.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
-        graph, _ = eng.runner.graphs.graphs[1]
-        kernel_profile("MoE best, graph replay", graph.replay)
     del eng
     torch.cuda.empty_cache()
 

@@ -141,36 +141,49 @@ def _norm_router_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, logits_ptr, sum_ptr, h_ptr,
     rk0 = tl.arange(0, BLOCK_K)
     w_first = tl.load(w_ptr + rn[:, None] * K + rk0[None, :], mask=n_mask[:, None] & (rk0 < K)[None, :], other=0.0)
     pdl_enter(PDL)
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        mk = m_mask[:, None] & (rk < K)[None, :]
-        s = tl.load(r_ptr + rm[:, None] * K + rk[None, :], mask=mk, other=0.0) + tl.load(
-            x_ptr + rm[:, None] * K + rk[None, :], mask=mk, other=0.0)
-        if pid == 0:
-            tl.store(sum_ptr + rm[:, None] * K + rk[None, :], s, mask=mk)
+    if K <= BLOCK_K:  # the whole row in one chunk: x + residual read once, normed in registers
+        mk = m_mask[:, None] & (rk0 < K)[None, :]
+        s = tl.load(r_ptr + rm[:, None] * K + rk0[None, :], mask=mk, other=0.0) + tl.load(
+            x_ptr + rm[:, None] * K + rk0[None, :], mask=mk, other=0.0)
         sf = s.to(tl.float32)
-        ss += tl.sum(sf * sf, axis=1)
-    rstd = tl.rsqrt(ss / K + eps)
-    if pid == 0:  # h, the experts' input, in the reference's rounding (kernels.norm)
+        rstd = tl.rsqrt(tl.sum(sf * sf, axis=1) / K + eps)
+        h = tl.load(nw_ptr + rk0, mask=rk0 < K, other=0.0)[None, :] * (sf * rstd[:, None]).to(s.dtype)
+        if pid == 0:
+            tl.store(sum_ptr + rm[:, None] * K + rk0[None, :], s, mask=mk)
+            tl.store(h_ptr + rm[:, None] * K + rk0[None, :], h, mask=mk)
+        acc = tl.sum(h.to(tl.float32)[:, None, :] * w_first.to(tl.float32)[None, :, :], axis=2)
+    else:
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             mk = m_mask[:, None] & (rk < K)[None, :]
             s = tl.load(r_ptr + rm[:, None] * K + rk[None, :], mask=mk, other=0.0) + tl.load(
                 x_ptr + rm[:, None] * K + rk[None, :], mask=mk, other=0.0)
-            h = tl.load(nw_ptr + rk, mask=rk < K, other=0.0)[None, :] * (s.to(tl.float32) * rstd[:, None]).to(s.dtype)
-            tl.store(h_ptr + rm[:, None] * K + rk[None, :], h, mask=mk)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc, acc1 = _gemv_chunk(acc, acc1, w_first, 0, x_ptr, r_ptr, nw_ptr, rm, m_mask, K, K, rstd, K, 2, BLOCK_M,
-                            BLOCK_K)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
-        acc, acc1 = _gemv_chunk(acc, acc1, w, k0, x_ptr, r_ptr, nw_ptr, rm, m_mask, K, K, rstd, K, 2, BLOCK_M,
+            if pid == 0:
+                tl.store(sum_ptr + rm[:, None] * K + rk[None, :], s, mask=mk)
+            sf = s.to(tl.float32)
+            ss += tl.sum(sf * sf, axis=1)
+        rstd = tl.rsqrt(ss / K + eps)
+        if pid == 0:  # h, the experts' input, in the reference's rounding (kernels.norm)
+            for k0 in range(0, K, BLOCK_K):
+                rk = k0 + tl.arange(0, BLOCK_K)
+                mk = m_mask[:, None] & (rk < K)[None, :]
+                s = tl.load(r_ptr + rm[:, None] * K + rk[None, :], mask=mk, other=0.0) + tl.load(
+                    x_ptr + rm[:, None] * K + rk[None, :], mask=mk, other=0.0)
+                h = tl.load(nw_ptr + rk, mask=rk < K, other=0.0)[None, :] * (
+                    s.to(tl.float32) * rstd[:, None]).to(s.dtype)
+                tl.store(h_ptr + rm[:, None] * K + rk[None, :], h, mask=mk)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc, acc1 = _gemv_chunk(acc, acc1, w_first, 0, x_ptr, r_ptr, nw_ptr, rm, m_mask, K, K, rstd, K, 2, BLOCK_M,
                                 BLOCK_K)
-    if BLOCK_M == 1:
-        acc = tl.sum(acc1, axis=1)[None, :]
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
+            acc, acc1 = _gemv_chunk(acc, acc1, w, k0, x_ptr, r_ptr, nw_ptr, rm, m_mask, K, K, rstd, K, 2, BLOCK_M,
+                                    BLOCK_K)
+        if BLOCK_M == 1:
+            acc = tl.sum(acc1, axis=1)[None, :]
     tl.store(logits_ptr + rm[:, None] * E + rn[None, :], acc.to(logits_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
     # the last program to get here routes: its acquire sees every program's logits (released after a barrier)

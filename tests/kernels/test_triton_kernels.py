@@ -211,10 +211,12 @@ def test_norm_moe(t, h, e, k, i, renorm):
     torch.testing.assert_close(ref, moe_ref(hn, hn @ gw.T, w13, w2, k, renorm))
     # the routing is not degenerate: the top k differ between tokens or the weights are not uniform
     assert moe_route_ref(hn @ gw.T, k, renorm)[0].std() > 0
-    for split, router_block_n in ((1, 2), (2, 4), (0, 16)):  # 16 > e for the smaller cases: one program
+    # router_block_k 32: the row in chunks (several passes); 64 >= h: the row in one chunk (one pass);
+    # router_block_n 16 > e for the smaller cases: one program
+    for split, router_block_n, router_block_k in ((1, 2, 32), (2, 4, 64), (0, 16, 32)):
         for _ in range(2):  # twice: the arrival counter must be back at zero
             out, summed = norm_moe_triton(x, r, nw, 1e-6, gw, w13, w2, k, renorm, router_block_n=router_block_n,
-                                          router_block_k=32, decode_block_n=16, decode_block_k=16,
+                                          router_block_k=router_block_k, decode_block_n=16, decode_block_k=16,
                                           decode_down_block_n=8, decode_split_down=split, pdl=1,
                                           block_m=16, block_n=16, block_k=16)
             torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
