@@ -44,7 +44,8 @@ BUILTIN_IMPLS = {
     "act_linear": ("reference", "triton"),
     # the block after attention of an MoE layer: residual add + RMSNorm, router, moe; "reference": the variant's
     # fused_add_rms_norm, linear and moe; "triton": norm, router and routing in one launch, then the experts
-    # (measured slower at batch 1 on an H200 than the parts, so not in TRITON_GEMV: bench/RESULTS.md)
+    # (measured slower in batch-1 decode on an H200 than the parts, with and without dependent launch, so not in
+    # TRITON_GEMV: bench/RESULTS.md)
     "norm_moe": ("reference", "triton"),
     # a hint: the attention's output projection read into L2 while the attention runs; "reference": nothing,
     # "triton": a side-stream kernel (kernels/prefetch_triton.py)
