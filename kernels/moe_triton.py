@@ -193,15 +193,22 @@ def _norm_router_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, logits_ptr, sum_ptr, h_ptr,
         while t < M:  # a while loop: the CPU interpreter's range() wants Python scalars
             _route_row(logits_ptr, rw_ptr, ids_ptr, t, E, TOP_K, RENORM, BLOCK_E)
             t += 1
-        tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch
 
 
 @triton.jit
-def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, TOP_K, stride_we, stride_wn,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
-    """out[pair, n] = x[pair // TOP_K] . w13[expert(pair), n] for one block of n."""
+def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, cnt_ptr, n_cnt, N, K, TOP_K, stride_we, stride_wn,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ZERO_CNT: tl.constexpr,
+                         PDL: tl.constexpr = 0):
+    """out[pair, n] = x[pair // TOP_K] . w13[expert(pair), n] for one block of n. With ZERO_CNT the programs also
+    zero the n_cnt arrival counters the down kernel after them counts on."""
     pair = tl.program_id(0)
     pdl_enter(PDL)  # the expert comes from the routing kernel: no weight can be requested before
+    if ZERO_CNT:
+        programs = tl.num_programs(0) * tl.num_programs(1)
+        i = pair * tl.num_programs(1) + tl.program_id(1)
+        while i < n_cnt:
+            tl.store(cnt_ptr + i, 0)
+            i += programs
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     e = tl.load(ids_ptr + pair).to(tl.int64)
@@ -255,7 +262,8 @@ def _pair_down_split_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, part_ptr, out_ptr, c
                             PDL: tl.constexpr = 0):
     """part[pair, n] = weight[pair] * (silu(gate) * up)[pair] . w2[expert(pair), n]: one pair per program row,
     so k times the programs of the fused kernel. The k rows of a token are summed afterwards, or with SUM by
-    the last of the token's k programs for this block of n (in slot order, as ``_sum_pairs_kernel``)."""
+    the last of the token's k programs for this block of n (in slot order, as ``_sum_pairs_kernel``), counted on
+    cnt, which the gate/up kernel before zeroed."""
     pair = tl.program_id(0)
     pdl_enter(PDL)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -285,7 +293,6 @@ def _pair_down_split_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, part_ptr, out_ptr, c
                 total += tl.load(part_ptr + (t * TOP_K + j) * N + offs_n, mask=mask_n, other=0.0,
                                  cache_modifier=".cg")
             tl.store(out_ptr + t * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
-            tl.atomic_xchg(cnt, 0)  # ready for the next launch
 
 
 @triton.jit
@@ -316,20 +323,6 @@ def moe_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     return weights, ids
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-COUNTERS = 1 << 16  # int32 arrival counters per device, zero between launches (each launch resets its own)
-
-
-def _counters(device: torch.device, needed: int) -> torch.Tensor | None:
-    """The device's arrival counters (allocated once, so a CUDA graph can hold their address), or None when
-    a launch needs more than there are."""
-    if needed > COUNTERS:
-        return None
-    if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
-
-
 def _pair_experts(x, weights, ids, w13, w2, top_k, block_n, block_k, down_block_n, num_warps, split_down, pdl):
     """The routed experts of the decode path: per (token, slot) pair matrix-vector products."""
     t, h = x.shape
@@ -338,14 +331,17 @@ def _pair_experts(x, weights, ids, w13, w2, top_k, block_n, block_k, down_block_
     x = x.contiguous()
     opts = launch_options(pdl, x)
     gate_up = torch.empty((t * top_k, 2 * i), device=x.device, dtype=x.dtype)
+    n_blocks = triton.cdiv(h, down_block_n)
+    # the down kernel's arrival counters: this call's own (the gate/up kernel zeroes them), so launches on other
+    # streams (a variant warming up while the engine serves) never share one
+    cnt = torch.empty(t * n_blocks, device=x.device, dtype=torch.int32) if split_down == 2 else None
     _pair_gate_up_kernel[(t * top_k, triton.cdiv(2 * i, block_n))](
-        x, w13, ids, gate_up, 2 * i, h, top_k, w13.stride(0), w13.stride(1),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **opts)
+        x, w13, ids, gate_up, cnt if cnt is not None else ids, 0 if cnt is None else cnt.numel(), 2 * i, h, top_k,
+        w13.stride(0), w13.stride(1), BLOCK_N=block_n, BLOCK_K=block_k, ZERO_CNT=cnt is not None,
+        num_warps=num_warps, **opts)
     out = torch.empty_like(x)
     if split_down:
         part = torch.empty((t * top_k, h), device=x.device, dtype=torch.float32)
-        n_blocks = triton.cdiv(h, down_block_n)
-        cnt = _counters(x.device, t * n_blocks) if split_down == 2 else None
         _pair_down_split_kernel[(t * top_k, n_blocks)](
             gate_up, w2, ids, weights, part, out, cnt if cnt is not None else ids, h, i, w2.stride(0), w2.stride(1),
             TOP_K=top_k, SUM=cnt is not None, BLOCK_N=down_block_n, BLOCK_K=block_k, num_warps=num_warps, **opts)
@@ -416,8 +412,7 @@ def norm_moe_triton(
     e = gate_weight.shape[0]
     assert residual.shape == x.shape and norm_weight.shape == (hidden,) and gate_weight.shape == (e, hidden)
     decode = 0 < t <= 4 and t * top_k <= moe_params.get("max_decode_pairs", 64)
-    cnt = _counters(x.device, 1) if decode else None
-    if cnt is None:
+    if not decode:
         h, summed = fused_add_rms_norm_triton(x, residual, norm_weight, eps, pdl=pdl)
         return moe_triton(h, torch.nn.functional.linear(h, gate_weight), w13, w2, top_k, renormalize, pdl=pdl,
                           **moe_params), summed
@@ -427,6 +422,7 @@ def norm_moe_triton(
     summed, h = torch.empty_like(x), torch.empty_like(x)
     weights = torch.empty((t, top_k), device=x.device, dtype=torch.float32)
     ids = torch.empty((t, top_k), device=x.device, dtype=torch.int32)
+    cnt = torch.zeros(1, device=x.device, dtype=torch.int32)  # this call's own arrival counter
     _norm_router_kernel[(triton.cdiv(e, router_block_n),)](
         x, residual, norm_weight, gate_weight, logits, summed, h, weights, ids, cnt, t, e, eps,
         K=hidden, TOP_K=top_k, RENORM=renormalize, BLOCK_M=triton.next_power_of_2(t), BLOCK_N=router_block_n,

@@ -187,8 +187,8 @@ def test_moe_grouped_matmul(t, h, e, k, i, renorm):
     fused = moe_triton(x, logits, w13, w2, k, renorm, max_decode_pairs=t * k, decode_block_n=16, decode_block_k=16,
                        decode_down_block_n=8, decode_split_down=0)  # one down program row per token, over its k
     torch.testing.assert_close(fused, ref, rtol=1e-4, atol=1e-4)
-    # split per pair, summed by the last of each token's k programs (arrival counters), twice: the counters
-    # must be back at zero after a launch
+    # split per pair, summed by the last of each token's k programs (arrival counters the gate/up kernel zeroes;
+    # the allocator hands the second call memory the first one left counted up)
     for _ in range(2):
         last = moe_triton(x, logits, w13, w2, k, renorm, max_decode_pairs=t * k, decode_block_n=16,
                           decode_block_k=16, decode_down_block_n=8, decode_split_down=2, pdl=1)
@@ -214,7 +214,7 @@ def test_norm_moe(t, h, e, k, i, renorm):
     # router_block_k 32: the row in chunks (several passes); 64 >= h: the row in one chunk (one pass);
     # router_block_n 16 > e for the smaller cases: one program
     for split, router_block_n, router_block_k in ((1, 2, 32), (2, 4, 64), (0, 16, 32)):
-        for _ in range(2):  # twice: the arrival counter must be back at zero
+        for _ in range(2):  # twice: each call counts on its own, freshly zeroed counters
             out, summed = norm_moe_triton(x, r, nw, 1e-6, gw, w13, w2, k, renorm, router_block_n=router_block_n,
                                           router_block_k=router_block_k, decode_block_n=16, decode_block_k=16,
                                           decode_down_block_n=8, decode_split_down=split, pdl=1,
