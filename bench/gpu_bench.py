@@ -832,6 +832,11 @@ def moe_decode(bw: float, layers: int | None):
             best = (tps, variant, name)
     row(f"MoE best decode b=1: [{best[2]}]", f"{best[0]:.1f} tok/s = {100 * best[0] / roofline:.1f}% of the "
         "active roofline")
+    # where a step goes, kernel by kernel, in the form without dependent launch (with it kernels overlap and
+    # the profiler's per-kernel times add up to more than the step)
+    eng.apply_variant(forms[0][1])
+    eng.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+    kernel_profile("MoE, previous best, graph replay", eng.runner.graphs.graphs[1][0].replay)
     del eng
     torch.cuda.empty_cache()
 
