@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from engine.variant import TRITON_ALL, TRITON_GEMV, with_pdl
+from engine.variant import TRITON_ALL, TRITON_GEMV, TRITON_MOE_DECODE, moe_decode_params, with_pdl
 
 ROWS: list[tuple[str, str]] = []
 OUT = Path("/tmp")
@@ -772,9 +772,8 @@ def moe_decode(bw: float, layers: int | None):
     want = ref_eng.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
     del ref_eng
     gemv = dataclasses.replace(spec, kernels={**TRITON_ALL, **TRITON_GEMV})
-    whole = {"block_n": 4, "block_k": 2048, "num_warps": 4}  # a program's rows whole: all requested before the wait
-    best3 = with_pdl({**attn, "moe": {"decode_split_down": 2}, "linear": whole, "norm_linear": whole}, 2)
-    pre = {**TRITON_ALL, **TRITON_GEMV, "prefetch": "triton"}
+    best3 = moe_decode_params(attn["attention"], cfg.hidden_size)
+    pre = TRITON_MOE_DECODE
     # the block after attention alone at batch 1: composed of its parts against norm_moe (add + norm + router +
     # routing in one launch) with the row in one chunk, over router tiles
     from kernels.moe_triton import moe_triton, norm_moe_triton

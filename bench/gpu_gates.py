@@ -17,10 +17,8 @@ sys.path.insert(0, str(ROOT))
 
 from checks.gates import gate_variant  # noqa: E402
 from engine import EngineConfig, LLMEngine, resolve  # noqa: E402
-from engine.variant import REFERENCE_VARIANT, TRITON_ALL, TRITON_GEMV, VariantSpec, with_pdl  # noqa: E402
-
-
-WHOLE = {"block_n": 4, "block_k": 2048, "num_warps": 4}  # decode projections' tiles: a program's rows whole
+from engine.variant import (REFERENCE_VARIANT, TRITON_ALL, TRITON_GEMV, TRITON_MOE_DECODE,  # noqa: E402
+                            VariantSpec, moe_decode_params, with_pdl)
 
 
 def main() -> int:
@@ -43,9 +41,8 @@ def main() -> int:
             kernels={**TRITON_ALL, **TRITON_GEMV}, kernel_params=with_pdl({"attention": {"num_splits": 0, "block_n": 32}}),
             cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32)),
         "... + dependent launch, sum in down, 4x2048 tiles, o_proj prefetch": VariantSpec(
-            kernels={**TRITON_ALL, **TRITON_GEMV, "prefetch": "triton"}, kernel_params=with_pdl(
-                {"attention": {"num_splits": 0, "block_n": 32}, "moe": {"decode_split_down": 2},
-                 "linear": WHOLE, "norm_linear": WHOLE}, 2),
+            # the form measured best on the MoE shape (hidden 2,048), on either model
+            kernels=TRITON_MOE_DECODE, kernel_params=moe_decode_params({"num_splits": 0, "block_n": 32}, 2048),
             cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32)),
     }
     variants = {name: v for name, v in variants.items() if args.only in name}

@@ -72,6 +72,20 @@ def with_pdl(kernel_params: dict | None = None, level: int = 1) -> dict:
     return params
 
 
+# the batch-1 MoE decode form measured best on an H200 (bench/RESULTS.md): the output projection read into L2
+# while the attention runs, besides every Triton kernel
+TRITON_MOE_DECODE = {**TRITON_ALL, **TRITON_GEMV, "prefetch": "triton"}
+
+
+def moe_decode_params(attention: dict, hidden_size: int) -> dict:
+    """TRITON_MOE_DECODE's kernel parameters: the next kernel scheduled before the wait (pdl 2), the experts'
+    sum in the down kernel, and projection tiles of a whole row (up to 2,048 columns: all requested before
+    the wait)."""
+    whole = {"block_n": 4, "block_k": min(2048, 1 << max(0, hidden_size - 1).bit_length()), "num_warps": 4}
+    return with_pdl({"attention": attention, "moe": {"decode_split_down": 2}, "linear": whole,
+                     "norm_linear": whole}, 2)
+
+
 def _f(scope: str, default: Any = dataclasses.MISSING, **kw):
     if default is dataclasses.MISSING:
         return field(metadata={"scope": scope}, **kw)

@@ -62,6 +62,45 @@ def _gemv_chunk(acc, acc1, w, k0, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, st
 
 
 @triton.jit
+def _add_rms_rstd(x_ptr, r_ptr, sum_ptr, rm, m_mask, stride_x, stride_r, stride_sum, eps, WRITE_SUM,
+                  K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / RMS of each row of x + residual, over the whole row in BLOCK_K chunks; with WRITE_SUM the sum
+    (the new residual) is written too."""
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        mk = m_mask[:, None] & (rk < K)[None, :]
+        s = tl.load(r_ptr + rm[:, None] * stride_r + rk[None, :], mask=mk, other=0.0) + tl.load(
+            x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0)
+        if WRITE_SUM:
+            tl.store(sum_ptr + rm[:, None] * stride_sum + rk[None, :], s, mask=mk)
+        sf = s.to(tl.float32)
+        ss += tl.sum(sf * sf, axis=1)
+    return tl.rsqrt(ss / K + eps)
+
+
+@triton.jit
+def _gemv_rows(w_ptr, w_first, rn, n_mask, stride_w, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r, rstd,
+               K: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) float32: the prologue's input times weight rows rn; ``w_first`` holds their first
+    BLOCK_K columns, already loaded."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # one row: accumulate elementwise and reduce once at the end (no cross-thread sum per chunk)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc, acc1 = _gemv_chunk(acc, acc1, w_first, 0, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r, rstd,
+                            K, PROLOGUE, BLOCK_M, BLOCK_K)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
+        acc, acc1 = _gemv_chunk(acc, acc1, w, k0, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r, rstd,
+                                K, PROLOGUE, BLOCK_M, BLOCK_K)
+    if BLOCK_M == 1:
+        acc = tl.sum(acc1, axis=1)[None, :]
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr,
     M, N, stride_x, stride_r, stride_w, stride_out, stride_sum, eps,
@@ -80,31 +119,11 @@ def _gemv_kernel(
                       other=0.0)
     pdl_enter(PDL)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if PROLOGUE == 2:
-        # statistics of x + residual over the whole row; program 0 also writes the sum (the new residual)
-        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            mk = m_mask[:, None] & (rk < K)[None, :]
-            s = tl.load(r_ptr + rm[:, None] * stride_r + rk[None, :], mask=mk, other=0.0) + tl.load(
-                x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0)
-            if pid == 0:
-                tl.store(sum_ptr + rm[:, None] * stride_sum + rk[None, :], s, mask=mk)
-            sf = s.to(tl.float32)
-            ss += tl.sum(sf * sf, axis=1)
-        rstd = tl.rsqrt(ss / K + eps)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # one row: accumulate elementwise and reduce once at the end (no cross-thread sum per chunk)
-    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc, acc1 = _gemv_chunk(acc, acc1, w_first, 0, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r, rstd,
-                            K, PROLOGUE, BLOCK_M, BLOCK_K)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
-        acc, acc1 = _gemv_chunk(acc, acc1, w, k0, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r, rstd,
-                                K, PROLOGUE, BLOCK_M, BLOCK_K)
-    if BLOCK_M == 1:
-        acc = tl.sum(acc1, axis=1)[None, :]
+    if PROLOGUE == 2:  # program 0 also writes the sum (the new residual)
+        rstd = _add_rms_rstd(x_ptr, r_ptr, sum_ptr, rm, m_mask, stride_x, stride_r, stride_sum, eps, pid == 0,
+                             K, BLOCK_M, BLOCK_K)
+    acc = _gemv_rows(w_ptr, w_first, rn, n_mask, stride_w, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r,
+                     rstd, K, PROLOGUE, BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rm[:, None] * stride_out + rn[None, :], acc.to(out_ptr.dtype.element_ty),

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from kernels.activation import silu_and_mul_ref
 from kernels.moe import moe_route_ref
-from kernels.linear_triton import _gemv_chunk
+from kernels.linear_triton import _add_rms_rstd, _gemv_rows
 from kernels.pdl import launch_options, pdl_enter
 
 
@@ -153,17 +153,7 @@ def _norm_router_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, logits_ptr, sum_ptr, h_ptr,
             tl.store(h_ptr + rm[:, None] * K + rk0[None, :], h, mask=mk)
         acc = tl.sum(h.to(tl.float32)[:, None, :] * w_first.to(tl.float32)[None, :, :], axis=2)
     else:
-        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            mk = m_mask[:, None] & (rk < K)[None, :]
-            s = tl.load(r_ptr + rm[:, None] * K + rk[None, :], mask=mk, other=0.0) + tl.load(
-                x_ptr + rm[:, None] * K + rk[None, :], mask=mk, other=0.0)
-            if pid == 0:
-                tl.store(sum_ptr + rm[:, None] * K + rk[None, :], s, mask=mk)
-            sf = s.to(tl.float32)
-            ss += tl.sum(sf * sf, axis=1)
-        rstd = tl.rsqrt(ss / K + eps)
+        rstd = _add_rms_rstd(x_ptr, r_ptr, sum_ptr, rm, m_mask, K, K, K, eps, pid == 0, K, BLOCK_M, BLOCK_K)
         if pid == 0:  # h, the experts' input, in the reference's rounding (kernels.norm)
             for k0 in range(0, K, BLOCK_K):
                 rk = k0 + tl.arange(0, BLOCK_K)
@@ -173,17 +163,8 @@ def _norm_router_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, logits_ptr, sum_ptr, h_ptr,
                 h = tl.load(nw_ptr + rk, mask=rk < K, other=0.0)[None, :] * (
                     s.to(tl.float32) * rstd[:, None]).to(s.dtype)
                 tl.store(h_ptr + rm[:, None] * K + rk[None, :], h, mask=mk)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc, acc1 = _gemv_chunk(acc, acc1, w_first, 0, x_ptr, r_ptr, nw_ptr, rm, m_mask, K, K, rstd, K, 2, BLOCK_M,
-                                BLOCK_K)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
-            acc, acc1 = _gemv_chunk(acc, acc1, w, k0, x_ptr, r_ptr, nw_ptr, rm, m_mask, K, K, rstd, K, 2, BLOCK_M,
-                                    BLOCK_K)
-        if BLOCK_M == 1:
-            acc = tl.sum(acc1, axis=1)[None, :]
+        acc = _gemv_rows(w_ptr, w_first, rn, n_mask, K, x_ptr, r_ptr, nw_ptr, rm, m_mask, K, K, rstd, K, 2, BLOCK_M,
+                         BLOCK_N, BLOCK_K)
     tl.store(logits_ptr + rm[:, None] * E + rn[None, :], acc.to(logits_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
     # the last program to get here routes: its acquire sees every program's logits (released after a barrier)
@@ -363,11 +344,10 @@ def moe_triton(
     """x: (T, H); router_logits: (T, E); w13: (E, 2I, H) holding [gate | up]; w2: (E, H, I). Returns (T, H).
 
     Up to ``max_decode_pairs`` routed pairs (any number while a CUDA graph is captured) take the device-only
-    decode path (``decode_*`` parameters;
-    ``decode_split_down``: 0, one down-projection program row per token looping over its k experts; 1, one
-    per pair, summed by another launch; 2, one per pair, summed by the last of a token's k programs); more
-    take the grouped matmul (``block_*``). ``pdl``: the decode
-    path's kernels with programmatic dependent launch (kernels/pdl.py).
+    decode path (``decode_*`` parameters; ``decode_split_down``: 0, one down-projection program row per token
+    looping over its k experts; 1, one per pair, summed by another launch; 2, one per pair, summed by the last
+    of a token's k programs); more take the grouped matmul (``block_*``). ``pdl``: the decode path's kernels
+    with programmatic dependent launch (kernels/pdl.py).
     """
     t, h = x.shape
     assert w13.shape[2] == h and w2.shape[1] == h and w13.shape[1] == 2 * w2.shape[2]
@@ -389,9 +369,9 @@ def moe_triton(
     return down.view(t, top_k, h).sum(dim=1)
 
 
+# moe_triton's tunable parameters and their defaults
 _MOE_PARAMS = {k: p.default for k, p in inspect.signature(moe_triton).parameters.items()
                if p.default is not inspect.Parameter.empty and k != "pdl"}
-_DECODE_DEFAULTS = {k: v for k, v in _MOE_PARAMS.items() if k.startswith("decode_")}
 
 
 def norm_moe_triton(
@@ -411,8 +391,8 @@ def norm_moe_triton(
     t, hidden = x.shape
     e = gate_weight.shape[0]
     assert residual.shape == x.shape and norm_weight.shape == (hidden,) and gate_weight.shape == (e, hidden)
-    decode = 0 < t <= 4 and t * top_k <= moe_params.get("max_decode_pairs", 64)
-    if not decode:
+    p = {**_MOE_PARAMS, **moe_params}
+    if not 0 < t <= 4 or t * top_k > p["max_decode_pairs"]:
         h, summed = fused_add_rms_norm_triton(x, residual, norm_weight, eps, pdl=pdl)
         return moe_triton(h, torch.nn.functional.linear(h, gate_weight), w13, w2, top_k, renormalize, pdl=pdl,
                           **moe_params), summed
@@ -428,6 +408,5 @@ def norm_moe_triton(
         K=hidden, TOP_K=top_k, RENORM=renormalize, BLOCK_M=triton.next_power_of_2(t), BLOCK_N=router_block_n,
         BLOCK_K=router_block_k, BLOCK_E=triton.next_power_of_2(e), num_warps=router_warps,
         **launch_options(pdl, x))
-    p = {**_DECODE_DEFAULTS, **{k: v for k, v in moe_params.items() if k.startswith("decode_")}}
     return _pair_experts(h, weights, ids, w13, w2, top_k, p["decode_block_n"], p["decode_block_k"],
                          p["decode_down_block_n"], p["decode_warps"], p["decode_split_down"], pdl), summed

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 from engine.errors import ConfigError
 from engine.generated_source import VariantError, check_source
-from engine.variant import COMPILE_MODES, OP_NAMES, TRITON_ALL, TRITON_GEMV, VariantSpec, with_pdl
+from engine.variant import (COMPILE_MODES, OP_NAMES, TRITON_ALL, TRITON_GEMV, TRITON_MOE_DECODE, VariantSpec,
+                            moe_decode_params, with_pdl)
 from ops.board import Board, Result
 from ops.cost_model import Calibration, CostModelPlan, StepShape, step_time
 from ops.hardware import HardwareProfile
@@ -257,13 +258,9 @@ class KernelChoices(Agent):
                 # measured best for batch-1 MoE decode on an H200 (bench/RESULTS.md): the next kernel scheduled
                 # before the wait, the experts' sum in the down kernel, a program's projection rows whole, and
                 # the output projection read into L2 while the attention runs
-                k = min(2048, 1 << max(0, state.spec.hidden_size - 1).bit_length())
-                whole = {"block_n": 4, "block_k": k, "num_warps": 4}
                 cands.append((dataclasses.replace(
                     v, name="kernels: MoE decode, dependent launch + experts' sum in down + o_proj prefetch",
-                    kernels={**TRITON_ALL, **TRITON_GEMV, "prefetch": "triton"},
-                    kernel_params=with_pdl({"attention": attn, "moe": {"decode_split_down": 2}, "linear": whole,
-                                            "norm_linear": whole}, 2),
+                    kernels=TRITON_MOE_DECODE, kernel_params=moe_decode_params(attn, state.spec.hidden_size),
                     cuda_graph_batch_sizes=graphs),
                     f"mixture of experts at concurrency {conc:.1f}: fewer, overlapped launches per layer"))
         if ctx >= 4096:
