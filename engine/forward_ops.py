@@ -8,7 +8,7 @@ from typing import Callable
 
 from engine.variant import OP_NAMES
 from kernels.activation import silu_and_mul_ref
-from kernels.attention import paged_attention_ref
+from kernels.attention import paged_attention_ref, rotary_attention_ref
 from kernels.kv_store import store_kv_ref
 from kernels.linear import act_linear_ref, linear_ref, norm_linear_ref
 from kernels.moe import moe_ref, norm_moe_ref
@@ -30,6 +30,7 @@ class ForwardOps:
     rotary_store_kv: Callable  # rotary then store_kv, fused or composed from the two fields above
     norm_rotary_store_kv: Callable  # per-head RMSNorm of q and k, then rotary_store_kv; fused or composed
     attention: Callable
+    rotary_attention: Callable  # (norm_)rotary_store_kv, then attention; fused or composed
     moe: Callable
     linear: Callable
     norm_linear: Callable  # residual add + RMSNorm, then a projection; fused or composed
@@ -57,6 +58,7 @@ REFERENCE_OPS = ForwardOps(
     rotary_store_kv=rotary_store_kv_ref,
     norm_rotary_store_kv=norm_rotary_store_kv_ref,
     attention=paged_attention_ref,
+    rotary_attention=rotary_attention_ref,
     moe=moe_ref,
     linear=linear_ref,
     norm_linear=norm_linear_ref,
@@ -87,6 +89,10 @@ def _builtin(op: str, impl: str, params: dict) -> Callable:
             from kernels.attention_triton import make_attention
 
             return make_attention("paged" if impl == "triton_paged" else "split_kv", **params)
+        elif op == "rotary_attention":
+            from kernels.attention_triton import make_rotary_attention
+
+            return make_rotary_attention(**params)
         else:
             raise KeyError(op)
     except ImportError as e:
@@ -110,6 +116,16 @@ def _norm_then_rotary_store(rms_norm, rotary_store_kv, q, k, v, q_weight, k_weig
                            v_cache, slot_mapping)
 
 
+def _rotary_then_attention(rotary_store_kv, norm_rotary_store_kv, attention, q, k, v, q_weight, k_weight, eps,
+                           positions, cos_sin, k_cache, v_cache, meta, scale):
+    if q_weight is None:
+        q = rotary_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
+    else:
+        q = norm_rotary_store_kv(q, k, v, q_weight, k_weight, eps, positions, cos_sin, k_cache, v_cache,
+                                 meta.slot_mapping)
+    return attention(q, k_cache, v_cache, meta, scale)
+
+
 def _norm_then_linear(fused_add_rms_norm, linear, x, residual, norm_weight, eps, weight, bias=None):
     h, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
     return linear(h, weight, bias), summed
@@ -129,6 +145,7 @@ def _norm_then_moe(fused_add_rms_norm, linear, moe, x, residual, norm_weight, ep
 _COMPOSED = {
     "rotary_store_kv": (_rotary_then_store, ("rotary", "store_kv")),
     "norm_rotary_store_kv": (_norm_then_rotary_store, ("rms_norm", "rotary_store_kv")),
+    "rotary_attention": (_rotary_then_attention, ("rotary_store_kv", "norm_rotary_store_kv", "attention")),
     "norm_linear": (_norm_then_linear, ("fused_add_rms_norm", "linear")),
     "act_linear": (_act_then_linear, ("silu_and_mul", "linear")),
     "norm_moe": (_norm_then_moe, ("fused_add_rms_norm", "linear", "moe")),

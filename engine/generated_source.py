@@ -115,6 +115,15 @@ def smoke_case(op: str) -> tuple[tuple, Callable]:
         meta = AttentionMetadata.build(torch.zeros(4, dtype=torch.int64),
                                        torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), [6, 5], [0, 3, 4], "cpu")
         args = (r(4, 4, 8), r(4, 4, 2, 8), r(4, 4, 2, 8), meta, 8**-0.5)
+    elif op == "rotary_attention":  # two decoding sequences of 6 and 5 tokens, q/k head norms
+        from kernels.attention import AttentionMetadata
+
+        cs = torch.stack([torch.cos(torch.arange(64.0)[:, None] * 0.1 * torch.arange(1, 5)),
+                          torch.sin(torch.arange(64.0)[:, None] * 0.1 * torch.arange(1, 5))], dim=1)
+        meta = AttentionMetadata.build(torch.tensor([5, 12]), torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+                                       [6, 5], [0, 1, 2], "cpu")
+        args = (r(2, 4, 8), r(2, 2, 8), r(2, 2, 8), r(8), r(8), 1e-6, torch.tensor([5, 4]), cs.contiguous(),
+                r(4, 4, 2, 8), r(4, 4, 2, 8), meta, 8**-0.5)
     elif op == "moe":
         args = (r(5, 8), r(5, 4), r(4, 12, 8), r(4, 8, 6), 2, True)
     elif op == "linear":

@@ -48,12 +48,8 @@ class Attention(nn.Module):
         q = qkv[:, :q_size].reshape(t, self.num_heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].reshape(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size :].reshape(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q = ops.norm_rotary_store_kv(q, k, v, self.q_norm, self.k_norm, self.eps, positions, cos_sin, kv[0],
-                                         kv[1], attn.slot_mapping)
-        else:
-            q = ops.rotary_store_kv(q, k, v, positions, cos_sin, kv[0], kv[1], attn.slot_mapping)
-        o = ops.attention(q, kv[0], kv[1], attn, self.scale)
+        q_norm, k_norm = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
+        o = ops.rotary_attention(q, k, v, q_norm, k_norm, self.eps, positions, cos_sin, kv[0], kv[1], attn, self.scale)
         join()
         out = ops.linear(o.reshape(t, q_size), self.o_proj.weight)
         return out if self.tp is None else self.tp.all_reduce(out)

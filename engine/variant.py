@@ -24,7 +24,7 @@ SCOPE_ORDER = (SCHEDULER, FORWARD, KV_LAYOUT, PARALLEL)
 # composite operations (rotary_store_kv, norm_rotary_store_kv, norm_linear, act_linear) come after the parts
 # they are composed of
 OP_NAMES = ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "store_kv", "rotary_store_kv",
-            "norm_rotary_store_kv", "attention", "moe", "linear", "norm_linear", "act_linear", "norm_moe", "prefetch")
+            "norm_rotary_store_kv", "attention", "rotary_attention", "moe", "linear", "norm_linear", "act_linear", "norm_moe", "prefetch")
 BUILTIN_IMPLS = {
     "rms_norm": ("reference", "triton"),
     "fused_add_rms_norm": ("reference", "triton"),
@@ -37,6 +37,10 @@ BUILTIN_IMPLS = {
     # rotary_store_kv; "triton": one launch
     "norm_rotary_store_kv": ("reference", "triton"),
     "attention": ("reference", "triton_paged", "triton_split_kv"),
+    # the attention block between the projections: (norm_)rotary_store_kv, then attention; "reference": the
+    # variant's own parts; "triton": for decode batches one launch (q/k norms, rotary, KV store, split-KV
+    # attention, the splits merged by the last to finish), otherwise the Triton parts
+    "rotary_attention": ("reference", "triton"),
     "moe": ("reference", "triton"),
     "linear": ("reference", "triton"),  # "triton": matrix-vector kernel for decode batches of <= max_m rows
     # "reference": the variant's fused_add_rms_norm (silu_and_mul), then its linear; "triton": one fused kernel
@@ -60,8 +64,8 @@ TRITON_ALL = {"rms_norm": "triton", "fused_add_rms_norm": "triton", "rotary": "t
 TRITON_GEMV = {"linear": "triton", "norm_linear": "triton", "act_linear": "triton"}
 # the operations whose Triton kernels take ``pdl``: programmatic dependent launch on Hopper and later
 # (kernels/pdl.py), each kernel of a decode step scheduled while the one before it finishes
-PDL_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_store_kv", "norm_rotary_store_kv", "attention", "moe", "linear",
-           "norm_linear", "act_linear", "norm_moe")
+PDL_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_store_kv", "norm_rotary_store_kv", "attention", "rotary_attention",
+           "moe", "linear", "norm_linear", "act_linear", "norm_moe")
 
 
 def with_pdl(kernel_params: dict | None = None, level: int = 1) -> dict:

@@ -67,3 +67,21 @@ def paged_attention_ref(
         o = torch.matmul(probs, v)  # (KVH, n * group, D)
         out[qs:qe] = o.view(kvh, n, group, d).permute(1, 0, 2, 3).reshape(n, kvh * group, d)
     return out
+
+
+def rotary_attention_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+    eps: float, positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    """The attention block between the QKV and output projections: q and k heads RMS-normed when weights are
+    given (Qwen3), rotated, k and v written into the cache, then ``paged_attention_ref``. q: (T, H, D), k, v:
+    (T, KVH, D) (strided views of the QKV projection allowed). Returns (T, H, D)."""
+    from kernels.rotary import norm_rotary_store_kv_ref, rotary_store_kv_ref
+
+    if q_weight is None:
+        q = rotary_store_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
+    else:
+        q = norm_rotary_store_kv_ref(q, k, v, q_weight, k_weight, eps, positions, cos_sin, k_cache, v_cache,
+                                     meta.slot_mapping)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale)

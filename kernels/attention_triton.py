@@ -8,6 +8,10 @@ Two kernels, chosen per batch:
   into ranges processed in parallel and merged afterwards (one more launch), which keeps the
   GPU busy when a few sequences have long contexts, or one sequence has few KV heads
   (``num_splits=0`` picks the splits from the batch size).
+- decode with the rotary in front (``rotary_attention_triton``): the same programs also RMS-norm
+  (Qwen3) and rotate their query heads and the new token's key, which the program whose range
+  holds the last position writes into the cache and attends to from registers; the splits are
+  merged by the last of them to finish. One launch for what is otherwise three.
 - prefill / chunked prefill (any sequence has several new tokens): one program per
   (tile of BLOCK_M new tokens of one sequence, query head), walking the causal context
   through the block table with an online softmax.
@@ -22,6 +26,7 @@ import triton.language as tl
 
 from kernels.attention import AttentionMetadata
 from kernels.pdl import launch_options, pdl_enter
+from kernels.rotary_triton import _head_norm, _rotary_store_kv
 
 
 @triton.jit
@@ -241,6 +246,210 @@ def split_kv_attention_triton(q, k_cache, v_cache, meta: AttentionMetadata, scal
                               **params):
     """Flash-decoding: ``paged_attention_triton`` with the decode context split ``num_splits`` ways."""
     return paged_attention_triton(q, k_cache, v_cache, meta, scale, num_splits=num_splits, **params)
+
+
+@triton.jit
+def _rotary_decode_kernel(
+    q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, slot_ptr, cs_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr,
+    o_ptr, part_ptr, m_ptr, l_ptr, cnt_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt, eps, scale,
+    GROUP, HALF, BLOCK_SIZE, KVH,
+    NORM: tl.constexpr, G_PAD: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_N: tl.constexpr, S_PAD: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = 0,
+):
+    """One program per (sequence, KV head, split) of a decode batch. Heads are handled as their two rotary
+    halves (d < HALF and HALF + d), so the rotation needs no shuffle within a head."""
+    b = tl.program_id(0)
+    pdl_enter(PDL)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    n_splits = tl.num_programs(2)
+    kv_len = tl.load(ctx_ptr + b)
+    pos = tl.load(pos_ptr + b)
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, HALF_PAD)
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HALF
+    cos = tl.load(cs_ptr + pos * 2 * HALF + offs_d, mask=mask_d, other=0.0)
+    sin = tl.load(cs_ptr + pos * 2 * HALF + HALF + offs_d, mask=mask_d, other=0.0)
+    # this KV head's query heads, normed and rotated as kernels.rotary_triton does
+    heads = kvh * GROUP + offs_g
+    qmask = mask_g[:, None] & mask_d[None, :]
+    qb = q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    q1, q2 = _head_norm(tl.load(qb, mask=qmask, other=0.0), tl.load(qb + HALF, mask=qmask, other=0.0), qw_ptr,
+                        offs_d, mask_d, eps, HALF, NORM)
+    c = cos.to(q1.dtype)[None, :]
+    s = sin.to(q1.dtype)[None, :]
+    q1, q2 = q1 * c - q2 * s, q2 * c + q1 * s
+    # the new token's key (normed, rotated) and value, in the cache's type
+    kmask = mask_d[None, :]
+    kb = k_ptr + b * stride_kt + kvh * stride_kh + offs_d[None, :]
+    k1, k2 = _head_norm(tl.load(kb, mask=kmask, other=0.0), tl.load(kb + HALF, mask=kmask, other=0.0), kw_ptr,
+                        offs_d, mask_d, eps, HALF, NORM)
+    k1, k2 = (k1 * c - k2 * s).to(kc_ptr.dtype.element_ty), (k2 * c + k1 * s).to(kc_ptr.dtype.element_ty)
+    vb = v_ptr + b * stride_vt + kvh * stride_vh + offs_d[None, :]
+    v1 = tl.load(vb, mask=kmask, other=0.0).to(vc_ptr.dtype.element_ty)
+    v2 = tl.load(vb + HALF, mask=kmask, other=0.0).to(vc_ptr.dtype.element_ty)
+
+    split_len = tl.cdiv(tl.cdiv(kv_len, n_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(kv_len, start + split_len)
+    last = kv_len - 1  # the new token's position: its key and value are the ones in registers
+    cached_end = tl.minimum(end, last)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc1 = tl.zeros([G_PAD, HALF_PAD], tl.float32)
+    acc2 = tl.zeros([G_PAD, HALF_PAD], tl.float32)
+    n0 = start
+    while n0 < cached_end:  # a while loop: the bound is loaded at run time
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < cached_end
+        blk = tl.load(bt_ptr + b * stride_bt + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
+        slot_n = blk.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
+        kv_off = slot_n[:, None] * (KVH * 2 * HALF) + kvh * 2 * HALF + offs_d[None, :]
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        ka = tl.load(kc_ptr + kv_off, mask=kv_mask, other=0.0)
+        kz = tl.load(kc_ptr + kv_off + HALF, mask=kv_mask, other=0.0)
+        sc = (_dot(q1, tl.trans(ka), IEEE) + _dot(q2, tl.trans(kz), IEEE)) * scale  # (G_PAD, BLOCK_N)
+        sc = tl.where(mask_n[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        p = tl.exp(sc - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        va = tl.load(vc_ptr + kv_off, mask=kv_mask, other=0.0)
+        vz = tl.load(vc_ptr + kv_off + HALF, mask=kv_mask, other=0.0)
+        acc1 = acc1 * alpha[:, None] + _dot(p.to(va.dtype), va, IEEE)
+        acc2 = acc2 * alpha[:, None] + _dot(p.to(vz.dtype), vz, IEEE)
+        m_i = m_new
+        n0 += BLOCK_N
+    if (last >= start) & (last < end):  # this split holds the new token: attend to it, and cache it
+        s_new = (tl.sum(q1.to(tl.float32) * k1.to(tl.float32), axis=1)
+                 + tl.sum(q2.to(tl.float32) * k2.to(tl.float32), axis=1)) * scale
+        m_new = tl.maximum(m_i, s_new)
+        p = tl.exp(s_new - m_new)
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + p
+        pv = p.to(v1.dtype).to(tl.float32)[:, None]
+        acc1 = acc1 * alpha[:, None] + pv * v1.to(tl.float32)
+        acc2 = acc2 * alpha[:, None] + pv * v2.to(tl.float32)
+        m_i = m_new
+        dst = tl.load(slot_ptr + b) * (KVH * 2 * HALF) + kvh * 2 * HALF + offs_d[None, :]
+        tl.store(kc_ptr + dst, k1, mask=kmask)
+        tl.store(kc_ptr + dst + HALF, k2, mask=kmask)
+        tl.store(vc_ptr + dst, v1, mask=kmask)
+        tl.store(vc_ptr + dst + HALF, v2, mask=kmask)
+    out_off = b * (KVH * GROUP * 2 * HALF) + heads[:, None] * (2 * HALF) + offs_d[None, :]
+    if SPLIT:
+        # partial result (unnormalized accumulator, running max and sum); the last split of this (sequence,
+        # KV head) to finish merges them all (its acquire sees every split's partials) and resets the counter
+        row = (b * KVH * GROUP + heads) * n_splits
+        tl.store(m_ptr + row + split, m_i, mask=mask_g)
+        tl.store(l_ptr + row + split, l_i, mask=mask_g)
+        pb = part_ptr + (row + split)[:, None] * (2 * HALF) + offs_d[None, :]
+        tl.store(pb, acc1, mask=qmask)
+        tl.store(pb + HALF, acc2, mask=qmask)
+        tl.debug_barrier()
+        cnt = cnt_ptr + b * KVH + kvh
+        if tl.atomic_add(cnt, 1) == n_splits - 1:
+            offs_s = tl.arange(0, S_PAD)
+            sm = mask_g[:, None] & (offs_s < n_splits)[None, :]
+            ms = tl.load(m_ptr + row[:, None] + offs_s[None, :], mask=sm, other=float("-inf"), cache_modifier=".cg")
+            ls = tl.load(l_ptr + row[:, None] + offs_s[None, :], mask=sm, other=0.0, cache_modifier=".cg")
+            w = tl.exp(ms - tl.max(ms, axis=1)[:, None])
+            w = tl.where(sm & (ls > 0), w, 0.0)  # a split past a short context saw no keys and weighs nothing
+            denom = tl.sum(ls * w, axis=1)
+            o1 = tl.zeros([G_PAD, HALF_PAD], tl.float32)
+            o2 = tl.zeros([G_PAD, HALF_PAD], tl.float32)
+            j = 0
+            while j < n_splits:
+                wj = tl.sum(tl.where(offs_s[None, :] == j, w, 0.0), axis=1)[:, None]
+                pj = part_ptr + (row + j)[:, None] * (2 * HALF) + offs_d[None, :]
+                o1 += wj * tl.load(pj, mask=qmask, other=0.0, cache_modifier=".cg")
+                o2 += wj * tl.load(pj + HALF, mask=qmask, other=0.0, cache_modifier=".cg")
+                j += 1
+            tl.store(o_ptr + out_off, (o1 / denom[:, None]).to(o_ptr.dtype.element_ty), mask=qmask)
+            tl.store(o_ptr + out_off + HALF, (o2 / denom[:, None]).to(o_ptr.dtype.element_ty), mask=qmask)
+            tl.atomic_xchg(cnt, 0)
+    else:
+        tl.store(o_ptr + out_off, (acc1 / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=qmask)
+        tl.store(o_ptr + out_off + HALF, (acc2 / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=qmask)
+
+
+class ArrivalCounters:
+    """Zeroed int32 counters that the kernels reset after use: one buffer per device, owned by one operation
+    instance (a variant's table), so launches of two variants (one warming up while the other serves) never
+    share one. A larger request replaces the buffer; replaced buffers are kept, as CUDA graphs captured with
+    them still use them."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.device, torch.Tensor] = {}
+        self._replaced: list[torch.Tensor] = []
+
+    def __call__(self, n: int, device: torch.device) -> torch.Tensor:
+        buf = self._buffers.get(device)
+        if buf is None or buf.numel() < n:
+            if buf is not None:
+                self._replaced.append(buf)
+            buf = self._buffers[device] = torch.zeros(max(n, 256), device=device, dtype=torch.int32)
+        return buf
+
+
+def _fresh_counters(n: int, device: torch.device) -> torch.Tensor:
+    return torch.zeros(n, device=device, dtype=torch.int32)
+
+
+def rotary_attention_triton(
+    q, k, v, q_weight, k_weight, eps: float, positions, cos_sin, k_cache, v_cache, meta: AttentionMetadata,
+    scale: float, *, num_splits: int = 0, block_n: int = 32, block_m: int = 32, num_warps: int = 4,
+    num_stages: int = 2, pdl: int = 0, counters=None,
+):
+    """Same contract as ``kernels.attention.rotary_attention_ref``. A decode batch takes one launch
+    (``_rotary_decode_kernel``; ``num_splits`` as ``paged_attention_triton``'s, 0: by the batch's size);
+    others the rotary + KV-store kernel, then ``paged_attention_triton``. ``counters(n, device)``: the split
+    merge's arrival counters (default: zeroed per call; ``make_rotary_attention`` keeps one buffer)."""
+    t, h, d = q.shape
+    kvh = k.shape[1]
+    if meta.max_query_len != 1 or t == 0:
+        q = _rotary_store_kv(q, k, v, q_weight, k_weight, eps, positions, cos_sin, k_cache, v_cache,
+                             meta.slot_mapping, pdl)
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, num_splits=num_splits, block_n=block_n,
+                                      block_m=block_m, num_warps=num_warps, num_stages=num_stages, pdl=pdl)
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1, "the head dimension must be contiguous"
+    assert k.shape == v.shape == (t, kvh, d) and d % 2 == 0 and h % kvh == 0
+    assert cos_sin.is_contiguous() and cos_sin.shape[-1] * 2 == d
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+    assert k_cache.shape[2:] == (kvh, d) and meta.slot_mapping.shape == (t,)
+    bt = meta.block_tables
+    assert bt.dtype == torch.int32 and bt.is_contiguous() and bt.shape[0] == t == meta.context_lens_t.shape[0]
+    norm = q_weight is not None
+    assert not norm or (q_weight.shape == k_weight.shape == (d,) and q_weight.is_contiguous()
+                        and k_weight.is_contiguous())
+    group = h // kvh
+    if num_splits == 0:
+        num_splits = max(1, min(AUTO_MAX_SPLITS, -(-AUTO_PROGRAMS // (t * kvh))))
+    out = torch.empty((t, h, d), device=q.device, dtype=q.dtype)
+    if num_splits > 1:
+        part = torch.empty((t, h, num_splits, d), device=q.device, dtype=torch.float32)
+        m = torch.empty((t, h, num_splits), device=q.device, dtype=torch.float32)
+        l = torch.empty_like(m)
+        cnt = (counters or _fresh_counters)(t * kvh, q.device)
+    else:
+        part = m = l = cnt = out
+    _rotary_decode_kernel[(t, kvh, num_splits)](
+        q, k, v, q_weight if norm else out, k_weight if norm else out, positions, meta.slot_mapping, cos_sin,
+        k_cache, v_cache, bt, meta.context_lens_t, out, part, m, l, cnt,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), bt.stride(0), eps, scale,
+        group, d // 2, k_cache.shape[1], kvh,
+        NORM=norm, G_PAD=max(16, triton.next_power_of_2(group)), HALF_PAD=max(16, triton.next_power_of_2(d // 2)),
+        BLOCK_N=block_n, S_PAD=triton.next_power_of_2(num_splits), SPLIT=num_splits > 1,
+        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages, **launch_options(pdl, q))
+    return out
+
+
+def make_rotary_attention(**params):
+    """The rotary_attention callable for a variant: ``rotary_attention_triton`` with its tunable parameters and
+    this table's own arrival counters."""
+    return functools.partial(rotary_attention_triton, **params, counters=ArrivalCounters())
 
 
 def make_attention(kind: str, **params):

@@ -22,7 +22,7 @@ def silu_and_mul(x):
     half = x.shape[-1] // 2
     return F.silu(x[..., :half]) * x[..., half:]
 '''
-ALL_TRITON = {**TRITON_ALL, **TRITON_GEMV, "norm_moe": "triton", "prefetch": "triton"}
+ALL_TRITON = {**TRITON_ALL, **TRITON_GEMV, "norm_moe": "triton", "prefetch": "triton", "rotary_attention": "triton"}
 
 
 def test_variant_id_is_content_hashed_and_round_trips():
@@ -72,8 +72,8 @@ def test_all_triton_variant_equals_reference_on_a_tiny_model():
                            kernel_params=with_pdl(kernel_params) if pdl else kernel_params)
         assert [o.token_ids for o in _tiny(spec).generate(prompts, params)] == ref
     # each Triton kernel alone among the references
-    for op in ("rotary", "store_kv", "rotary_store_kv", "norm_rotary_store_kv", "moe", "linear", "norm_linear",
-               "act_linear", "norm_moe", "prefetch"):
+    for op in ("rotary", "store_kv", "rotary_store_kv", "norm_rotary_store_kv", "rotary_attention", "moe", "linear",
+               "norm_linear", "act_linear", "norm_moe", "prefetch"):
         spec = VariantSpec(block_size=4, kernels={op: ALL_TRITON[op]})
         assert [o.token_ids for o in _tiny(spec).generate(prompts, params)] == ref, op
 

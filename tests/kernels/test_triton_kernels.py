@@ -293,3 +293,60 @@ def test_l2_prefetch_reads_every_element(n, programs, block):
     want = torch.stack([w[p * per:(p + 1) * per].double().sum() for p in range(programs)])
     torch.testing.assert_close(sums.double(), want, rtol=1e-5, atol=1e-4)
     assert prefetch_triton((w,), 1) is no_join
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("heads,kvh,d,bs,contexts", [
+    (4, 4, 16, 4, [1, 9, 13]),  # MHA; a context of one token is only the new one
+    (9, 3, 64, 16, [37, 16, 70]),  # GQA 3:1
+    (8, 2, 40, 5, [23, 6, 41, 11]),  # head dim and block size not powers of two
+    (6, 1, 32, 8, [100]),  # multi-query, a longer context
+])
+def test_rotary_attention(heads, kvh, d, bs, contexts, norm):
+    """q/k head norms, rotary, KV store and decode attention with the splits merged by the last of them, in one
+    launch, against the reference composed of its parts; prefill batches take the parts."""
+    from engine.config import ModelConfig
+    from engine.rope import rope_cos_sin
+    from kernels.attention import rotary_attention_ref
+    from kernels.attention_triton import ArrivalCounters, rotary_attention_triton
+
+    cfg = ModelConfig(model_type="llama", vocab_size=10, hidden_size=heads * d, intermediate_size=8,
+                      num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kvh, head_dim=d)
+    cs = rope_cos_sin(cfg, 300, "cpu")
+    specs = [(c, 1) for c in contexts]
+    _, kc, vc, meta = _paged_case(len(contexts) * 7 + d, heads, kvh, d, bs, specs)
+    t = len(contexts)
+    # each sequence's new token goes to the slot of its last position
+    slots = [int(meta.block_tables[i, (c - 1) // bs]) * bs + (c - 1) % bs for i, c in enumerate(contexts)]
+    meta = AttentionMetadata.build(torch.tensor(slots), meta.block_tables, contexts, list(range(t + 1)), "cpu")
+    qkv = torch.randn(t, (heads + 2 * kvh) * d)  # strided q/k/v views of the fused projection
+    q = qkv[:, : heads * d].view(t, heads, d)
+    k = qkv[:, heads * d : (heads + kvh) * d].view(t, kvh, d)
+    v = qkv[:, (heads + kvh) * d :].view(t, kvh, d)
+    qw, kw = (torch.randn(d), torch.randn(d)) if norm else (None, None)
+    pos = torch.tensor([c - 1 for c in contexts])
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    ref = rotary_attention_ref(q, k, v, qw, kw, 1e-6, pos, cs, ref_kc, ref_vc, meta, d**-0.5)
+    counters = ArrivalCounters()
+    for splits in (1, 3, 0):  # 0: automatic
+        for _ in range(2):  # the counters are reset by the kernel: a second call must merge again
+            got_kc, got_vc = kc.clone(), vc.clone()
+            got = rotary_attention_triton(q, k, v, qw, kw, 1e-6, pos, cs, got_kc, got_vc, meta, d**-0.5,
+                                          num_splits=splits, block_n=8, counters=counters)
+            torch.testing.assert_close(got, ref, **TOL)
+            torch.testing.assert_close(got_kc, ref_kc, **TOL)
+            torch.testing.assert_close(got_vc, ref_vc, rtol=0, atol=0)
+    assert int(counters(1, torch.device("cpu")).abs().sum()) == 0
+    # a prefill batch: the rotary + KV-store kernel, then the prefill kernel
+    pq, pkc, pvc, pmeta = _paged_case(d, heads, kvh, d, bs, [(c, min(c, 3)) for c in contexts])
+    n = pq.shape[0]
+    pqkv = torch.randn(n, (heads + 2 * kvh) * d)
+    parts = (pqkv[:, : heads * d].view(n, heads, d), pqkv[:, heads * d : (heads + kvh) * d].view(n, kvh, d),
+             pqkv[:, (heads + kvh) * d :].view(n, kvh, d))
+    ppos = torch.cat([torch.arange(c - min(c, 3), c) for c in contexts])
+    pmeta.slot_mapping = torch.randperm(pkc.shape[0] * bs)[:n]
+    a_kc, a_vc = pkc.clone(), pvc.clone()
+    want = rotary_attention_ref(*parts, qw, kw, 1e-6, ppos, cs, pkc, pvc, pmeta, d**-0.5)
+    got = rotary_attention_triton(*parts, qw, kw, 1e-6, ppos, cs, a_kc, a_vc, pmeta, d**-0.5, block_n=8)
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(a_kc, pkc, **TOL)
