@@ -79,7 +79,11 @@ def _builtin(op: str, impl: str, params: dict) -> Callable:
             from kernels import activation_triton as m
         elif op == "store_kv":
             from kernels import kv_store_triton as m
-        elif op in ("moe", "norm_moe"):
+        elif op == "norm_moe":
+            from kernels.moe_triton import make_norm_moe
+
+            return make_norm_moe(**params)
+        elif op == "moe":
             from kernels import moe_triton as m
         elif op == "prefetch":
             from kernels import prefetch_triton as m

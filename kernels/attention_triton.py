@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention import AttentionMetadata
+from kernels.counters import ArrivalCounters, fresh_counters
 from kernels.pdl import launch_options, pdl_enter
 from kernels.rotary_triton import _head_norm, _rotary_store_kv
 
@@ -375,29 +376,6 @@ def _rotary_decode_kernel(
         tl.store(o_ptr + out_off + HALF, (acc2 / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=qmask)
 
 
-class ArrivalCounters:
-    """Zeroed int32 counters that the kernels reset after use: one buffer per device, owned by one operation
-    instance (a variant's table), so launches of two variants (one warming up while the other serves) never
-    share one. A larger request replaces the buffer; replaced buffers are kept, as CUDA graphs captured with
-    them still use them."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[torch.device, torch.Tensor] = {}
-        self._replaced: list[torch.Tensor] = []
-
-    def __call__(self, n: int, device: torch.device) -> torch.Tensor:
-        buf = self._buffers.get(device)
-        if buf is None or buf.numel() < n:
-            if buf is not None:
-                self._replaced.append(buf)
-            buf = self._buffers[device] = torch.zeros(max(n, 256), device=device, dtype=torch.int32)
-        return buf
-
-
-def _fresh_counters(n: int, device: torch.device) -> torch.Tensor:
-    return torch.zeros(n, device=device, dtype=torch.int32)
-
-
 def rotary_attention_triton(
     q, k, v, q_weight, k_weight, eps: float, positions, cos_sin, k_cache, v_cache, meta: AttentionMetadata,
     scale: float, *, num_splits: int = 0, block_n: int = 32, block_m: int = 32, num_warps: int = 4,
@@ -432,7 +410,7 @@ def rotary_attention_triton(
         part = torch.empty((t, h, num_splits, d), device=q.device, dtype=torch.float32)
         m = torch.empty((t, h, num_splits), device=q.device, dtype=torch.float32)
         l = torch.empty_like(m)
-        cnt = (counters or _fresh_counters)(t * kvh, q.device)
+        cnt = (counters or fresh_counters)(t * kvh, q.device)
     else:
         part = m = l = cnt = out
     _rotary_decode_kernel[(t, kvh, num_splits)](

@@ -13,6 +13,7 @@ experts): for a decode batch the first four are one launch.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -21,6 +22,7 @@ import triton.language as tl
 
 from kernels.activation import silu_and_mul_ref
 from kernels.moe import moe_route_ref
+from kernels.counters import ArrivalCounters, fresh_counters
 from kernels.linear_triton import _add_rms_rstd, _gemv_rows
 from kernels.pdl import launch_options, pdl_enter
 
@@ -129,10 +131,10 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, TOP_K: tl.constexpr, RENORM: tl
 def _norm_router_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, logits_ptr, sum_ptr, h_ptr, rw_ptr, ids_ptr, cnt_ptr,
                         M, E, eps, K: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_E: tl.constexpr, PDL: tl.constexpr = 0):
+                        BLOCK_E: tl.constexpr, ROUTE: tl.constexpr, PDL: tl.constexpr = 0):
     """The MoE block's first step in one launch: the router logits of h = rms_norm(x + residual) for BLOCK_N
-    experts per program (program 0 also writes x + residual and h for the expert kernels), and routing by
-    the last program to finish, which alone sees every expert's logit."""
+    experts per program (program 0 also writes x + residual and h for the expert kernels), and with ROUTE
+    routing by the last program to finish, which alone sees every expert's logit (and resets the counter)."""
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -167,13 +169,15 @@ def _norm_router_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, logits_ptr, sum_ptr, h_ptr,
                          BLOCK_N, BLOCK_K)
     tl.store(logits_ptr + rm[:, None] * E + rn[None, :], acc.to(logits_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
-    # the last program to get here routes: its acquire sees every program's logits (released after a barrier)
-    tl.debug_barrier()
-    if tl.atomic_add(cnt_ptr, 1) == tl.num_programs(0) - 1:
-        t = 0
-        while t < M:  # a while loop: the CPU interpreter's range() wants Python scalars
-            _route_row(logits_ptr, rw_ptr, ids_ptr, t, E, TOP_K, RENORM, BLOCK_E)
-            t += 1
+    if ROUTE:
+        # the last program to get here routes: its acquire sees every program's logits (released after a barrier)
+        tl.debug_barrier()
+        if tl.atomic_add(cnt_ptr, 1) == tl.num_programs(0) - 1:
+            t = 0
+            while t < M:  # a while loop: the CPU interpreter's range() wants Python scalars
+                _route_row(logits_ptr, rw_ptr, ids_ptr, t, E, TOP_K, RENORM, BLOCK_E)
+                t += 1
+            tl.atomic_xchg(cnt_ptr, 0)
 
 
 @triton.jit
@@ -238,30 +242,44 @@ def _pair_down_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, I, stride_we, 
 
 
 @triton.jit
+def _act_dot(acc, w, gu_ptr, pair, k0, I, BLOCK_K: tl.constexpr):
+    """acc + w . (silu(gate) * up)[pair, k0 : k0 + BLOCK_K], in the reference's rounding (kernels.activation)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < I
+    g = tl.load(gu_ptr + pair * 2 * I + offs_k, mask=mask_k, other=0.0)
+    u = tl.load(gu_ptr + pair * 2 * I + I + offs_k, mask=mask_k, other=0.0)
+    gf = g.to(tl.float32)
+    act = ((gf / (1.0 + tl.exp(-gf))).to(g.dtype) * u).to(tl.float32)
+    return acc + tl.sum(w.to(tl.float32) * act[None, :], axis=1)
+
+
+@triton.jit
 def _pair_down_split_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, part_ptr, out_ptr, cnt_ptr, N, I, stride_we, stride_wn,
-                            TOP_K: tl.constexpr, SUM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            PDL: tl.constexpr = 0):
+                            TOP_K: tl.constexpr, SUM: tl.constexpr, EARLY: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
     """part[pair, n] = weight[pair] * (silu(gate) * up)[pair] . w2[expert(pair), n]: one pair per program row,
     so k times the programs of the fused kernel. The k rows of a token are summed afterwards, or with SUM by
     the last of the token's k programs for this block of n (in slot order, as ``_sum_pairs_kernel``), counted on
-    cnt, which the gate/up kernel before zeroed."""
+    cnt, which the gate/up kernel before zeroed. With EARLY the expert and the first chunk of its weights are
+    requested before the wait: the routing kernel two launches back has finished, as the gate/up kernel
+    between lets this one be scheduled only after its own wait (``pdl`` 1)."""
     pair = tl.program_id(0)
-    pdl_enter(PDL)
+    if not EARLY:
+        pdl_enter(PDL)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    e = tl.load(ids_ptr + pair).to(tl.int64)
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    k0 = 0
+    e = tl.load(ids_ptr + pair, cache_modifier=".cg").to(tl.int64)  # from L2: written by an earlier kernel
+    w_row = w_ptr + e * stride_we + offs_n[:, None] * stride_wn
+    offs_k = tl.arange(0, BLOCK_K)
+    w = tl.load(w_row + offs_k[None, :], mask=mask_n[:, None] & (offs_k < I)[None, :], other=0.0)
+    if EARLY:
+        pdl_enter(PDL)
+    acc = _act_dot(tl.zeros([BLOCK_N], tl.float32), w, gu_ptr, pair, 0, I, BLOCK_K)
+    k0 = BLOCK_K
     while k0 < I:
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < I
-        g = tl.load(gu_ptr + pair * 2 * I + offs_k, mask=mask_k, other=0.0)
-        u = tl.load(gu_ptr + pair * 2 * I + I + offs_k, mask=mask_k, other=0.0)
-        gf = g.to(tl.float32)
-        act = ((gf / (1.0 + tl.exp(-gf))).to(g.dtype) * u).to(tl.float32)
-        w = tl.load(w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :],
-                    mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * act[None, :], axis=1)
+        w = tl.load(w_row + offs_k[None, :], mask=mask_n[:, None] & (offs_k < I)[None, :], other=0.0)
+        acc = _act_dot(acc, w, gu_ptr, pair, k0, I, BLOCK_K)
         k0 += BLOCK_K
     tl.store(part_ptr + pair * N + offs_n, acc * tl.load(rw_ptr + pair), mask=mask_n)
     if SUM:
@@ -304,7 +322,8 @@ def moe_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     return weights, ids
 
 
-def _pair_experts(x, weights, ids, w13, w2, top_k, block_n, block_k, down_block_n, num_warps, split_down, pdl):
+def _pair_experts(x, weights, ids, w13, w2, top_k, block_n, block_k, down_block_n, num_warps, split_down, pdl,
+                  down_early=0):
     """The routed experts of the decode path: per (token, slot) pair matrix-vector products."""
     t, h = x.shape
     i = w2.shape[2]
@@ -319,13 +338,14 @@ def _pair_experts(x, weights, ids, w13, w2, top_k, block_n, block_k, down_block_
     _pair_gate_up_kernel[(t * top_k, triton.cdiv(2 * i, block_n))](
         x, w13, ids, gate_up, cnt if cnt is not None else ids, 0 if cnt is None else cnt.numel(), 2 * i, h, top_k,
         w13.stride(0), w13.stride(1), BLOCK_N=block_n, BLOCK_K=block_k, ZERO_CNT=cnt is not None,
-        num_warps=num_warps, **opts)
+        num_warps=num_warps, **(launch_options(1, x) if down_early and pdl else opts))
     out = torch.empty_like(x)
     if split_down:
         part = torch.empty((t * top_k, h), device=x.device, dtype=torch.float32)
         _pair_down_split_kernel[(t * top_k, n_blocks)](
             gate_up, w2, ids, weights, part, out, cnt if cnt is not None else ids, h, i, w2.stride(0), w2.stride(1),
-            TOP_K=top_k, SUM=cnt is not None, BLOCK_N=down_block_n, BLOCK_K=block_k, num_warps=num_warps, **opts)
+            TOP_K=top_k, SUM=cnt is not None, EARLY=bool(down_early), BLOCK_N=down_block_n, BLOCK_K=block_k,
+            num_warps=num_warps, **opts)
         if cnt is None:
             _sum_pairs_kernel[(t, triton.cdiv(h, 1024))](part, out, h, TOP_K=top_k, BLOCK_N=1024, **opts)
         return out
@@ -339,15 +359,16 @@ def moe_triton(
     x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool,
     block_m: int = 16, block_n: int = 32, block_k: int = 32,
     max_decode_pairs: int = 64, decode_block_n: int = 8, decode_block_k: int = 256, decode_down_block_n: int = 8,
-    decode_warps: int = 4, decode_split_down: int = 1, pdl: int = 0,
+    decode_warps: int = 4, decode_split_down: int = 1, decode_down_early: int = 0, pdl: int = 0,
 ) -> torch.Tensor:
     """x: (T, H); router_logits: (T, E); w13: (E, 2I, H) holding [gate | up]; w2: (E, H, I). Returns (T, H).
 
     Up to ``max_decode_pairs`` routed pairs (any number while a CUDA graph is captured) take the device-only
     decode path (``decode_*`` parameters; ``decode_split_down``: 0, one down-projection program row per token
     looping over its k experts; 1, one per pair, summed by another launch; 2, one per pair, summed by the last
-    of a token's k programs); more take the grouped matmul (``block_*``). ``pdl``: the decode path's kernels
-    with programmatic dependent launch (kernels/pdl.py).
+    of a token's k programs; ``decode_down_early``: 1, the split down kernel requests its weights before it
+    waits for the gate/up kernel, which then waits before letting it be scheduled); more take the grouped
+    matmul (``block_*``). ``pdl``: the decode path's kernels with programmatic dependent launch (kernels/pdl.py).
     """
     t, h = x.shape
     assert w13.shape[2] == h and w2.shape[1] == h and w13.shape[1] == 2 * w2.shape[2]
@@ -357,7 +378,7 @@ def moe_triton(
     if t * top_k <= max_decode_pairs or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         weights, ids = moe_route_triton(router_logits, top_k, renormalize, pdl)
         return _pair_experts(x, weights, ids, w13, w2, top_k, decode_block_n, decode_block_k, decode_down_block_n,
-                             decode_warps, decode_split_down, pdl)
+                             decode_warps, decode_split_down, pdl, decode_down_early)
     weights, ids = moe_route_ref(router_logits, top_k, renormalize)
     pairs, tile_expert = _group_by_expert(ids, w13.shape[0], block_m)
     num_pairs = t * top_k
@@ -377,12 +398,15 @@ _MOE_PARAMS = {k: p.default for k, p in inspect.signature(moe_triton).parameters
 def norm_moe_triton(
     x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor,
     w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool, *, router_block_n: int = 2,
-    router_block_k: int = 512, router_warps: int = 4, pdl: int = 0, **moe_params,
+    router_block_k: int = 512, router_warps: int = 4, route_by_last: int = 1, pdl: int = 0, counters=None,
+    **moe_params,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``kernels.moe.norm_moe_ref``. A decode batch (at most 4 tokens and ``max_decode_pairs``
-    pairs) takes one launch for the residual add, RMSNorm, router and routing (``router_*`` tiles), then
-    the decode path's expert kernels; larger batches the Triton norm, torch's router and ``moe_triton``.
-    ``moe_params``: ``moe_triton``'s parameters; ``pdl``: programmatic dependent launch (kernels/pdl.py)."""
+    pairs) takes one launch for the residual add, RMSNorm and router (``router_*`` tiles) and, with
+    ``route_by_last``, routing by its last program (else the routing kernel after it), then the decode path's
+    expert kernels; larger batches the Triton norm, torch's router and ``moe_triton``. ``moe_params``:
+    ``moe_triton``'s parameters; ``pdl``: programmatic dependent launch (kernels/pdl.py); ``counters(n,
+    device)``: the routing's arrival counter (default: zeroed per call; ``make_norm_moe`` keeps one)."""
     from kernels.norm_triton import fused_add_rms_norm_triton
 
     unknown = set(moe_params) - set(_MOE_PARAMS)
@@ -402,11 +426,20 @@ def norm_moe_triton(
     summed, h = torch.empty_like(x), torch.empty_like(x)
     weights = torch.empty((t, top_k), device=x.device, dtype=torch.float32)
     ids = torch.empty((t, top_k), device=x.device, dtype=torch.int32)
-    cnt = torch.zeros(1, device=x.device, dtype=torch.int32)  # this call's own arrival counter
+    cnt = (counters or fresh_counters)(1, x.device) if route_by_last else ids
     _norm_router_kernel[(triton.cdiv(e, router_block_n),)](
         x, residual, norm_weight, gate_weight, logits, summed, h, weights, ids, cnt, t, e, eps,
         K=hidden, TOP_K=top_k, RENORM=renormalize, BLOCK_M=triton.next_power_of_2(t), BLOCK_N=router_block_n,
-        BLOCK_K=router_block_k, BLOCK_E=triton.next_power_of_2(e), num_warps=router_warps,
-        **launch_options(pdl, x))
+        BLOCK_K=router_block_k, BLOCK_E=triton.next_power_of_2(e), ROUTE=bool(route_by_last),
+        num_warps=router_warps, **launch_options(pdl, x))
+    if not route_by_last:
+        weights, ids = moe_route_triton(logits, top_k, renormalize, pdl)
     return _pair_experts(h, weights, ids, w13, w2, top_k, p["decode_block_n"], p["decode_block_k"],
-                         p["decode_down_block_n"], p["decode_warps"], p["decode_split_down"], pdl), summed
+                         p["decode_down_block_n"], p["decode_warps"], p["decode_split_down"], pdl,
+                         p["decode_down_early"]), summed
+
+
+def make_norm_moe(**params):
+    """The norm_moe callable for a variant: ``norm_moe_triton`` with its parameters and this table's own routing
+    arrival counter."""
+    return functools.partial(norm_moe_triton, **params, counters=ArrivalCounters())

@@ -193,6 +193,13 @@ def test_moe_grouped_matmul(t, h, e, k, i, renorm):
         last = moe_triton(x, logits, w13, w2, k, renorm, max_decode_pairs=t * k, decode_block_n=16,
                           decode_block_k=16, decode_down_block_n=8, decode_split_down=2, pdl=1)
         torch.testing.assert_close(last, ref, rtol=1e-4, atol=1e-4)
+    # the down kernel's expert and first weight chunk requested before its wait, the intermediate in one chunk
+    # or several
+    for block_k in (16, 32):
+        early = moe_triton(x, logits, w13, w2, k, renorm, max_decode_pairs=t * k, decode_block_n=16,
+                           decode_block_k=block_k, decode_down_block_n=8, decode_split_down=2, decode_down_early=1,
+                           pdl=2)
+        torch.testing.assert_close(early, ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("t,h,e,k,i,renorm", [(1, 48, 6, 2, 8, True), (3, 40, 9, 3, 24, False),
@@ -201,6 +208,7 @@ def test_norm_moe(t, h, e, k, i, renorm):
     """The MoE block after attention: one launch for add + norm + router + routing (t <= 4), then the experts;
     larger batches through the Triton norm and the grouped path."""
     from kernels.moe import moe_ref, moe_route_ref, norm_moe_ref
+    from kernels.counters import ArrivalCounters
     from kernels.moe_triton import norm_moe_triton
     from kernels.norm import fused_add_rms_norm_ref
 
@@ -213,14 +221,19 @@ def test_norm_moe(t, h, e, k, i, renorm):
     assert moe_route_ref(hn @ gw.T, k, renorm)[0].std() > 0
     # router_block_k 32: the row in chunks (several passes); 64 >= h: the row in one chunk (one pass);
     # router_block_n 16 > e for the smaller cases: one program
-    for split, router_block_n, router_block_k in ((1, 2, 32), (2, 4, 64), (0, 16, 32)):
-        for _ in range(2):  # twice: each call counts on its own, freshly zeroed counters
+    # route_by_last 0: the routing kernel after the norm + router launch
+    counters = ArrivalCounters()
+    for split, router_block_n, router_block_k, route_by_last in ((1, 2, 32, 1), (2, 4, 64, 1), (0, 16, 32, 1),
+                                                                 (2, 4, 64, 0), (2, 2, 32, 0)):
+        for _ in range(2):  # twice: the routing's counter, kept by ``counters``, is reset by the kernel
             out, summed = norm_moe_triton(x, r, nw, 1e-6, gw, w13, w2, k, renorm, router_block_n=router_block_n,
-                                          router_block_k=router_block_k, decode_block_n=16, decode_block_k=16,
-                                          decode_down_block_n=8, decode_split_down=split, pdl=1,
-                                          block_m=16, block_n=16, block_k=16)
+                                          router_block_k=router_block_k, route_by_last=route_by_last,
+                                          decode_block_n=16, decode_block_k=16, decode_down_block_n=8,
+                                          decode_split_down=split, pdl=1, block_m=16, block_n=16, block_k=16,
+                                          counters=counters)
             torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(summed, ref_summed)
+    assert int(counters(1, torch.device("cpu"))[0]) == 0
     with pytest.raises(TypeError, match="unknown parameters"):
         norm_moe_triton(x, r, nw, 1e-6, gw, w13, w2, k, renorm, decode_blok_n=8)
 
@@ -308,7 +321,8 @@ def test_rotary_attention(heads, kvh, d, bs, contexts, norm):
     from engine.config import ModelConfig
     from engine.rope import rope_cos_sin
     from kernels.attention import rotary_attention_ref
-    from kernels.attention_triton import ArrivalCounters, rotary_attention_triton
+    from kernels.attention_triton import rotary_attention_triton
+    from kernels.counters import ArrivalCounters
 
     cfg = ModelConfig(model_type="llama", vocab_size=10, hidden_size=heads * d, intermediate_size=8,
                       num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kvh, head_dim=d)
