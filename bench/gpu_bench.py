@@ -810,26 +810,28 @@ def moe_decode(bw: float, layers: int | None):
     gemv = dataclasses.replace(spec, kernels={**TRITON_ALL, **TRITON_GEMV})
     best3 = moe_decode_params(attn["attention"], cfg.hidden_size)
     pre = TRITON_MOE_DECODE
-    # measured on an H200 (bench/RESULTS.md): norm_moe's best router tiles, the row in one chunk
-    nm = {"router_block_n": 1, "router_block_k": cfg.hidden_size, "router_warps": 1, "decode_split_down": 2, "pdl": 2}
     fused = {**pre, "rotary_attention": "triton"}
-    fused_p = {**best3, "rotary_attention": {**attn["attention"], "pdl": 2}}
-    early = {**fused_p, "moe": {**fused_p["moe"], "decode_down_early": 1}}
+
+    def ra(**kw):  # last session's best with the attention block in one launch (rotary_attention's parameters)
+        return {**best3, "rotary_attention": {**attn["attention"], "pdl": 2, **kw}}
+
+    def nq(params):  # and the next layer's QKV weights read into L2 while this layer's MoE block runs
+        return {**params, "prefetch": {"next_qkv": 1}}
+
     forms = [
         ("previous best: split-KV, no dependent launch", gemv),
         ("last session's best: pdl 2, sum in down, tiles 4 x 2,048, o_proj into L2",
          dataclasses.replace(gemv, kernels=pre, kernel_params=best3)),
-        ("+ rotary_attention (q/k norm, rotary, KV store, attention, merge: one launch)",
-         dataclasses.replace(gemv, kernels=fused, kernel_params=fused_p)),
-        ("+ rotary_attention + down weights before the wait",
-         dataclasses.replace(gemv, kernels=fused, kernel_params=early)),
-        ("+ rotary_attention + down early + norm_moe (add + norm + router one launch, routing after)",
-         dataclasses.replace(gemv, kernels={**fused, "norm_moe": "triton"},
-                             kernel_params={**early, "norm_moe": {**nm, "route_by_last": 0,
-                                                                  "decode_down_early": 1}})),
-        ("+ rotary_attention + down early + norm_moe routing by its last program",
-         dataclasses.replace(gemv, kernels={**fused, "norm_moe": "triton"},
-                             kernel_params={**early, "norm_moe": {**nm, "decode_down_early": 1}})),
+        ("+ rotary_attention (q/k norm, rotary, KV store, attention: one launch), merged by the last split, "
+         "splits from the batch (8)", dataclasses.replace(gemv, kernels=fused, kernel_params=ra())),
+        ("+ rotary_attention, merged by the last split, 4 splits",
+         dataclasses.replace(gemv, kernels=fused, kernel_params=ra(num_splits=4))),
+        ("+ rotary_attention, the merge kernel after (8 splits)",
+         dataclasses.replace(gemv, kernels=fused, kernel_params=ra(merge_by_last=0))),
+        ("last session's best + next layer's QKV into L2 during the MoE block",
+         dataclasses.replace(gemv, kernels=pre, kernel_params=nq(best3))),
+        ("+ rotary_attention (merged by the last split) + next layer's QKV into L2",
+         dataclasses.replace(gemv, kernels=fused, kernel_params=nq(ra()))),
     ]
     best = (0.0, None, "")
     for name, variant in forms:

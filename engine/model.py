@@ -43,7 +43,7 @@ class Attention(nn.Module):
         ops: ForwardOps,
     ) -> torch.Tensor:
         t = qkv.shape[0]
-        join = ops.prefetch((self.o_proj.weight,), t)  # read while the attention runs (a hint)
+        join = ops.prefetch((self.o_proj.weight,), t, "o_proj")  # read while the attention runs (a hint)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q = qkv[:, :q_size].reshape(t, self.num_heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].reshape(t, self.num_kv_heads, self.head_dim)
@@ -96,8 +96,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.Parameter(torch.empty(cfg.hidden_size))
         self.mlp = MoE(cfg) if cfg.layer_is_moe(index) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, residual, positions, cos_sin, kv, attn, ops):
-        """x: (T, hidden), the previous layer's output; residual: the running sum, None before the first layer."""
+    def forward(self, x, residual, positions, cos_sin, kv, attn, ops, next_qkv=None):
+        """x: (T, hidden), the previous layer's output; residual: the running sum, None before the first layer;
+        next_qkv: the next layer's QKV weight (a prefetch hint while this layer's MLP runs), None for the last."""
         qkv_proj = self.self_attn.qkv_proj
         if residual is None:
             residual = x
@@ -106,11 +107,15 @@ class DecoderLayer(nn.Module):
             qkv, residual = ops.norm_linear(x, residual, self.input_layernorm, self.eps, qkv_proj.weight,
                                             qkv_proj.bias)
         h = self.self_attn(qkv, positions, cos_sin, kv, attn, ops)
+        join = ops.prefetch((next_qkv,), h.shape[0], "next_qkv")
         if isinstance(self.mlp, MoE):
-            return self.mlp(h, residual, self.post_attention_layernorm, self.eps, ops)
-        gate_up, residual = ops.norm_linear(h, residual, self.post_attention_layernorm, self.eps,
-                                            self.mlp.gate_up_proj.weight)
-        return self.mlp(gate_up, ops), residual
+            out, residual = self.mlp(h, residual, self.post_attention_layernorm, self.eps, ops)
+        else:
+            gate_up, residual = ops.norm_linear(h, residual, self.post_attention_layernorm, self.eps,
+                                                self.mlp.gate_up_proj.weight)
+            out = self.mlp(gate_up, ops)
+        join()
+        return out, residual
 
 
 class CausalLM(nn.Module):
@@ -140,8 +145,10 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Returns the final hidden states, (T, hidden)."""
         x, residual = self.embed_tokens(input_ids), None
-        for layer, kv in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, cos_sin, kv, attn, ops)
+        layers = list(self.layers)
+        for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
+            nxt = layers[i + 1].self_attn.qkv_proj.weight if i + 1 < len(layers) else None
+            x, residual = layer(x, residual, positions, cos_sin, kv, attn, ops, nxt)
         x, _ = ops.fused_add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)
         return x
 

@@ -255,48 +255,55 @@ def _rotary_decode_kernel(
     o_ptr, part_ptr, m_ptr, l_ptr, cnt_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt, eps, scale,
     GROUP, HALF, BLOCK_SIZE, KVH,
-    NORM: tl.constexpr, G_PAD: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_N: tl.constexpr, S_PAD: tl.constexpr,
-    SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = 0,
+    NORM: tl.constexpr, G_PAD: tl.constexpr, GM_PAD: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    S_PAD: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """One program per (sequence, KV head, split) of a decode batch. Heads are handled as their two rotary
-    halves (d < HALF and HALF + d), so the rotation needs no shuffle within a head."""
+    halves (d < HALF and HALF + d), so the rotation needs no shuffle within a head. Loads that do not depend
+    on each other are issued together (the program is a chain of a few memory round trips), and the block
+    table entry of the next tile is read while the current one is computed."""
     b = tl.program_id(0)
     pdl_enter(PDL)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     n_splits = tl.num_programs(2)
-    kv_len = tl.load(ctx_ptr + b)
-    pos = tl.load(pos_ptr + b)
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, HALF_PAD)
     mask_g = offs_g < GROUP
     mask_d = offs_d < HALF
-    cos = tl.load(cs_ptr + pos * 2 * HALF + offs_d, mask=mask_d, other=0.0)
-    sin = tl.load(cs_ptr + pos * 2 * HALF + HALF + offs_d, mask=mask_d, other=0.0)
-    # this KV head's query heads, normed and rotated as kernels.rotary_triton does
     heads = kvh * GROUP + offs_g
     qmask = mask_g[:, None] & mask_d[None, :]
-    qb = q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
-    q1, q2 = _head_norm(tl.load(qb, mask=qmask, other=0.0), tl.load(qb + HALF, mask=qmask, other=0.0), qw_ptr,
-                        offs_d, mask_d, eps, HALF, NORM)
-    c = cos.to(q1.dtype)[None, :]
-    s = sin.to(q1.dtype)[None, :]
-    q1, q2 = q1 * c - q2 * s, q2 * c + q1 * s
-    # the new token's key (normed, rotated) and value, in the cache's type
     kmask = mask_d[None, :]
+    # first round trip: the sequence's length and position, this KV head's query heads, the new key and value
+    kv_len = tl.load(ctx_ptr + b)
+    pos = tl.load(pos_ptr + b)
+    qb = q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    q1 = tl.load(qb, mask=qmask, other=0.0)
+    q2 = tl.load(qb + HALF, mask=qmask, other=0.0)
     kb = k_ptr + b * stride_kt + kvh * stride_kh + offs_d[None, :]
-    k1, k2 = _head_norm(tl.load(kb, mask=kmask, other=0.0), tl.load(kb + HALF, mask=kmask, other=0.0), kw_ptr,
-                        offs_d, mask_d, eps, HALF, NORM)
-    k1, k2 = (k1 * c - k2 * s).to(kc_ptr.dtype.element_ty), (k2 * c + k1 * s).to(kc_ptr.dtype.element_ty)
+    k1 = tl.load(kb, mask=kmask, other=0.0)
+    k2 = tl.load(kb + HALF, mask=kmask, other=0.0)
     vb = v_ptr + b * stride_vt + kvh * stride_vh + offs_d[None, :]
     v1 = tl.load(vb, mask=kmask, other=0.0).to(vc_ptr.dtype.element_ty)
     v2 = tl.load(vb + HALF, mask=kmask, other=0.0).to(vc_ptr.dtype.element_ty)
-
+    # second: this split's first block table entries, and the rotation at the token's position
     split_len = tl.cdiv(tl.cdiv(kv_len, n_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(kv_len, start + split_len)
     last = kv_len - 1  # the new token's position: its key and value are the ones in registers
     cached_end = tl.minimum(end, last)
+    offs_n = start + tl.arange(0, BLOCK_N)
+    blk = tl.load(bt_ptr + b * stride_bt + offs_n // BLOCK_SIZE, mask=offs_n < cached_end, other=0)
+    cos = tl.load(cs_ptr + pos * 2 * HALF + offs_d, mask=mask_d, other=0.0)
+    sin = tl.load(cs_ptr + pos * 2 * HALF + HALF + offs_d, mask=mask_d, other=0.0)
+    # the query heads and the new key normed and rotated as kernels.rotary_triton does
+    q1, q2 = _head_norm(q1, q2, qw_ptr, offs_d, mask_d, eps, HALF, NORM)
+    c = cos.to(q1.dtype)[None, :]
+    s = sin.to(q1.dtype)[None, :]
+    q1, q2 = q1 * c - q2 * s, q2 * c + q1 * s
+    k1, k2 = _head_norm(k1, k2, kw_ptr, offs_d, mask_d, eps, HALF, NORM)
+    k1, k2 = (k1 * c - k2 * s).to(kc_ptr.dtype.element_ty), (k2 * c + k1 * s).to(kc_ptr.dtype.element_ty)
+
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc1 = tl.zeros([G_PAD, HALF_PAD], tl.float32)
@@ -305,25 +312,31 @@ def _rotary_decode_kernel(
     while n0 < cached_end:  # a while loop: the bound is loaded at run time
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < cached_end
-        blk = tl.load(bt_ptr + b * stride_bt + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
         slot_n = blk.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
         kv_off = slot_n[:, None] * (KVH * 2 * HALF) + kvh * 2 * HALF + offs_d[None, :]
         kv_mask = mask_n[:, None] & mask_d[None, :]
         ka = tl.load(kc_ptr + kv_off, mask=kv_mask, other=0.0)
         kz = tl.load(kc_ptr + kv_off + HALF, mask=kv_mask, other=0.0)
+        va = tl.load(vc_ptr + kv_off, mask=kv_mask, other=0.0)
+        vz = tl.load(vc_ptr + kv_off + HALF, mask=kv_mask, other=0.0)
+        nxt = offs_n + BLOCK_N
+        blk = tl.load(bt_ptr + b * stride_bt + nxt // BLOCK_SIZE, mask=nxt < cached_end, other=0)
         sc = (_dot(q1, tl.trans(ka), IEEE) + _dot(q2, tl.trans(kz), IEEE)) * scale  # (G_PAD, BLOCK_N)
         sc = tl.where(mask_n[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
         p = tl.exp(sc - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        va = tl.load(vc_ptr + kv_off, mask=kv_mask, other=0.0)
-        vz = tl.load(vc_ptr + kv_off + HALF, mask=kv_mask, other=0.0)
         acc1 = acc1 * alpha[:, None] + _dot(p.to(va.dtype), va, IEEE)
         acc2 = acc2 * alpha[:, None] + _dot(p.to(vz.dtype), vz, IEEE)
         m_i = m_new
         n0 += BLOCK_N
     if (last >= start) & (last < end):  # this split holds the new token: attend to it, and cache it
+        dst = tl.load(slot_ptr + b) * (KVH * 2 * HALF) + kvh * 2 * HALF + offs_d[None, :]
+        tl.store(kc_ptr + dst, k1, mask=kmask)
+        tl.store(kc_ptr + dst + HALF, k2, mask=kmask)
+        tl.store(vc_ptr + dst, v1, mask=kmask)
+        tl.store(vc_ptr + dst + HALF, v2, mask=kmask)
         s_new = (tl.sum(q1.to(tl.float32) * k1.to(tl.float32), axis=1)
                  + tl.sum(q2.to(tl.float32) * k2.to(tl.float32), axis=1)) * scale
         m_new = tl.maximum(m_i, s_new)
@@ -334,57 +347,58 @@ def _rotary_decode_kernel(
         acc1 = acc1 * alpha[:, None] + pv * v1.to(tl.float32)
         acc2 = acc2 * alpha[:, None] + pv * v2.to(tl.float32)
         m_i = m_new
-        dst = tl.load(slot_ptr + b) * (KVH * 2 * HALF) + kvh * 2 * HALF + offs_d[None, :]
-        tl.store(kc_ptr + dst, k1, mask=kmask)
-        tl.store(kc_ptr + dst + HALF, k2, mask=kmask)
-        tl.store(vc_ptr + dst, v1, mask=kmask)
-        tl.store(vc_ptr + dst + HALF, v2, mask=kmask)
-    out_off = b * (KVH * GROUP * 2 * HALF) + heads[:, None] * (2 * HALF) + offs_d[None, :]
     if SPLIT:
-        # partial result (unnormalized accumulator, running max and sum); the last split of this (sequence,
-        # KV head) to finish merges them all (its acquire sees every split's partials) and resets the counter
+        # partial result (unnormalized accumulator, running max and sum), merged by ``_merge_kernel`` after, or
+        # with MERGE by the last split of this (sequence, KV head) to finish (its acquire sees every split's
+        # partials), which then resets the counter
         row = (b * KVH * GROUP + heads) * n_splits
         tl.store(m_ptr + row + split, m_i, mask=mask_g)
         tl.store(l_ptr + row + split, l_i, mask=mask_g)
         pb = part_ptr + (row + split)[:, None] * (2 * HALF) + offs_d[None, :]
         tl.store(pb, acc1, mask=qmask)
         tl.store(pb + HALF, acc2, mask=qmask)
-        tl.debug_barrier()
-        cnt = cnt_ptr + b * KVH + kvh
-        if tl.atomic_add(cnt, 1) == n_splits - 1:
-            offs_s = tl.arange(0, S_PAD)
-            sm = mask_g[:, None] & (offs_s < n_splits)[None, :]
-            ms = tl.load(m_ptr + row[:, None] + offs_s[None, :], mask=sm, other=float("-inf"), cache_modifier=".cg")
-            ls = tl.load(l_ptr + row[:, None] + offs_s[None, :], mask=sm, other=0.0, cache_modifier=".cg")
-            w = tl.exp(ms - tl.max(ms, axis=1)[:, None])
-            w = tl.where(sm & (ls > 0), w, 0.0)  # a split past a short context saw no keys and weighs nothing
-            denom = tl.sum(ls * w, axis=1)
-            o1 = tl.zeros([G_PAD, HALF_PAD], tl.float32)
-            o2 = tl.zeros([G_PAD, HALF_PAD], tl.float32)
-            j = 0
-            while j < n_splits:
-                wj = tl.sum(tl.where(offs_s[None, :] == j, w, 0.0), axis=1)[:, None]
-                pj = part_ptr + (row + j)[:, None] * (2 * HALF) + offs_d[None, :]
-                o1 += wj * tl.load(pj, mask=qmask, other=0.0, cache_modifier=".cg")
-                o2 += wj * tl.load(pj + HALF, mask=qmask, other=0.0, cache_modifier=".cg")
-                j += 1
-            tl.store(o_ptr + out_off, (o1 / denom[:, None]).to(o_ptr.dtype.element_ty), mask=qmask)
-            tl.store(o_ptr + out_off + HALF, (o2 / denom[:, None]).to(o_ptr.dtype.element_ty), mask=qmask)
-            tl.atomic_xchg(cnt, 0)
+        if MERGE:
+            tl.debug_barrier()
+            cnt = cnt_ptr + b * KVH + kvh
+            if tl.atomic_add(cnt, 1) == n_splits - 1:
+                # every split's partials in one round trip: (heads, splits[, half]) tiles
+                offs_h = tl.arange(0, GM_PAD)
+                mask_h = offs_h < GROUP
+                offs_s = tl.arange(0, S_PAD)
+                sm = mask_h[:, None] & (offs_s < n_splits)[None, :]
+                rows = (b * KVH * GROUP + kvh * GROUP + offs_h)[:, None] * n_splits + offs_s[None, :]
+                poff = rows[:, :, None] * (2 * HALF) + offs_d[None, None, :]
+                pm = sm[:, :, None] & mask_d[None, None, :]
+                ms = tl.load(m_ptr + rows, mask=sm, other=float("-inf"), cache_modifier=".cg")
+                ls = tl.load(l_ptr + rows, mask=sm, other=0.0, cache_modifier=".cg")
+                p1 = tl.load(part_ptr + poff, mask=pm, other=0.0, cache_modifier=".cg")
+                p2 = tl.load(part_ptr + poff + HALF, mask=pm, other=0.0, cache_modifier=".cg")
+                w = tl.exp(ms - tl.max(ms, axis=1)[:, None])
+                w = tl.where(sm & (ls > 0), w, 0.0)  # a split past a short context saw no keys: weighs nothing
+                denom = tl.sum(ls * w, axis=1)[:, None]
+                o1 = tl.sum(p1 * w[:, :, None], axis=1) / denom
+                o2 = tl.sum(p2 * w[:, :, None], axis=1) / denom
+                ooff = b * (KVH * GROUP * 2 * HALF) + (kvh * GROUP + offs_h)[:, None] * (2 * HALF) + offs_d[None, :]
+                omask = mask_h[:, None] & mask_d[None, :]
+                tl.store(o_ptr + ooff, o1.to(o_ptr.dtype.element_ty), mask=omask)
+                tl.store(o_ptr + ooff + HALF, o2.to(o_ptr.dtype.element_ty), mask=omask)
+                tl.atomic_xchg(cnt, 0)
     else:
+        out_off = b * (KVH * GROUP * 2 * HALF) + heads[:, None] * (2 * HALF) + offs_d[None, :]
         tl.store(o_ptr + out_off, (acc1 / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=qmask)
         tl.store(o_ptr + out_off + HALF, (acc2 / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=qmask)
 
 
 def rotary_attention_triton(
     q, k, v, q_weight, k_weight, eps: float, positions, cos_sin, k_cache, v_cache, meta: AttentionMetadata,
-    scale: float, *, num_splits: int = 0, block_n: int = 32, block_m: int = 32, num_warps: int = 4,
-    num_stages: int = 2, pdl: int = 0, counters=None,
+    scale: float, *, num_splits: int = 0, merge_by_last: int = 1, block_n: int = 32, block_m: int = 32,
+    num_warps: int = 4, num_stages: int = 2, pdl: int = 0, counters=None,
 ):
     """Same contract as ``kernels.attention.rotary_attention_ref``. A decode batch takes one launch
-    (``_rotary_decode_kernel``; ``num_splits`` as ``paged_attention_triton``'s, 0: by the batch's size);
-    others the rotary + KV-store kernel, then ``paged_attention_triton``. ``counters(n, device)``: the split
-    merge's arrival counters (default: zeroed per call; ``make_rotary_attention`` keeps one buffer)."""
+    (``_rotary_decode_kernel``; ``num_splits`` as ``paged_attention_triton``'s, 0: by the batch's size; the
+    splits merged by the last of them with ``merge_by_last``, else by the merge kernel after); others the
+    rotary + KV-store kernel, then ``paged_attention_triton``. ``counters(n, device)``: the split merge's
+    arrival counters (default: zeroed per call; ``make_rotary_attention`` keeps one buffer)."""
     t, h, d = q.shape
     kvh = k.shape[1]
     if meta.max_query_len != 1 or t == 0:
@@ -410,7 +424,7 @@ def rotary_attention_triton(
         part = torch.empty((t, h, num_splits, d), device=q.device, dtype=torch.float32)
         m = torch.empty((t, h, num_splits), device=q.device, dtype=torch.float32)
         l = torch.empty_like(m)
-        cnt = (counters or fresh_counters)(t * kvh, q.device)
+        cnt = (counters or fresh_counters)(t * kvh, q.device) if merge_by_last else out
     else:
         part = m = l = cnt = out
     _rotary_decode_kernel[(t, kvh, num_splits)](
@@ -418,9 +432,13 @@ def rotary_attention_triton(
         k_cache, v_cache, bt, meta.context_lens_t, out, part, m, l, cnt,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), bt.stride(0), eps, scale,
         group, d // 2, k_cache.shape[1], kvh,
-        NORM=norm, G_PAD=max(16, triton.next_power_of_2(group)), HALF_PAD=max(16, triton.next_power_of_2(d // 2)),
-        BLOCK_N=block_n, S_PAD=triton.next_power_of_2(num_splits), SPLIT=num_splits > 1,
-        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages, **launch_options(pdl, q))
+        NORM=norm, G_PAD=max(16, triton.next_power_of_2(group)), GM_PAD=triton.next_power_of_2(group),
+        HALF_PAD=max(16, triton.next_power_of_2(d // 2)), BLOCK_N=block_n, S_PAD=triton.next_power_of_2(num_splits),
+        SPLIT=num_splits > 1, MERGE=bool(merge_by_last), IEEE=q.dtype == torch.float32, num_warps=num_warps,
+        num_stages=num_stages, **launch_options(pdl, q))
+    if num_splits > 1 and not merge_by_last:
+        _merge_kernel[(t * h,)](part, m, l, out, num_splits, d, S_PAD=triton.next_power_of_2(num_splits),
+                                D_PAD=max(16, triton.next_power_of_2(d)), **launch_options(pdl, q))
     return out
 
 

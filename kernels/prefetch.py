@@ -1,6 +1,6 @@
 """Prefetch: start reading weights that a later kernel of the step will multiply (a hint; no result).
 
-``prefetch(weights, rows)`` returns ``join()``; the forward pass calls it before the kernel that reads the
+``prefetch(weights, rows, site)`` returns ``join()``; the forward pass calls it before the kernel that reads the
 weights. The reference starts nothing; the Triton form (``kernels.prefetch_triton``) reads them
 into L2 on a side stream while the step's latency-bound kernels run.
 """
@@ -15,7 +15,9 @@ def no_join() -> None:
     """The join of a prefetch that started nothing."""
 
 
-def prefetch_ref(weights: Sequence[torch.Tensor], rows: int) -> Callable[[], None]:
-    """weights: tensors a later kernel reads, with ``rows`` rows of input. Returns join(), to be called before
+def prefetch_ref(weights: Sequence[torch.Tensor | None], rows: int, site: str = "o_proj") -> Callable[[], None]:
+    """weights: tensors a later kernel reads (None entries are skipped), with ``rows`` rows of input; ``site``:
+    which call of the forward pass this is ("o_proj": the attention's output projection, during the attention;
+    "next_qkv": the next layer's QKV projection, during this layer's MLP). Returns join(), to be called before
     that kernel."""
     return no_join

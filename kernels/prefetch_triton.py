@@ -55,13 +55,18 @@ def prefetch_sums(w: torch.Tensor, programs: int = 4, block: int = 64) -> torch.
     return sink
 
 
-def prefetch_triton(weights: Sequence[torch.Tensor], rows: int, *, max_rows: int = 4, programs: int = 528,
-                    block: int = 4096, num_warps: int = 4) -> Callable[[], None]:
+def prefetch_triton(weights: Sequence[torch.Tensor | None], rows: int, site: str = "o_proj", *, max_rows: int = 4,
+                    programs: int = 528, block: int = 4096, num_warps: int = 4, o_proj: int = 1,
+                    next_qkv: int = 0) -> Callable[[], None]:
     """Starts reading ``weights`` into L2 on a side stream when the step multiplies them by at most ``max_rows``
-    rows (decode: the weights' bytes are the kernel's time); returns ``join()``, which makes the current
-    stream wait for those reads. On a CPU (or under the interpreter) nothing is started: no L2 to fill."""
+    rows (decode: the weights' bytes are the kernel's time) and the call's ``site`` is switched on (``o_proj``,
+    ``next_qkv``: 1 or 0); returns ``join()``, which makes the current stream wait for those reads. On a CPU
+    (or under the interpreter) nothing is started: no L2 to fill."""
+    if site not in ("o_proj", "next_qkv"):
+        raise ValueError(f"unknown prefetch site {site!r}")
     ws = [w for w in weights if w is not None]
-    if not ws or rows > max_rows or not ws[0].is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if not ws or rows > max_rows or not {"o_proj": o_proj, "next_qkv": next_qkv}[site] or not ws[0].is_cuda or (
+            os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")):
         return no_join
     dev = ws[0].device
     main = torch.cuda.current_stream(dev)

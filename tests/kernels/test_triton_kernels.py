@@ -306,6 +306,9 @@ def test_l2_prefetch_reads_every_element(n, programs, block):
     want = torch.stack([w[p * per:(p + 1) * per].double().sum() for p in range(programs)])
     torch.testing.assert_close(sums.double(), want, rtol=1e-5, atol=1e-4)
     assert prefetch_triton((w,), 1) is no_join
+    assert prefetch_triton((None,), 1, "next_qkv", next_qkv=1) is no_join  # the last layer has no next
+    with pytest.raises(ValueError, match="unknown prefetch site"):
+        prefetch_triton((w,), 1, "gate_up")
 
 
 @pytest.mark.parametrize("norm", [False, True])
@@ -342,11 +345,11 @@ def test_rotary_attention(heads, kvh, d, bs, contexts, norm):
     ref_kc, ref_vc = kc.clone(), vc.clone()
     ref = rotary_attention_ref(q, k, v, qw, kw, 1e-6, pos, cs, ref_kc, ref_vc, meta, d**-0.5)
     counters = ArrivalCounters()
-    for splits in (1, 3, 0):  # 0: automatic
+    for splits, by_last in ((1, 1), (3, 1), (0, 1), (3, 0)):  # 0: automatic; by_last 0: the merge kernel after
         for _ in range(2):  # the counters are reset by the kernel: a second call must merge again
             got_kc, got_vc = kc.clone(), vc.clone()
             got = rotary_attention_triton(q, k, v, qw, kw, 1e-6, pos, cs, got_kc, got_vc, meta, d**-0.5,
-                                          num_splits=splits, block_n=8, counters=counters)
+                                          num_splits=splits, merge_by_last=by_last, block_n=8, counters=counters)
             torch.testing.assert_close(got, ref, **TOL)
             torch.testing.assert_close(got_kc, ref_kc, **TOL)
             torch.testing.assert_close(got_vc, ref_vc, rtol=0, atol=0)
