@@ -97,7 +97,8 @@ def _grouped_matmul(a, w, pairs, tile_expert, num_pairs, a_div, weights, block_m
 
 
 @triton.jit
-def _route_row(logits_ptr, w_ptr, ids_ptr, t, E, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr):
+def _route_row(logits_ptr, w_ptr, ids_ptr, t, E, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
+               K_PAD: tl.constexpr):
     """Token t: softmax over the experts in float32, the top k (lowest index on ties), optionally renormalized.
     The logits are read from L2 (``.cg``): another program of the same launch may have just written them."""
     offs = tl.arange(0, BLOCK_E)
@@ -105,33 +106,35 @@ def _route_row(logits_ptr, w_ptr, ids_ptr, t, E, TOP_K: tl.constexpr, RENORM: tl
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)
     p = tl.where(offs < E, p, -1.0)
-    total = 0.0
-    for j in tl.static_range(TOP_K):
+    offs_k = tl.arange(0, K_PAD)
+    top_w = tl.zeros([K_PAD], tl.float32)
+    top_i = tl.zeros([K_PAD], tl.int32)
+    for j in tl.static_range(TOP_K):  # the k choices stay in registers: one store of each at the end
         best = tl.max(p, axis=0)
         idx = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)
-        tl.store(w_ptr + t * TOP_K + j, best)
-        tl.store(ids_ptr + t * TOP_K + j, idx)
-        total += best
+        top_w = tl.where(offs_k == j, best, top_w)
+        top_i = tl.where(offs_k == j, idx, top_i)
         p = tl.where(offs == idx, -1.0, p)
     if RENORM:
-        for j in tl.static_range(TOP_K):
-            tl.store(w_ptr + t * TOP_K + j, tl.load(w_ptr + t * TOP_K + j) / total)
+        top_w = top_w / tl.sum(top_w, axis=0)
+    tl.store(w_ptr + t * TOP_K + offs_k, top_w, mask=offs_k < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + offs_k, top_i, mask=offs_k < TOP_K)
 
 
 @triton.jit
 def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
-                  PDL: tl.constexpr = 0):
+                  K_PAD: tl.constexpr, PDL: tl.constexpr = 0):
     """One program per token (``_route_row``)."""
     t = tl.program_id(0)
     pdl_enter(PDL)
-    _route_row(logits_ptr, w_ptr, ids_ptr, t, E, TOP_K, RENORM, BLOCK_E)
+    _route_row(logits_ptr, w_ptr, ids_ptr, t, E, TOP_K, RENORM, BLOCK_E, K_PAD)
 
 
 @triton.jit
 def _norm_router_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, logits_ptr, sum_ptr, h_ptr, rw_ptr, ids_ptr, cnt_ptr,
                         M, E, eps, K: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_E: tl.constexpr, ROUTE: tl.constexpr, PDL: tl.constexpr = 0):
+                        BLOCK_E: tl.constexpr, K_PAD: tl.constexpr, ROUTE: tl.constexpr, PDL: tl.constexpr = 0):
     """The MoE block's first step in one launch: the router logits of h = rms_norm(x + residual) for BLOCK_N
     experts per program (program 0 also writes x + residual and h for the expert kernels), and with ROUTE
     routing by the last program to finish, which alone sees every expert's logit (and resets the counter)."""
@@ -175,14 +178,14 @@ def _norm_router_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, logits_ptr, sum_ptr, h_ptr,
         if tl.atomic_add(cnt_ptr, 1) == tl.num_programs(0) - 1:
             t = 0
             while t < M:  # a while loop: the CPU interpreter's range() wants Python scalars
-                _route_row(logits_ptr, rw_ptr, ids_ptr, t, E, TOP_K, RENORM, BLOCK_E)
+                _route_row(logits_ptr, rw_ptr, ids_ptr, t, E, TOP_K, RENORM, BLOCK_E, K_PAD)
                 t += 1
             tl.atomic_xchg(cnt_ptr, 0)
 
 
 @triton.jit
-def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, cnt_ptr, n_cnt, N, K, TOP_K, stride_we, stride_wn,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ZERO_CNT: tl.constexpr,
+def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, cnt_ptr, n_cnt, N, TOP_K, stride_we, stride_wn,
+                         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ZERO_CNT: tl.constexpr,
                          PDL: tl.constexpr = 0):
     """out[pair, n] = x[pair // TOP_K] . w13[expert(pair), n] for one block of n. With ZERO_CNT the programs also
     zero the n_cnt arrival counters the down kernel after them counts on."""
@@ -199,46 +202,14 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, cnt_ptr, n_cnt, N, K, T
     e = tl.load(ids_ptr + pair).to(tl.int64)
     row = x_ptr + (pair // TOP_K) * K
     acc = tl.zeros([BLOCK_N], tl.float32)
-    k0 = 0
-    while k0 < K:
+    for k0 in range(0, K, BLOCK_K):  # K is known when compiling: a counted loop, its loads pipelined
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         a = tl.load(row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :],
                     mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-        k0 += BLOCK_K
     tl.store(out_ptr + pair * N + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
-
-
-@triton.jit
-def _pair_down_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, I, stride_we, stride_wn,
-                      TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
-    """out[t, n] = sum_j weight[t, j] * (silu(gate) * up)[t, j] . w2[expert(t, j), n]: the activation, the
-    routing weights and the sum over the k experts, in one pass per block of n."""
-    t = tl.program_id(0)
-    pdl_enter(PDL)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    total = tl.zeros([BLOCK_N], tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair = t * TOP_K + j
-        e = tl.load(ids_ptr + pair).to(tl.int64)
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        k0 = 0
-        while k0 < I:
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < I
-            g = tl.load(gu_ptr + pair * 2 * I + offs_k, mask=mask_k, other=0.0)
-            u = tl.load(gu_ptr + pair * 2 * I + I + offs_k, mask=mask_k, other=0.0)
-            gf = g.to(tl.float32)
-            act = ((gf / (1.0 + tl.exp(-gf))).to(g.dtype) * u).to(tl.float32)
-            w = tl.load(w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :],
-                        mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * act[None, :], axis=1)
-            k0 += BLOCK_K
-        total += acc * tl.load(rw_ptr + pair)
-    tl.store(out_ptr + t * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
 @triton.jit
@@ -254,9 +225,32 @@ def _act_dot(acc, w, gu_ptr, pair, k0, I, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _pair_down_split_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, part_ptr, out_ptr, cnt_ptr, N, I, stride_we, stride_wn,
-                            TOP_K: tl.constexpr, SUM: tl.constexpr, EARLY: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
+def _pair_down_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, stride_we, stride_wn, I: tl.constexpr,
+                      TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
+    """out[t, n] = sum_j weight[t, j] * (silu(gate) * up)[t, j] . w2[expert(t, j), n]: the activation, the
+    routing weights and the sum over the k experts, in one pass per block of n."""
+    t = tl.program_id(0)
+    pdl_enter(PDL)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = t * TOP_K + j
+        e = tl.load(ids_ptr + pair).to(tl.int64)
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :],
+                        mask=mask_n[:, None] & (offs_k < I)[None, :], other=0.0)
+            acc = _act_dot(acc, w, gu_ptr, pair, k0, I, BLOCK_K)
+        total += acc * tl.load(rw_ptr + pair)
+    tl.store(out_ptr + t * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _pair_down_split_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, part_ptr, out_ptr, cnt_ptr, N, stride_we, stride_wn,
+                            I: tl.constexpr, TOP_K: tl.constexpr, SUM: tl.constexpr, EARLY: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
     """part[pair, n] = weight[pair] * (silu(gate) * up)[pair] . w2[expert(pair), n]: one pair per program row,
     so k times the programs of the fused kernel. The k rows of a token are summed afterwards, or with SUM by
     the last of the token's k programs for this block of n (in slot order, as ``_sum_pairs_kernel``), counted on
@@ -275,12 +269,10 @@ def _pair_down_split_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, part_ptr, out_ptr, c
     if EARLY:
         pdl_enter(PDL)
     acc = _act_dot(tl.zeros([BLOCK_N], tl.float32), w, gu_ptr, pair, 0, I, BLOCK_K)
-    k0 = BLOCK_K
-    while k0 < I:
+    for k0 in range(BLOCK_K, I, BLOCK_K):  # I is known when compiling: a counted loop, its loads pipelined
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_row + offs_k[None, :], mask=mask_n[:, None] & (offs_k < I)[None, :], other=0.0)
         acc = _act_dot(acc, w, gu_ptr, pair, k0, I, BLOCK_K)
-        k0 += BLOCK_K
     tl.store(part_ptr + pair * N + offs_n, acc * tl.load(rw_ptr + pair), mask=mask_n)
     if SUM:
         t = pair // TOP_K
@@ -317,14 +309,16 @@ def moe_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     if t:
         # one warp for up to 256 experts: each of the k serial reductions stays within the warp
         _route_kernel[(t,)](logits, weights, ids, e, TOP_K=top_k, RENORM=renormalize,
-                            BLOCK_E=triton.next_power_of_2(e), num_warps=1 if e <= 256 else 4,
+                            BLOCK_E=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k),
+                            num_warps=1 if e <= 256 else 4,
                             **launch_options(pdl, logits))
     return weights, ids
 
 
 def _pair_experts(x, weights, ids, w13, w2, top_k, block_n, block_k, down_block_n, num_warps, split_down, pdl,
-                  down_early=0):
+                  down_early=0, down_block_k=None):
     """The routed experts of the decode path: per (token, slot) pair matrix-vector products."""
+    down_block_k = down_block_k or block_k
     t, h = x.shape
     i = w2.shape[2]
     assert w13.is_contiguous() and w2.is_contiguous()
@@ -336,22 +330,23 @@ def _pair_experts(x, weights, ids, w13, w2, top_k, block_n, block_k, down_block_
     # streams (a variant warming up while the engine serves) never share one
     cnt = torch.empty(t * n_blocks, device=x.device, dtype=torch.int32) if split_down == 2 else None
     _pair_gate_up_kernel[(t * top_k, triton.cdiv(2 * i, block_n))](
-        x, w13, ids, gate_up, cnt if cnt is not None else ids, 0 if cnt is None else cnt.numel(), 2 * i, h, top_k,
-        w13.stride(0), w13.stride(1), BLOCK_N=block_n, BLOCK_K=block_k, ZERO_CNT=cnt is not None,
+        x, w13, ids, gate_up, cnt if cnt is not None else ids, 0 if cnt is None else cnt.numel(), 2 * i, top_k,
+        w13.stride(0), w13.stride(1), K=h, BLOCK_N=block_n, BLOCK_K=block_k, ZERO_CNT=cnt is not None,
         num_warps=num_warps, **(launch_options(1, x) if down_early and pdl else opts))
     out = torch.empty_like(x)
     if split_down:
         part = torch.empty((t * top_k, h), device=x.device, dtype=torch.float32)
         _pair_down_split_kernel[(t * top_k, n_blocks)](
-            gate_up, w2, ids, weights, part, out, cnt if cnt is not None else ids, h, i, w2.stride(0), w2.stride(1),
-            TOP_K=top_k, SUM=cnt is not None, EARLY=bool(down_early), BLOCK_N=down_block_n, BLOCK_K=block_k,
+            gate_up, w2, ids, weights, part, out, cnt if cnt is not None else ids, h, w2.stride(0), w2.stride(1),
+            I=i, TOP_K=top_k, SUM=cnt is not None, EARLY=bool(down_early), BLOCK_N=down_block_n,
+            BLOCK_K=down_block_k,
             num_warps=num_warps, **opts)
         if cnt is None:
             _sum_pairs_kernel[(t, triton.cdiv(h, 1024))](part, out, h, TOP_K=top_k, BLOCK_N=1024, **opts)
         return out
     _pair_down_kernel[(t, triton.cdiv(h, down_block_n))](
-        gate_up, w2, ids, weights, out, h, i, w2.stride(0), w2.stride(1),
-        TOP_K=top_k, BLOCK_N=down_block_n, BLOCK_K=block_k, num_warps=num_warps, **opts)
+        gate_up, w2, ids, weights, out, h, w2.stride(0), w2.stride(1), I=i,
+        TOP_K=top_k, BLOCK_N=down_block_n, BLOCK_K=down_block_k, num_warps=num_warps, **opts)
     return out
 
 
@@ -359,7 +354,8 @@ def moe_triton(
     x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool,
     block_m: int = 16, block_n: int = 32, block_k: int = 32,
     max_decode_pairs: int = 64, decode_block_n: int = 8, decode_block_k: int = 256, decode_down_block_n: int = 8,
-    decode_warps: int = 4, decode_split_down: int = 1, decode_down_early: int = 0, pdl: int = 0,
+    decode_warps: int = 4, decode_split_down: int = 1, decode_down_early: int = 0, decode_down_block_k: int = 0,
+    pdl: int = 0,
 ) -> torch.Tensor:
     """x: (T, H); router_logits: (T, E); w13: (E, 2I, H) holding [gate | up]; w2: (E, H, I). Returns (T, H).
 
@@ -368,7 +364,8 @@ def moe_triton(
     looping over its k experts; 1, one per pair, summed by another launch; 2, one per pair, summed by the last
     of a token's k programs; ``decode_down_early``: 1, the split down kernel requests its weights before it
     waits for the gate/up kernel, which then waits before letting it be scheduled); more take the grouped
-    matmul (``block_*``). ``pdl``: the decode path's kernels with programmatic dependent launch (kernels/pdl.py).
+    matmul (``block_*``). ``decode_down_block_k``: the down kernel's chunk of the intermediate (0: as
+    ``decode_block_k``). ``pdl``: the decode path's kernels with programmatic dependent launch (kernels/pdl.py).
     """
     t, h = x.shape
     assert w13.shape[2] == h and w2.shape[1] == h and w13.shape[1] == 2 * w2.shape[2]
@@ -378,7 +375,7 @@ def moe_triton(
     if t * top_k <= max_decode_pairs or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         weights, ids = moe_route_triton(router_logits, top_k, renormalize, pdl)
         return _pair_experts(x, weights, ids, w13, w2, top_k, decode_block_n, decode_block_k, decode_down_block_n,
-                             decode_warps, decode_split_down, pdl, decode_down_early)
+                             decode_warps, decode_split_down, pdl, decode_down_early, decode_down_block_k)
     weights, ids = moe_route_ref(router_logits, top_k, renormalize)
     pairs, tile_expert = _group_by_expert(ids, w13.shape[0], block_m)
     num_pairs = t * top_k
@@ -430,13 +427,14 @@ def norm_moe_triton(
     _norm_router_kernel[(triton.cdiv(e, router_block_n),)](
         x, residual, norm_weight, gate_weight, logits, summed, h, weights, ids, cnt, t, e, eps,
         K=hidden, TOP_K=top_k, RENORM=renormalize, BLOCK_M=triton.next_power_of_2(t), BLOCK_N=router_block_n,
-        BLOCK_K=router_block_k, BLOCK_E=triton.next_power_of_2(e), ROUTE=bool(route_by_last),
+        BLOCK_K=router_block_k, BLOCK_E=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k),
+        ROUTE=bool(route_by_last),
         num_warps=router_warps, **launch_options(pdl, x))
     if not route_by_last:
         weights, ids = moe_route_triton(logits, top_k, renormalize, pdl)
     return _pair_experts(h, weights, ids, w13, w2, top_k, p["decode_block_n"], p["decode_block_k"],
                          p["decode_down_block_n"], p["decode_warps"], p["decode_split_down"], pdl,
-                         p["decode_down_early"]), summed
+                         p["decode_down_early"], p["decode_down_block_k"]), summed
 
 
 def make_norm_moe(**params):

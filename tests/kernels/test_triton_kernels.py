@@ -193,12 +193,12 @@ def test_moe_grouped_matmul(t, h, e, k, i, renorm):
         last = moe_triton(x, logits, w13, w2, k, renorm, max_decode_pairs=t * k, decode_block_n=16,
                           decode_block_k=16, decode_down_block_n=8, decode_split_down=2, pdl=1)
         torch.testing.assert_close(last, ref, rtol=1e-4, atol=1e-4)
-    # the down kernel's expert and first weight chunk requested before its wait, the intermediate in one chunk
-    # or several
-    for block_k in (16, 32):
+    # the down kernel's expert and first weight chunk requested before its wait, the intermediate in several
+    # chunks or one (its own chunk size)
+    for block_k, down_block_k in ((16, 8), (32, 0), (16, 64)):
         early = moe_triton(x, logits, w13, w2, k, renorm, max_decode_pairs=t * k, decode_block_n=16,
                            decode_block_k=block_k, decode_down_block_n=8, decode_split_down=2, decode_down_early=1,
-                           pdl=2)
+                           decode_down_block_k=down_block_k, pdl=2)
         torch.testing.assert_close(early, ref, rtol=1e-4, atol=1e-4)
 
 
