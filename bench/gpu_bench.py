@@ -776,9 +776,54 @@ def kernel_profile(label: str, fn, steps: int = 5, top: int = 14) -> None:
             f"{sum(v) / len(v):.1f} us each, {100 * sum(v) / steps / total:.0f}%")
 
 
+def experts_sweep(eng, cfg, gemv, pre, best):
+    """The experts alone at batch 1 (routing, gate/up, down with the sum), dependent launch, over their tiles;
+    each call on another layer's experts, so none is served from L2. Returns the forms with the best tiles."""
+    from kernels.moe_triton import moe_triton
+
+    k_, xs = cfg.num_experts_per_tok, torch.randn(1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    lgs = [torch.randn(1, cfg.num_experts, device="cuda", dtype=torch.bfloat16) for _ in range(24)]
+    mlps = [eng.model.layers[i].mlp for i in range(min(24, cfg.num_hidden_layers))]
+    moe_bytes = (k_ * 3 * cfg.moe_intermediate_size) * cfg.hidden_size * 2
+
+    def experts_us(params):
+        calls = [lambda m=m, lg=lg: moe_triton(xs, lg, m.w13, m.w2, k_, True, decode_split_down=2, pdl=2, **params)
+                 for m, lg in zip(mlps, lgs)]
+        return 1e6 * rotating_timed(calls)
+
+    sweep = []
+    for bn in (4, 8, 16):
+        for bk in (256, 512, 1024, 2048):
+            for warps in (4, 8):
+                params = dict(decode_block_n=bn, decode_block_k=bk, decode_warps=warps, decode_down_block_n=8,
+                              decode_down_block_k=256)
+                try:
+                    sweep.append((experts_us(params), params))
+                except Exception as e:  # a tile that does not compile (registers) is reported, the rest go on
+                    row(f"MoE experts b=1 {params}", f"FAILED {type(e).__name__}: {str(e)[:100]}")
+    t0, gu = min(sweep, key=lambda r: r[0])
+    current = next((t for t, p_ in sweep if p_["decode_block_n"] == 8 and p_["decode_block_k"] == 256
+                    and p_["decode_warps"] == 4), float("nan"))
+    row("MoE experts b=1 (routing, gate/up, down + sum; 75.5 MB), gate/up tiles: the current (8, 256, 4 warps) "
+        "and the best", f"{current:.1f} us = {moe_bytes / current / 1e3:,.0f} GB/s; best {gu}: {t0:.1f} us = "
+        f"{moe_bytes / t0 / 1e3:,.0f} GB/s")
+    sweep2 = []
+    for dbn in (4, 8, 16):
+        for dbk in (256, 1024):
+            params = {**gu, "decode_down_block_n": dbn, "decode_down_block_k": dbk}
+            try:
+                sweep2.append((experts_us(params), params))
+            except Exception as e:
+                row(f"MoE experts b=1 {params}", f"FAILED {type(e).__name__}: {str(e)[:100]}")
+    t1, tiles = min(sweep2, key=lambda r: r[0])
+    row("MoE experts b=1, then the down tiles: best", f"{tiles}: {t1:.1f} us = {moe_bytes / t1 / 1e3:,.0f} GB/s")
+    return [(f"TRITON_MOE_DECODE with the experts' best tiles {tiles}",
+             dataclasses.replace(gemv, kernels=pre, kernel_params={**best, "moe": {**best["moe"], **tiles}}))]
+
+
 # ---- 7. MoE -----------------------------------------------------------------------------------------
 @section
-def moe_decode(bw: float, layers: int | None):
+def moe_decode(bw: float, layers: int | None, sweep_tiles: bool = False):
     from engine import EngineConfig, LLMEngine, SamplingParams, resolve
     from engine.variant import VariantSpec
 
@@ -810,61 +855,21 @@ def moe_decode(bw: float, layers: int | None):
     gemv = dataclasses.replace(spec, kernels={**TRITON_ALL, **TRITON_GEMV})
     best3 = moe_decode_params(attn["attention"], cfg.hidden_size)
     pre = TRITON_MOE_DECODE
-    fused = {**pre, "rotary_attention": "triton"}
-    # last session's best with the attention block in one launch and the merge kernel after (measured best)
-    ra = {**best3, "rotary_attention": {**attn["attention"], "merge_by_last": 0, "pdl": 2}}
-    # the experts alone at batch 1 (routing, gate/up, down with the sum), dependent launch, over their tiles;
-    # each call on another layer's experts, so none is served from L2
-    from kernels.moe_triton import moe_triton
-
-    k_, xs = cfg.num_experts_per_tok, torch.randn(1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-    lgs = [torch.randn(1, cfg.num_experts, device="cuda", dtype=torch.bfloat16) for _ in range(24)]
-    mlps = [eng.model.layers[i].mlp for i in range(min(24, cfg.num_hidden_layers))]
-    moe_bytes = (k_ * 3 * cfg.moe_intermediate_size) * cfg.hidden_size * 2
-
-    def experts_us(params):
-        calls = [lambda m=m, lg=lg: moe_triton(xs, lg, m.w13, m.w2, k_, True, decode_split_down=2, pdl=2, **params)
-                 for m, lg in zip(mlps, lgs)]
-        return 1e6 * rotating_timed(calls)
-
-    sweep = []
-    for bn in (4, 8, 16):
-        for bk in (256, 512, 1024, 2048):
-            for warps in (4, 8):
-                params = dict(decode_block_n=bn, decode_block_k=bk, decode_warps=warps, decode_down_block_n=8,
-                              decode_down_block_k=256)
-                try:
-                    sweep.append((experts_us(params), params))
-                except Exception as e:  # a tile that does not compile (registers) is reported, the rest go on
-                    row(f"MoE experts b=1 {params}", f"FAILED {type(e).__name__}: {str(e)[:100]}")
-    t0, gu = min(sweep, key=lambda r: r[0])
-    current = next(t for t, p_ in sweep if p_["decode_block_n"] == 8 and p_["decode_block_k"] == 256
-                   and p_["decode_warps"] == 4)
-    row("MoE experts b=1 (routing, gate/up, down + sum; 75.5 MB), gate/up tiles: the current (8, 256, 4 warps) "
-        "and the best", f"{current:.1f} us = {moe_bytes / current / 1e3:,.0f} GB/s; best {gu}: {t0:.1f} us = "
-        f"{moe_bytes / t0 / 1e3:,.0f} GB/s")
-    sweep2 = []
-    for dbn in (4, 8, 16):
-        for dbk in (256, 1024):
-            params = {**gu, "decode_down_block_n": dbn, "decode_down_block_k": dbk}
-            try:
-                sweep2.append((experts_us(params), params))
-            except Exception as e:
-                row(f"MoE experts b=1 {params}", f"FAILED {type(e).__name__}: {str(e)[:100]}")
-    t1, tiles = min(sweep2, key=lambda r: r[0])
-    row("MoE experts b=1, then the down tiles: best", f"{tiles}: {t1:.1f} us = {moe_bytes / t1 / 1e3:,.0f} GB/s")
-    tiled = {**ra, "moe": {**ra["moe"], **tiles}}
+    # last session's best: without the attention block in one launch, the experts' tiles as they were
+    last = {op: p_ for op, p_ in best3.items() if op != "rotary_attention"}
+    last["moe"] = {"decode_split_down": 2, "pdl": 2}
+    last_k = {op: i_ for op, i_ in pre.items() if op != "rotary_attention"}
     forms = [
         ("previous best: split-KV, no dependent launch", gemv),
         ("last session's best: pdl 2, sum in down, tiles 4 x 2,048, o_proj into L2",
-         dataclasses.replace(gemv, kernels=pre, kernel_params=best3)),
+         dataclasses.replace(gemv, kernels=last_k, kernel_params=last)),
         ("+ rotary_attention (q/k norm, rotary, KV store, attention: one launch; the merge kernel after)",
-         dataclasses.replace(gemv, kernels=fused, kernel_params=ra)),
-        (f"+ rotary_attention + the experts' best tiles {tiles}",
-         dataclasses.replace(gemv, kernels=fused, kernel_params=tiled)),
-        ("+ rotary_attention + the experts' best gate/up tiles, down as before",
-         dataclasses.replace(gemv, kernels=fused, kernel_params={**ra, "moe": {**ra["moe"], **gu}})),
+         dataclasses.replace(gemv, kernels=pre, kernel_params={**last, "rotary_attention": best3["rotary_attention"]})),
+        ("+ rotary_attention + the experts' whole-row gate/up tiles, 16-row down tiles (TRITON_MOE_DECODE)",
+         dataclasses.replace(gemv, kernels=pre, kernel_params=best3)),
     ]
+    if sweep_tiles:
+        forms += experts_sweep(eng, cfg, gemv, pre, best3)
     best = (0.0, None, "")
     for name, variant in forms:
         try:
@@ -907,6 +912,7 @@ def main() -> None:
     ap.add_argument("--decode-quick", action="store_true",
                     help="8B decode: only the four best forms, without the transformers rows")
     ap.add_argument("--moe-layers", type=int, default=None)
+    ap.add_argument("--moe-sweep", action="store_true", help="MoE: also sweep the experts' tiles at batch 1")
     ap.add_argument("--cold-start", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--t0", type=float, default=None, help=argparse.SUPPRESS)
@@ -946,7 +952,7 @@ def main() -> None:
                 del m
                 torch.cuda.empty_cache()
         if want("moe"):
-            moe_decode(bw, args.moe_layers)
+            moe_decode(bw, args.moe_layers, args.moe_sweep)
     finish()
 
 

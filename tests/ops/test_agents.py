@@ -195,8 +195,9 @@ def test_kernel_choices_follow_device_and_concurrency(tmp_path):
     moe = dataclasses.replace(hopper, spec=dataclasses.replace(hopper.spec, experts=128, experts_per_token=8,
                                                                hidden_size=2048))
     moe_forms = [p.variant for p in KernelChoices().propose(moe, 8) if p.variant.impl("prefetch") == "triton"]
-    assert len(moe_forms) == 1 and moe_forms[0].params("moe") == {"decode_split_down": 2, "pdl": 2}
-    assert moe_forms[0].params("linear")["block_k"] == 2048
+    assert len(moe_forms) == 1 and moe_forms[0].params("moe")["decode_split_down"] == 2
+    assert moe_forms[0].params("moe")["decode_block_k"] == moe_forms[0].params("linear")["block_k"] == 2048
+    assert moe_forms[0].impl("rotary_attention") == "triton" and moe_forms[0].params("rotary_attention")["pdl"] == 2
     VariantSpec.from_json(moe_forms[0].to_json())
     ampere = dataclasses.replace(gpu, hardware=dataclasses.replace(gpu.hardware, compute_capability="8.0"))
     assert not any(p.variant.params("linear").get("pdl") for p in KernelChoices().propose(ampere, 8))
