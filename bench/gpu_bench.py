@@ -867,6 +867,13 @@ def moe_decode(bw: float, layers: int | None, sweep_tiles: bool = False):
          dataclasses.replace(gemv, kernels=pre, kernel_params={**last, "rotary_attention": best3["rotary_attention"]})),
         ("+ rotary_attention + the experts' whole-row gate/up tiles, 16-row down tiles (TRITON_MOE_DECODE)",
          dataclasses.replace(gemv, kernels=pre, kernel_params=best3)),
+        ("last session's best, the experts' loops 3 chunks ahead (decode_stages 3)",
+         dataclasses.replace(gemv, kernels=last_k, kernel_params={**last, "moe": {**last["moe"], "decode_stages": 3}})),
+        ("TRITON_MOE_DECODE, the experts' loops 3 chunks ahead (decode_stages 3)",
+         dataclasses.replace(gemv, kernels=pre, kernel_params={**best3, "moe": {**best3["moe"], "decode_stages": 3}})),
+        ("TRITON_MOE_DECODE, the down kernel's whole intermediate in one chunk (1,024)",
+         dataclasses.replace(gemv, kernels=pre, kernel_params={**best3, "moe": {**best3["moe"],
+                                                                                "decode_down_block_k": 1024}})),
     ]
     if sweep_tiles:
         forms += experts_sweep(eng, cfg, gemv, pre, best3)

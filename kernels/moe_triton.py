@@ -316,7 +316,7 @@ def moe_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 
 
 def _pair_experts(x, weights, ids, w13, w2, top_k, block_n, block_k, down_block_n, num_warps, split_down, pdl,
-                  down_early=0, down_block_k=None):
+                  down_early=0, down_block_k=None, num_stages=1):
     """The routed experts of the decode path: per (token, slot) pair matrix-vector products."""
     down_block_k = down_block_k or block_k
     t, h = x.shape
@@ -332,7 +332,7 @@ def _pair_experts(x, weights, ids, w13, w2, top_k, block_n, block_k, down_block_
     _pair_gate_up_kernel[(t * top_k, triton.cdiv(2 * i, block_n))](
         x, w13, ids, gate_up, cnt if cnt is not None else ids, 0 if cnt is None else cnt.numel(), 2 * i, top_k,
         w13.stride(0), w13.stride(1), K=h, BLOCK_N=block_n, BLOCK_K=block_k, ZERO_CNT=cnt is not None,
-        num_warps=num_warps, **(launch_options(1, x) if down_early and pdl else opts))
+        num_warps=num_warps, num_stages=num_stages, **(launch_options(1, x) if down_early and pdl else opts))
     out = torch.empty_like(x)
     if split_down:
         part = torch.empty((t * top_k, h), device=x.device, dtype=torch.float32)
@@ -340,13 +340,13 @@ def _pair_experts(x, weights, ids, w13, w2, top_k, block_n, block_k, down_block_
             gate_up, w2, ids, weights, part, out, cnt if cnt is not None else ids, h, w2.stride(0), w2.stride(1),
             I=i, TOP_K=top_k, SUM=cnt is not None, EARLY=bool(down_early), BLOCK_N=down_block_n,
             BLOCK_K=down_block_k,
-            num_warps=num_warps, **opts)
+            num_warps=num_warps, num_stages=num_stages, **opts)
         if cnt is None:
             _sum_pairs_kernel[(t, triton.cdiv(h, 1024))](part, out, h, TOP_K=top_k, BLOCK_N=1024, **opts)
         return out
     _pair_down_kernel[(t, triton.cdiv(h, down_block_n))](
         gate_up, w2, ids, weights, out, h, w2.stride(0), w2.stride(1), I=i,
-        TOP_K=top_k, BLOCK_N=down_block_n, BLOCK_K=down_block_k, num_warps=num_warps, **opts)
+        TOP_K=top_k, BLOCK_N=down_block_n, BLOCK_K=down_block_k, num_warps=num_warps, num_stages=num_stages, **opts)
     return out
 
 
@@ -355,7 +355,7 @@ def moe_triton(
     block_m: int = 16, block_n: int = 32, block_k: int = 32,
     max_decode_pairs: int = 64, decode_block_n: int = 8, decode_block_k: int = 256, decode_down_block_n: int = 8,
     decode_warps: int = 4, decode_split_down: int = 1, decode_down_early: int = 0, decode_down_block_k: int = 0,
-    pdl: int = 0,
+    decode_stages: int = 1, pdl: int = 0,
 ) -> torch.Tensor:
     """x: (T, H); router_logits: (T, E); w13: (E, 2I, H) holding [gate | up]; w2: (E, H, I). Returns (T, H).
 
@@ -365,7 +365,8 @@ def moe_triton(
     of a token's k programs; ``decode_down_early``: 1, the split down kernel requests its weights before it
     waits for the gate/up kernel, which then waits before letting it be scheduled); more take the grouped
     matmul (``block_*``). ``decode_down_block_k``: the down kernel's chunk of the intermediate (0: as
-    ``decode_block_k``). ``pdl``: the decode path's kernels with programmatic dependent launch (kernels/pdl.py).
+    ``decode_block_k``); ``decode_stages``: how many chunks ahead their loops request (1: none). ``pdl``: the
+    decode path's kernels with programmatic dependent launch (kernels/pdl.py).
     """
     t, h = x.shape
     assert w13.shape[2] == h and w2.shape[1] == h and w13.shape[1] == 2 * w2.shape[2]
@@ -375,7 +376,8 @@ def moe_triton(
     if t * top_k <= max_decode_pairs or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         weights, ids = moe_route_triton(router_logits, top_k, renormalize, pdl)
         return _pair_experts(x, weights, ids, w13, w2, top_k, decode_block_n, decode_block_k, decode_down_block_n,
-                             decode_warps, decode_split_down, pdl, decode_down_early, decode_down_block_k)
+                             decode_warps, decode_split_down, pdl, decode_down_early, decode_down_block_k,
+                             decode_stages)
     weights, ids = moe_route_ref(router_logits, top_k, renormalize)
     pairs, tile_expert = _group_by_expert(ids, w13.shape[0], block_m)
     num_pairs = t * top_k
@@ -434,7 +436,7 @@ def norm_moe_triton(
         weights, ids = moe_route_triton(logits, top_k, renormalize, pdl)
     return _pair_experts(h, weights, ids, w13, w2, top_k, p["decode_block_n"], p["decode_block_k"],
                          p["decode_down_block_n"], p["decode_warps"], p["decode_split_down"], pdl,
-                         p["decode_down_early"], p["decode_down_block_k"]), summed
+                         p["decode_down_early"], p["decode_down_block_k"], p["decode_stages"]), summed
 
 
 def make_norm_moe(**params):
