@@ -11,7 +11,8 @@ Two kernels, chosen per batch:
 - decode with the rotary in front (``rotary_attention_triton``): the same programs also RMS-norm
   (Qwen3) and rotate their query heads and the new token's key, which the program whose range
   holds the last position writes into the cache and attends to from registers; the splits are
-  merged by the last of them to finish. One launch for what is otherwise three.
+  merged by the merge kernel after it, or by the last of them to finish. One or two launches for
+  what is otherwise three.
 - prefill / chunked prefill (any sequence has several new tokens): one program per
   (tile of BLOCK_M new tokens of one sequence, query head), walking the causal context
   through the block table with an online softmax.
@@ -391,12 +392,12 @@ def _rotary_decode_kernel(
 
 def rotary_attention_triton(
     q, k, v, q_weight, k_weight, eps: float, positions, cos_sin, k_cache, v_cache, meta: AttentionMetadata,
-    scale: float, *, num_splits: int = 0, merge_by_last: int = 1, block_n: int = 32, block_m: int = 32,
+    scale: float, *, num_splits: int = 0, merge_by_last: int = 0, block_n: int = 32, block_m: int = 32,
     num_warps: int = 4, num_stages: int = 2, pdl: int = 0, counters=None,
 ):
-    """Same contract as ``kernels.attention.rotary_attention_ref``. A decode batch takes one launch
-    (``_rotary_decode_kernel``; ``num_splits`` as ``paged_attention_triton``'s, 0: by the batch's size; the
-    splits merged by the last of them with ``merge_by_last``, else by the merge kernel after); others the
+    """Same contract as ``kernels.attention.rotary_attention_ref``. A decode batch takes ``_rotary_decode_kernel``
+    (``num_splits`` as ``paged_attention_triton``'s, 0: by the batch's size; the splits merged by the merge
+    kernel after it, or by the last of them to finish with ``merge_by_last``); others the
     rotary + KV-store kernel, then ``paged_attention_triton``. ``counters(n, device)``: the split merge's
     arrival counters (default: zeroed per call; ``make_rotary_attention`` keeps one buffer)."""
     t, h, d = q.shape
