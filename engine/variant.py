@@ -21,10 +21,11 @@ FORWARD, SCHEDULER, KV_LAYOUT, PARALLEL = "forward", "scheduler", "kv_layout", "
 # The order in which scopes grow in cost; a swap does the work of the largest scope it touches.
 SCOPE_ORDER = (SCHEDULER, FORWARD, KV_LAYOUT, PARALLEL)
 
-# composite operations (rotary_store_kv, norm_rotary_store_kv, norm_linear, act_linear) come after the parts
-# they are composed of
+# composite operations (rotary_store_kv, norm_rotary_store_kv, rotary_attention, norm_linear, act_linear,
+# norm_moe) come after the parts they are composed of
 OP_NAMES = ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "store_kv", "rotary_store_kv",
-            "norm_rotary_store_kv", "attention", "rotary_attention", "moe", "linear", "norm_linear", "act_linear", "norm_moe", "prefetch")
+            "norm_rotary_store_kv", "attention", "rotary_attention", "moe", "linear", "norm_linear", "act_linear",
+            "norm_moe", "prefetch")
 BUILTIN_IMPLS = {
     "rms_norm": ("reference", "triton"),
     "fused_add_rms_norm": ("reference", "triton"),
@@ -38,8 +39,9 @@ BUILTIN_IMPLS = {
     "norm_rotary_store_kv": ("reference", "triton"),
     "attention": ("reference", "triton_paged", "triton_split_kv"),
     # the attention block between the projections: (norm_)rotary_store_kv, then attention; "reference": the
-    # variant's own parts; "triton": for decode batches one launch (q/k norms, rotary, KV store, split-KV
-    # attention, the splits merged by the last to finish), otherwise the Triton parts
+    # variant's own parts; "triton": for decode batches one launch for the q/k norms, rotary, KV store and
+    # split-KV attention (the splits merged by the merge kernel after it, or by the last split to finish),
+    # otherwise the Triton parts
     "rotary_attention": ("reference", "triton"),
     "moe": ("reference", "triton"),
     "linear": ("reference", "triton"),  # "triton": matrix-vector kernel for decode batches of <= max_m rows
