@@ -92,6 +92,12 @@ def section(fn):
 
 
 # ---- 1. correctness ---------------------------------------------------------------------------------
+def err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| in float32; infinite when either holds a NaN or an infinity (a NaN would vanish in max())."""
+    d = (a.float() - b.float()).abs()
+    return d.max().item() if bool(torch.isfinite(d).all()) else float("inf")
+
+
 @section
 def kernel_checks() -> bool:
     from kernels.activation import silu_and_mul_ref
@@ -108,10 +114,9 @@ def kernel_checks() -> bool:
     dev, bf = "cuda", torch.bfloat16
     x = torch.randn(7, 4096, device=dev, dtype=bf)
     r, w = torch.randn_like(x), torch.randn(4096, device=dev, dtype=bf)
-    e_norm = (fused_add_rms_norm_triton(x, r, w, 1e-5)[0].float() - fused_add_rms_norm_ref(x, r, w, 1e-5)[0].float()
-              ).abs().nan_to_num(nan=float("inf")).max().item()
+    e_norm = err(fused_add_rms_norm_triton(x, r, w, 1e-5)[0], fused_add_rms_norm_ref(x, r, w, 1e-5)[0])
     g = torch.randn(5, 2 * 14336, device=dev, dtype=bf)
-    e_act = (silu_and_mul_triton(g).float() - silu_and_mul_ref(g).float()).abs().nan_to_num(nan=float("inf")).max().item()
+    e_act = err(silu_and_mul_triton(g), silu_and_mul_ref(g))
     heads, kvh, d, bs = 32, 8, 128, 16
     ctx = [1, 17, 300, 1000]
     nb = [-(-c // bs) for c in ctx]
@@ -129,14 +134,13 @@ def kernel_checks() -> bool:
     q = torch.randn(qsl[-1], heads, d, device=dev, dtype=bf)
     meta = AttentionMetadata.build(torch.zeros(qsl[-1], dtype=torch.int64, device=dev), bt, ctx, qsl, dev)
     ref = paged_attention_ref(q, kc, vc, meta, d ** -0.5).float()
-    e_pre = (paged_attention_triton(q, kc, vc, meta, d ** -0.5).float() - ref).abs().nan_to_num(nan=float("inf")).max().item()
+    e_pre = err(paged_attention_triton(q, kc, vc, meta, d ** -0.5), ref)
     last = [qsl[i + 1] - 1 for i in range(len(ctx))]
     dmeta = AttentionMetadata.build(meta.slot_mapping[:len(ctx)], bt, ctx, list(range(len(ctx) + 1)), dev)
     dq = q[last].contiguous()
     dref = paged_attention_ref(dq, kc, vc, dmeta, d ** -0.5).float()
-    e_dec = max((paged_attention_triton(dq, kc, vc, dmeta, d ** -0.5, block_n=128, num_warps=8).float() - dref
-                 ).abs().nan_to_num(nan=float("inf")).max().item(),
-                (split_kv_attention_triton(dq, kc, vc, dmeta, d ** -0.5, num_splits=4).float() - dref).abs().nan_to_num(nan=float("inf")).max().item())
+    e_dec = max(err(paged_attention_triton(dq, kc, vc, dmeta, d ** -0.5, block_n=128, num_warps=8), dref),
+                err(split_kv_attention_triton(dq, kc, vc, dmeta, d ** -0.5, num_splits=4), dref))
     # fused rotary + KV store, on strided views of a fused QKV projection
     from engine.config import ModelConfig
     from engine.rope import rope_cos_sin
@@ -152,10 +156,10 @@ def kernel_checks() -> bool:
     caches = [torch.zeros(8, bs, kvh, d, device=dev, dtype=bf) for _ in range(4)]
     a = rotary_store_kv_triton(qv, kv_, vv, pos, cs, caches[0], caches[1], slots)
     b = rotary_store_kv_ref(qv, kv_, vv, pos, cs, caches[2], caches[3], slots)
-    e_rot = max((a.float() - b.float()).abs().nan_to_num(nan=float("inf")).max().item(), (caches[0].float() - caches[2].float()).abs().nan_to_num(nan=float("inf")).max().item(),
-                (caches[1].float() - caches[3].float()).abs().nan_to_num(nan=float("inf")).max().item())
-    # the attention block in one launch (q/k norms, rotary, KV store, split-KV decode, merge by the last split)
-    # against the reference, Qwen3-30B-A3B's heads, with dependent launch, twice per setting (counters reset)
+    e_rot = max(err(a, b), err(caches[0], caches[2]), err(caches[1], caches[3]))
+    # the attention block in one launch (q/k norms, rotary, KV store, split-KV decode; the splits merged by the
+    # merge kernel after or by the last split) against the reference, Qwen3-30B-A3B's heads, with dependent
+    # launch, twice per setting (the last split's counters are reset by the kernel)
     from kernels.attention import rotary_attention_ref
     from kernels.attention_triton import rotary_attention_triton
     from kernels.counters import ArrivalCounters
@@ -173,14 +177,14 @@ def kernel_checks() -> bool:
     rk, rv = kc3.clone(), vc3.clone()
     ref3 = rotary_attention_ref(q3, k3, v3, qw3, kw3, 1e-6, pos3, cs, rk, rv, meta3, d ** -0.5).float()
     counters, e_ra = ArrivalCounters(), 0.0
-    for splits in (1, 4, 0):
+    for splits, by_last in ((1, 0), (4, 0), (0, 0), (4, 1), (0, 1)):
         for _ in range(2):
             gk, gv = kc3.clone(), vc3.clone()
             got3 = rotary_attention_triton(q3, k3, v3, qw3, kw3, 1e-6, pos3, cs, gk, gv, meta3, d ** -0.5,
-                                           num_splits=splits, pdl=2, counters=counters)
+                                           num_splits=splits, merge_by_last=by_last, pdl=2, counters=counters)
             torch.cuda.synchronize()
-            e_ra = max(e_ra, (got3.float() - ref3).abs().nan_to_num(nan=float("inf")).max().item())
-            e_rot = max(e_rot, (gk.float() - rk.float()).abs().nan_to_num(nan=float("inf")).max().item(), (gv.float() - rv.float()).abs().nan_to_num(nan=float("inf")).max().item())
+            e_ra = max(e_ra, err(got3, ref3))
+            e_rot = max(e_rot, err(gk, rk), err(gv, rv))
     e_dec = max(e_dec, e_ra)  # reported with the decode kernels, the cache writes with rotary + KV store
     # MoE: decode path (per-pair kernels) and grouped path, Qwen3-30B-A3B shapes
     xm = torch.randn(3, 2048, device=dev, dtype=bf)
@@ -188,11 +192,10 @@ def kernel_checks() -> bool:
     w13 = torch.randn(128, 1536, 2048, device=dev, dtype=bf) * 0.02
     w2 = torch.randn(128, 2048, 768, device=dev, dtype=bf) * 0.02
     mref = moe_ref(xm, lg, w13, w2, 8, True).float()
-    e_moe = max((moe_triton(xm, lg, w13, w2, 8, True).float() - mref).abs().nan_to_num(nan=float("inf")).max().item(),
-                (moe_triton(xm, lg, w13, w2, 8, True, max_decode_pairs=0).float() - mref).abs().nan_to_num(nan=float("inf")).max().item(),
-                (moe_triton(xm, lg, w13, w2, 8, True, decode_split_down=2, decode_down_early=1, pdl=2).float()
-                 - mref).abs().nan_to_num(nan=float("inf")).max().item())
-    scale = mref.abs().nan_to_num(nan=float("inf")).max().item()
+    e_moe = max(err(moe_triton(xm, lg, w13, w2, 8, True), mref),
+                err(moe_triton(xm, lg, w13, w2, 8, True, max_decode_pairs=0), mref),
+                err(moe_triton(xm, lg, w13, w2, 8, True, decode_split_down=2, decode_down_early=1, pdl=2), mref))
+    scale = mref.abs().max().item()
     # the MoE block after attention (norm + router + routing in one launch, sum by the last pair's program),
     # float32 so that no routing decision sits within rounding of a tie; with dependent launch
     from kernels.moe import norm_moe_ref
@@ -207,8 +210,7 @@ def kernel_checks() -> bool:
         for split, route_by_last in ((1, 1), (2, 1), (2, 0)):
             o_, s_ = norm_moe_triton(xs[:t_], rs[:t_], nws, 1e-6, gws, w13s, w2s, 8, True, decode_split_down=split,
                                      route_by_last=route_by_last, pdl=1)
-            e_nmoe = max(e_nmoe, (o_ - nref[:t_]).abs().nan_to_num(nan=float("inf")).max().item() / nref.abs().nan_to_num(nan=float("inf")).max().item(),
-                         (s_ - nsum[:t_]).abs().nan_to_num(nan=float("inf")).max().item())
+            e_nmoe = max(e_nmoe, err(o_, nref[:t_]) / nref.abs().max().item(), err(s_, nsum[:t_]))
     del w13s, w2s
     # the L2 prefetch kernel reads every element once (its per-program sums add up)
     from kernels.prefetch_triton import prefetch_sums
@@ -230,7 +232,7 @@ def kernel_checks() -> bool:
                  (norm_linear_triton(xl, rl, nw, 1e-5, wl)[0], norm_linear_ref(xl, rl, nw, 1e-5, wl)[0]),
                  (norm_linear_triton(xl, rl, nw, 1e-5, wl)[1], norm_linear_ref(xl, rl, nw, 1e-5, wl)[1]),
                  (act_linear_triton(gu, wd), act_linear_ref(gu, wd))]
-        e_gemv = max([e_gemv] + [((a_.float() - b_.float()).abs().nan_to_num(nan=float("inf")).max() / b_.float().abs().nan_to_num(nan=float("inf")).max()).item()
+        e_gemv = max([e_gemv] + [err(a_, b_) / b_.float().abs().max().item()
                                  for a_, b_ in pairs])
     ok = (e_norm < 0.1 and e_act < 0.1 and e_pre < 0.02 and e_dec < 0.02 and e_rot < 0.05
           and e_moe < 0.02 * scale + 1e-3 and e_gemv < 0.02 and e_nmoe < 1e-4)
