@@ -8,7 +8,7 @@ from typing import Callable
 
 from engine.variant import OP_NAMES
 from kernels.activation import silu_and_mul_ref
-from kernels.attention import paged_attention_ref, rotary_attention_ref
+from kernels.attention import compose_rotary_attention, paged_attention_ref, rotary_attention_ref
 from kernels.kv_store import store_kv_ref
 from kernels.linear import act_linear_ref, linear_ref, norm_linear_ref
 from kernels.moe import moe_ref, norm_moe_ref
@@ -120,16 +120,6 @@ def _norm_then_rotary_store(rms_norm, rotary_store_kv, q, k, v, q_weight, k_weig
                            v_cache, slot_mapping)
 
 
-def _rotary_then_attention(rotary_store_kv, norm_rotary_store_kv, attention, q, k, v, q_weight, k_weight, eps,
-                           positions, cos_sin, k_cache, v_cache, meta, scale):
-    if q_weight is None:
-        q = rotary_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
-    else:
-        q = norm_rotary_store_kv(q, k, v, q_weight, k_weight, eps, positions, cos_sin, k_cache, v_cache,
-                                 meta.slot_mapping)
-    return attention(q, k_cache, v_cache, meta, scale)
-
-
 def _norm_then_linear(fused_add_rms_norm, linear, x, residual, norm_weight, eps, weight, bias=None):
     h, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
     return linear(h, weight, bias), summed
@@ -149,7 +139,7 @@ def _norm_then_moe(fused_add_rms_norm, linear, moe, x, residual, norm_weight, ep
 _COMPOSED = {
     "rotary_store_kv": (_rotary_then_store, ("rotary", "store_kv")),
     "norm_rotary_store_kv": (_norm_then_rotary_store, ("rms_norm", "rotary_store_kv")),
-    "rotary_attention": (_rotary_then_attention, ("rotary_store_kv", "norm_rotary_store_kv", "attention")),
+    "rotary_attention": (compose_rotary_attention, ("rotary_store_kv", "norm_rotary_store_kv", "attention")),
     "norm_linear": (_norm_then_linear, ("fused_add_rms_norm", "linear")),
     "act_linear": (_act_then_linear, ("silu_and_mul", "linear")),
     "norm_moe": (_norm_then_moe, ("fused_add_rms_norm", "linear", "moe")),

@@ -69,6 +69,18 @@ def paged_attention_ref(
     return out
 
 
+def compose_rotary_attention(rotary_store_kv, norm_rotary_store_kv, attention, q, k, v, q_weight, k_weight, eps,
+                             positions, cos_sin, k_cache, v_cache, meta, scale):
+    """``rotary_attention`` from its parts: ``norm_rotary_store_kv`` when norm weights are given (else
+    ``rotary_store_kv``), then ``attention`` (the reference's parts, or a variant's own)."""
+    if q_weight is None:
+        q = rotary_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
+    else:
+        q = norm_rotary_store_kv(q, k, v, q_weight, k_weight, eps, positions, cos_sin, k_cache, v_cache,
+                                 meta.slot_mapping)
+    return attention(q, k_cache, v_cache, meta, scale)
+
+
 def rotary_attention_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
     eps: float, positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -79,9 +91,5 @@ def rotary_attention_ref(
     (T, KVH, D) (strided views of the QKV projection allowed). Returns (T, H, D)."""
     from kernels.rotary import norm_rotary_store_kv_ref, rotary_store_kv_ref
 
-    if q_weight is None:
-        q = rotary_store_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
-    else:
-        q = norm_rotary_store_kv_ref(q, k, v, q_weight, k_weight, eps, positions, cos_sin, k_cache, v_cache,
-                                     meta.slot_mapping)
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    return compose_rotary_attention(rotary_store_kv_ref, norm_rotary_store_kv_ref, paged_attention_ref, q, k, v,
+                                    q_weight, k_weight, eps, positions, cos_sin, k_cache, v_cache, meta, scale)

@@ -40,6 +40,16 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _softmax_step(s, m_i, l_i):
+    """A tile of scores (rows, keys) into a running max and sum (online softmax): returns the tile's weights,
+    the factor that rescales what was accumulated before, and the new max and sum."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, o_ptr, m_ptr, l_ptr,
     stride_qt, stride_qh, stride_bt, scale, GROUP, D, BLOCK_SIZE, KVH,
@@ -78,12 +88,8 @@ def _decode_kernel(
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), IEEE) * scale  # (G_PAD, BLOCK_N)
         s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
         n0 += BLOCK_N
     o_mask = mask_g[:, None] & mask_d[None, :]
     if SPLIT:
@@ -135,12 +141,8 @@ def _prefill_kernel(
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), IEEE) * scale  # (BLOCK_M, BLOCK_N)
         s = tl.where(mask_n[None, :] & (offs_n[None, :] <= pos_m[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
         n0 += BLOCK_N
     out = acc / l_i[:, None]
     tl.store(o_ptr + (q_start + offs_m)[:, None] * (H * D) + head * D + offs_d[None, :],
@@ -324,13 +326,9 @@ def _rotary_decode_kernel(
         blk = tl.load(bt_ptr + b * stride_bt + nxt // BLOCK_SIZE, mask=nxt < cached_end, other=0)
         sc = (_dot(q1, tl.trans(ka), IEEE) + _dot(q2, tl.trans(kz), IEEE)) * scale  # (G_PAD, BLOCK_N)
         sc = tl.where(mask_n[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        p = tl.exp(sc - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i)
         acc1 = acc1 * alpha[:, None] + _dot(p.to(va.dtype), va, IEEE)
         acc2 = acc2 * alpha[:, None] + _dot(p.to(vz.dtype), vz, IEEE)
-        m_i = m_new
         n0 += BLOCK_N
     if (last >= start) & (last < end):  # this split holds the new token: attend to it, and cache it
         dst = tl.load(slot_ptr + b) * (KVH * 2 * HALF) + kvh * 2 * HALF + offs_d[None, :]
@@ -340,14 +338,10 @@ def _rotary_decode_kernel(
         tl.store(vc_ptr + dst + HALF, v2, mask=kmask)
         s_new = (tl.sum(q1.to(tl.float32) * k1.to(tl.float32), axis=1)
                  + tl.sum(q2.to(tl.float32) * k2.to(tl.float32), axis=1)) * scale
-        m_new = tl.maximum(m_i, s_new)
-        p = tl.exp(s_new - m_new)
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + p
-        pv = p.to(v1.dtype).to(tl.float32)[:, None]
+        p, alpha, m_i, l_i = _softmax_step(s_new[:, None], m_i, l_i)  # a tile of one key
+        pv = p.to(v1.dtype).to(tl.float32)
         acc1 = acc1 * alpha[:, None] + pv * v1.to(tl.float32)
         acc2 = acc2 * alpha[:, None] + pv * v2.to(tl.float32)
-        m_i = m_new
     if SPLIT:
         # partial result (unnormalized accumulator, running max and sum), merged by ``_merge_kernel`` after, or
         # with MERGE by the last split of this (sequence, KV head) to finish (its acquire sees every split's
