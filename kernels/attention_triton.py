@@ -183,29 +183,43 @@ def _check(q, k_cache, v_cache, meta: AttentionMetadata):
     assert bt.dtype == torch.int32 and bt.is_contiguous() and bt.shape[0] == meta.context_lens_t.shape[0]
 
 
+def _splits(num_splits: int, b: int, kvh: int) -> int:
+    """``num_splits``, or for 0 (automatic) about AUTO_PROGRAMS programs whatever the batch (fixed per graph size)."""
+    return num_splits or max(1, min(AUTO_MAX_SPLITS, -(-AUTO_PROGRAMS // (b * kvh))))
+
+
+def _split_parts(b: int, h: int, num_splits: int, d: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The split decode kernels' partial results: unnormalized accumulators (b, h, splits, d), running max and
+    running sum (b, h, splits), float32."""
+    part = torch.empty((b, h, num_splits, d), device=device, dtype=torch.float32)
+    m = torch.empty((b, h, num_splits), device=device, dtype=torch.float32)
+    return part, m, torch.empty_like(m)
+
+
+def _merge(part, m, l, out, pdl) -> None:
+    b, h, num_splits, d = part.shape
+    _merge_kernel[(b * h,)](part, m, l, out, num_splits, d, S_PAD=triton.next_power_of_2(num_splits),
+                            D_PAD=max(16, triton.next_power_of_2(d)), **launch_options(pdl, out))
+
+
 def _decode(q, k_cache, v_cache, meta, scale, num_splits, block_n, num_warps, num_stages, pdl):
     b, h, d = q.shape
     kvh, bs = k_cache.shape[2], k_cache.shape[1]
     group = h // kvh
-    if num_splits == 0:  # automatic: about AUTO_PROGRAMS programs, whatever the batch (fixed per graph size)
-        num_splits = max(1, min(AUTO_MAX_SPLITS, -(-AUTO_PROGRAMS // (b * kvh))))
+    num_splits = _splits(num_splits, b, kvh)
     common = dict(G_PAD=max(16, triton.next_power_of_2(group)), D_PAD=max(16, triton.next_power_of_2(d)),
                   BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
                   **launch_options(pdl, q))
     args = (q.stride(0), q.stride(1), meta.block_tables.stride(0), scale, group, d, bs, kvh)
+    out = torch.empty((b, h, d), device=q.device, dtype=q.dtype)
     if num_splits == 1:
-        out = torch.empty((b, h, d), device=q.device, dtype=q.dtype)
         _decode_kernel[(b, kvh, 1)](q, k_cache, v_cache, meta.block_tables, meta.context_lens_t, out, out, out,
                                     *args, SPLIT=False, **common)
         return out
-    part = torch.empty((b, h, num_splits, d), device=q.device, dtype=torch.float32)
-    m = torch.empty((b, h, num_splits), device=q.device, dtype=torch.float32)
-    l = torch.empty_like(m)
+    part, m, l = _split_parts(b, h, num_splits, d, q.device)
     _decode_kernel[(b, kvh, num_splits)](q, k_cache, v_cache, meta.block_tables, meta.context_lens_t, part, m, l,
                                          *args, SPLIT=True, **common)
-    out = torch.empty((b, h, d), device=q.device, dtype=q.dtype)
-    _merge_kernel[(b * h,)](part, m, l, out, num_splits, d, S_PAD=triton.next_power_of_2(num_splits),
-                            D_PAD=max(16, triton.next_power_of_2(d)), **launch_options(pdl, q))
+    _merge(part, m, l, out, pdl)
     return out
 
 
@@ -412,13 +426,10 @@ def rotary_attention_triton(
     assert not norm or (q_weight.shape == k_weight.shape == (d,) and q_weight.is_contiguous()
                         and k_weight.is_contiguous())
     group = h // kvh
-    if num_splits == 0:
-        num_splits = max(1, min(AUTO_MAX_SPLITS, -(-AUTO_PROGRAMS // (t * kvh))))
+    num_splits = _splits(num_splits, t, kvh)
     out = torch.empty((t, h, d), device=q.device, dtype=q.dtype)
     if num_splits > 1:
-        part = torch.empty((t, h, num_splits, d), device=q.device, dtype=torch.float32)
-        m = torch.empty((t, h, num_splits), device=q.device, dtype=torch.float32)
-        l = torch.empty_like(m)
+        part, m, l = _split_parts(t, h, num_splits, d, q.device)
         cnt = (counters or fresh_counters)(t * kvh, q.device) if merge_by_last else out
     else:
         part = m = l = cnt = out
@@ -432,8 +443,7 @@ def rotary_attention_triton(
         SPLIT=num_splits > 1, MERGE=bool(merge_by_last), IEEE=q.dtype == torch.float32, num_warps=num_warps,
         num_stages=num_stages, **launch_options(pdl, q))
     if num_splits > 1 and not merge_by_last:
-        _merge_kernel[(t * h,)](part, m, l, out, num_splits, d, S_PAD=triton.next_power_of_2(num_splits),
-                                D_PAD=max(16, triton.next_power_of_2(d)), **launch_options(pdl, q))
+        _merge(part, m, l, out, pdl)
     return out
 
 
