@@ -195,6 +195,12 @@ def kernel_checks() -> bool:
     e_moe = max(err(moe_triton(xm, lg, w13, w2, 8, True), mref),
                 err(moe_triton(xm, lg, w13, w2, 8, True, max_decode_pairs=0), mref),
                 err(moe_triton(xm, lg, w13, w2, 8, True, decode_split_down=2, decode_down_early=1, pdl=2), mref))
+    # the experts in one launch, twice with the kept float32 sum and counter (the kernel re-zeroes them)
+    from kernels.moe_triton import make_moe
+
+    one = make_moe(decode_split_down=3, decode_chunk=48, decode_block_k=256, decode_down_block_n=128, pdl=2)
+    for t_ in (1, 3, 3):
+        e_moe = max(e_moe, err(one(xm[:t_], lg[:t_], w13, w2, 8, True), mref[:t_]))
     scale = mref.abs().max().item()
     # the MoE block after attention (norm + router + routing in one launch, sum by the last pair's program),
     # float32 so that no routing decision sits within rounding of a tie; with dependent launch
@@ -207,7 +213,7 @@ def kernel_checks() -> bool:
     nref, nsum = norm_moe_ref(xs, rs, nws, 1e-6, gws, w13s, w2s, 8, True)
     e_nmoe = 0.0
     for t_ in (1, 3):
-        for split, route_by_last in ((1, 1), (2, 1), (2, 0)):
+        for split, route_by_last in ((1, 1), (2, 1), (2, 0), (3, 1)):
             o_, s_ = norm_moe_triton(xs[:t_], rs[:t_], nws, 1e-6, gws, w13s, w2s, 8, True, decode_split_down=split,
                                      route_by_last=route_by_last, pdl=1)
             e_nmoe = max(e_nmoe, err(o_, nref[:t_]) / nref.abs().max().item(), err(s_, nsum[:t_]))
@@ -279,9 +285,12 @@ def tiny_models_vs_transformers(tmp: Path) -> bool:
                                   kernel_params=with_pdl({"attention": {"num_splits": 0},
                                                           "rotary_attention": {"num_splits": 0},
                                                           "moe": {"decode_split_down": 2, "decode_down_early": 1}}, 2))
+        one = {"decode_split_down": 3, "decode_chunk": 48, "decode_block_k": 256, "decode_down_block_n": 128}
+        pdl_one = dataclasses.replace(pdl, kernel_params={**pdl.kernel_params, "moe": {**one, "pdl": 2}})
         results = {}
         for label, variant, ahead in (("reference", None, False), ("triton", spec, True),
                                       ("triton+graphs", graphs, False), ("triton+graphs+pdl", pdl, False),
+                                      ("triton+graphs+pdl, experts in one launch", pdl_one, False),
                                       ("triton+graphs+ahead", graphs, True)):
             try:
                 eng = LLMEngine(EngineConfig(source=resolve(str(folder)), device="cuda", num_kv_blocks=64,
@@ -301,7 +310,7 @@ def tiny_models_vs_transformers(tmp: Path) -> bool:
                 results["batch == alone"] = batch == alone
         # dependent launch is a newer form: its result is reported, and the figures that use it check their
         # own greedy tokens; the other forms gate the model figures
-        ok = all(v is True for k_, v in results.items() if k_ != "triton+graphs+pdl")
+        ok = all(v is True for k_, v in results.items() if not k_.startswith("triton+graphs+pdl"))
         all_ok &= ok
         row(f"tiny {name} fp32: greedy == transformers; graph batch == alone",
             ", ".join(f"{k} {v}" for k, v in results.items()) + f" -> {'OK' if ok else 'MISMATCH'}")
@@ -823,6 +832,50 @@ def experts_sweep(eng, cfg, gemv, pre, best):
              dataclasses.replace(gemv, kernels=pre, kernel_params={**best, "moe": {**best["moe"], **tiles}}))]
 
 
+def one_launch_sweep(eng, cfg, best):
+    """The experts in one launch (routing, gate/up, down, sum) alone at batch 1 over their tiles, against the
+    current split form, each call on another layer's experts (none served from L2). Returns the best tiles."""
+    from kernels.moe_triton import make_moe
+
+    k_, xs = cfg.num_experts_per_tok, torch.randn(1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    lgs = [torch.randn(1, cfg.num_experts, device="cuda", dtype=torch.bfloat16) for _ in range(24)]
+    mlps = [eng.model.layers[i].mlp for i in range(min(24, cfg.num_hidden_layers))]
+    moe_bytes = (k_ * 3 * cfg.moe_intermediate_size) * cfg.hidden_size * 2
+
+    def experts_us(params):
+        op = make_moe(**params)
+        return 1e6 * rotating_timed([lambda m=m, lg=lg: op(xs, lg, m.w13, m.w2, k_, True) for m, lg in zip(mlps, lgs)])
+
+    current = experts_us(best["moe"])
+    sweep = []
+    for chunk in (16, 32, 48, 64):
+        for bk in (256, 512):
+            for warps in (4, 8):
+                params = dict(decode_split_down=3, decode_chunk=chunk, decode_block_k=bk, decode_down_block_n=128,
+                              decode_warps=warps, pdl=2)
+                try:
+                    sweep.append((experts_us(params), params))
+                except Exception as e:  # a tile that does not compile (registers) is reported, the rest go on
+                    row(f"MoE experts in one launch b=1 {params}", f"FAILED {type(e).__name__}: {str(e)[:100]}")
+    if not sweep:
+        return None
+    t0, tiles = min(sweep, key=lambda r: r[0])
+    for dbn in (64, 256, 512):
+        params = {**tiles, "decode_down_block_n": dbn}
+        try:
+            sweep.append((experts_us(params), params))
+        except Exception as e:
+            row(f"MoE experts in one launch b=1 {params}", f"FAILED {type(e).__name__}: {str(e)[:100]}")
+    t1, tiles = min(sweep, key=lambda r: r[0])
+    row("MoE experts b=1 (75.5 MB): the current form (routing, gate/up, down + sum: three launches) and in one "
+        "launch, the best tiles", f"{current:.1f} us = {moe_bytes / current / 1e3:,.0f} GB/s; one launch "
+        f"{ {k: v for k, v in tiles.items() if k != 'pdl'} }: {t1:.1f} us = {moe_bytes / t1 / 1e3:,.0f} GB/s")
+    for t_, p_ in sorted(sweep, key=lambda r: r[0])[:6]:
+        row(f"  one launch {p_['decode_chunk']} rows, k {p_['decode_block_k']}, down n {p_['decode_down_block_n']}, "
+            f"{p_['decode_warps']} warps", f"{t_:.1f} us")
+    return {k: v for k, v in tiles.items() if k != "pdl"}
+
+
 # ---- 7. MoE -----------------------------------------------------------------------------------------
 @section
 def moe_decode(bw: float, layers: int | None, sweep_tiles: bool = False):
@@ -857,25 +910,27 @@ def moe_decode(bw: float, layers: int | None, sweep_tiles: bool = False):
     gemv = dataclasses.replace(spec, kernels={**TRITON_ALL, **TRITON_GEMV})
     best3 = moe_decode_params(attn["attention"], cfg.hidden_size)
     pre = TRITON_MOE_DECODE
-    # last session's best: without the attention block in one launch, the experts' tiles as they were
-    last = {op: p_ for op, p_ in best3.items() if op != "rotary_attention"}
-    last["moe"] = {"decode_split_down": 2, "pdl": 2}
-    last_k = {op: i_ for op, i_ in pre.items() if op != "rotary_attention"}
+    best3 = {**best3, "moe": {**best3["moe"], "pdl": 2}}
+    one = one_launch_sweep(eng, cfg, best3) or {"decode_split_down": 3, "decode_chunk": 32, "decode_block_k": 256,
+                                                "decode_down_block_n": 128, "decode_warps": 4}
+    p_one = {**best3, "moe": {**one, "pdl": 2}}
+    split = lambda n: {"num_splits": n, "block_n": 64, "merge_by_last": 0, "pdl": 2}  # noqa: E731
     forms = [
         ("previous best: split-KV, no dependent launch", gemv),
-        ("last session's best: pdl 2, sum in down, tiles 4 x 2,048, o_proj into L2",
-         dataclasses.replace(gemv, kernels=last_k, kernel_params=last)),
-        ("+ rotary_attention (q/k norm, rotary, KV store, attention: one launch; the merge kernel after)",
-         dataclasses.replace(gemv, kernels=pre, kernel_params={**last, "rotary_attention": best3["rotary_attention"]})),
-        ("+ rotary_attention + the experts' whole-row gate/up tiles, 16-row down tiles (TRITON_MOE_DECODE)",
-         dataclasses.replace(gemv, kernels=pre, kernel_params=best3)),
-        ("last session's best, the experts' loops 3 chunks ahead (decode_stages 3)",
-         dataclasses.replace(gemv, kernels=last_k, kernel_params={**last, "moe": {**last["moe"], "decode_stages": 3}})),
-        ("TRITON_MOE_DECODE, the experts' loops 3 chunks ahead (decode_stages 3)",
-         dataclasses.replace(gemv, kernels=pre, kernel_params={**best3, "moe": {**best3["moe"], "decode_stages": 3}})),
-        ("TRITON_MOE_DECODE, the down kernel's whole intermediate in one chunk (1,024)",
-         dataclasses.replace(gemv, kernels=pre, kernel_params={**best3, "moe": {**best3["moe"],
-                                                                                "decode_down_block_k": 1024}})),
+        ("last session's best (TRITON_MOE_DECODE)", dataclasses.replace(gemv, kernels=pre, kernel_params=best3)),
+        ("+ the experts in one launch (routing, gate/up, down, sum)",
+         dataclasses.replace(gemv, kernels=pre, kernel_params=p_one)),
+        ("+ the experts in one launch after norm + router in one (norm_moe: the block after attention in two)",
+         dataclasses.replace(gemv, kernels={**pre, "norm_moe": "triton"},
+                             kernel_params={**p_one, "norm_moe": {**one, "router_block_n": 2, "pdl": 2}})),
+        ("TRITON_MOE_DECODE, the attention block unsplit (1 split, 64-key blocks)",
+         dataclasses.replace(gemv, kernels=pre, kernel_params={**best3, "rotary_attention": split(1)})),
+        ("TRITON_MOE_DECODE, the attention block in 2 splits",
+         dataclasses.replace(gemv, kernels=pre, kernel_params={**best3, "rotary_attention": split(2)})),
+        ("+ the experts in one launch, the attention block unsplit",
+         dataclasses.replace(gemv, kernels=pre, kernel_params={**p_one, "rotary_attention": split(1)})),
+        ("+ the experts in one launch, the attention block in 2 splits",
+         dataclasses.replace(gemv, kernels=pre, kernel_params={**p_one, "rotary_attention": split(2)})),
     ]
     if sweep_tiles:
         forms += experts_sweep(eng, cfg, gemv, pre, best3)

@@ -84,7 +84,9 @@ def _builtin(op: str, impl: str, params: dict) -> Callable:
 
             return make_norm_moe(**params)
         elif op == "moe":
-            from kernels import moe_triton as m
+            from kernels.moe_triton import make_moe
+
+            return make_moe(**params)
         elif op == "prefetch":
             from kernels import prefetch_triton as m
         elif op in ("linear", "norm_linear", "act_linear"):

@@ -299,6 +299,77 @@ def _sum_pairs_kernel(part_ptr, out_ptr, N, TOP_K: tl.constexpr, BLOCK_N: tl.con
     tl.store(out_ptr + t * N + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _route_slot(logits_ptr, t, j, E, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Token t's expert in slot j and its weight, as ``_route_row`` chooses them (softmax in float32, the top k
+    with the lowest index first on ties, optionally renormalized), without a serial loop: every expert's rank
+    is the number of experts ahead of it."""
+    offs = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + t * E + offs, mask=offs < E, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)
+    p = tl.where(offs < E, p, -1.0)
+    ahead = (p[None, :] > p[:, None]) | ((p[None, :] == p[:, None]) & (offs[None, :] < offs[:, None]))
+    rank = tl.sum(ahead.to(tl.int32), axis=1)
+    e = tl.sum(tl.where(rank == j, offs, 0), axis=0)
+    w = tl.sum(tl.where(rank == j, p, 0.0), axis=0)
+    if RENORM:
+        w = w / tl.sum(tl.where(rank < TOP_K, p, 0.0), axis=0)
+    return e, w
+
+
+@triton.jit
+def _fused_experts_kernel(x_ptr, logits_ptr, w13_ptr, w2_ptr, acc_ptr, out_ptr, cnt_ptr, M, E,
+                          stride_13e, stride_13n, stride_2e, stride_2n, H: tl.constexpr, I: tl.constexpr,
+                          TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                          C_PAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                          PDL: tl.constexpr = 0):
+    """The decode path's whole MoE after the router in one launch: program (pair, c) routes the pair's token
+    (``_route_slot``), computes CHUNK rows of its expert's gate and up projections, their activation times the
+    routing weight, and adds that chunk's share of the down projection into the float32 sum acc (atomics). The
+    last program to finish casts the sum to out and zeroes acc and its counter for the next call."""
+    pair = tl.program_id(0)
+    t = pair // TOP_K
+    offs_c = tl.arange(0, C_PAD)
+    rows = tl.program_id(1) * CHUNK + offs_c
+    mask_c = (offs_c < CHUNK) & (rows < I)
+    pdl_enter(PDL)  # the logits come from the router before: no weight can be requested before
+    e, weight = _route_slot(logits_ptr, t, pair % TOP_K, E, TOP_K, RENORM, BLOCK_E)
+    w_gate = w13_ptr + e.to(tl.int64) * stride_13e + rows[:, None] * stride_13n
+    w_up = w_gate + I * stride_13n
+    gate = tl.zeros([C_PAD], tl.float32)
+    up = tl.zeros([C_PAD], tl.float32)
+    for k0 in range(0, H, BLOCK_K):  # H is known when compiling: a counted loop, its loads pipelined
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = mask_c[:, None] & (offs_k < H)[None, :]
+        a = tl.load(x_ptr + t * H + offs_k, mask=offs_k < H, other=0.0).to(tl.float32)[None, :]
+        gate += tl.sum(tl.load(w_gate + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * a, axis=1)
+        up += tl.sum(tl.load(w_up + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * a, axis=1)
+    # the activation in the reference's rounding (gate and up in the activations' dtype, kernels.activation)
+    dtype = out_ptr.dtype.element_ty
+    gf = gate.to(dtype).to(tl.float32)
+    act = ((gf / (1.0 + tl.exp(-gf))).to(dtype) * up.to(dtype)).to(tl.float32)
+    act = tl.where(mask_c, act, 0.0) * weight
+    w_down = w2_ptr + e.to(tl.int64) * stride_2e + rows[None, :]
+    for n0 in range(0, H, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        w = tl.load(w_down + offs_n[:, None] * stride_2n, mask=(offs_n < H)[:, None] & mask_c[None, :], other=0.0)
+        tl.atomic_add(acc_ptr + t * H + offs_n, tl.sum(w.to(tl.float32) * act[None, :], axis=1),
+                      mask=offs_n < H, sem="relaxed")
+    # the last program to get here finishes: its acquire sees every program's sums (released after a barrier)
+    tl.debug_barrier()
+    if tl.atomic_add(cnt_ptr, 1) == tl.num_programs(0) * tl.num_programs(1) - 1:
+        n0 = 0
+        while n0 < M * H:  # a while loop: the CPU interpreter's range() wants Python scalars
+            offs = n0 + tl.arange(0, BLOCK_N)
+            mask = offs < M * H
+            tl.store(out_ptr + offs, tl.load(acc_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg").to(dtype),
+                     mask=mask)
+            tl.store(acc_ptr + offs, tl.zeros([BLOCK_N], tl.float32), mask=mask)
+            n0 += BLOCK_N
+        tl.atomic_xchg(cnt_ptr, 0)
+
+
 def moe_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool, pdl: int = 0
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``kernels.moe.moe_route_ref`` (ids as int32): weights (T, k) float32, ids (T, k)."""
@@ -350,23 +421,45 @@ def _pair_experts(x, weights, ids, w13, w2, top_k, block_n, block_k, down_block_
     return out
 
 
+def _fused_experts(x, router_logits, w13, w2, top_k, renormalize, chunk, block_k, block_n, num_warps, num_stages,
+                    pdl, scratch=None):
+    """The decode path in one launch (``_fused_experts_kernel``); ``scratch(n, device, dtype)``: zeroed buffers
+    the kernel leaves zeroed (the float32 sum and the arrival counter; default: fresh per call)."""
+    t, h = x.shape
+    e, i = router_logits.shape[1], w2.shape[2]
+    assert w13.is_contiguous() and w2.is_contiguous()
+    x, logits = x.contiguous(), router_logits.contiguous()
+    scratch = scratch or fresh_counters
+    acc = scratch(t * h, x.device, torch.float32)
+    cnt = scratch(1, x.device, torch.int32)
+    out = torch.empty_like(x)
+    _fused_experts_kernel[(t * top_k, triton.cdiv(i, chunk))](
+        x, logits, w13, w2, acc, out, cnt, t, e, w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1), H=h, I=i,
+        TOP_K=top_k, RENORM=renormalize, BLOCK_E=triton.next_power_of_2(e), CHUNK=chunk,
+        C_PAD=triton.next_power_of_2(chunk), BLOCK_K=block_k, BLOCK_N=block_n, num_warps=num_warps,
+        num_stages=num_stages, **launch_options(pdl, x))
+    return out
+
+
 def moe_triton(
     x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool,
     block_m: int = 16, block_n: int = 32, block_k: int = 32,
     max_decode_pairs: int = 64, decode_block_n: int = 8, decode_block_k: int = 256, decode_down_block_n: int = 8,
     decode_warps: int = 4, decode_split_down: int = 1, decode_down_early: int = 0, decode_down_block_k: int = 0,
-    decode_stages: int = 1, pdl: int = 0,
+    decode_stages: int = 1, decode_chunk: int = 32, pdl: int = 0, scratch=None,
 ) -> torch.Tensor:
     """x: (T, H); router_logits: (T, E); w13: (E, 2I, H) holding [gate | up]; w2: (E, H, I). Returns (T, H).
 
     Up to ``max_decode_pairs`` routed pairs (any number while a CUDA graph is captured) take the device-only
     decode path (``decode_*`` parameters; ``decode_split_down``: 0, one down-projection program row per token
     looping over its k experts; 1, one per pair, summed by another launch; 2, one per pair, summed by the last
-    of a token's k programs; ``decode_down_early``: 1, the split down kernel requests its weights before it
-    waits for the gate/up kernel, which then waits before letting it be scheduled); more take the grouped
-    matmul (``block_*``). ``decode_down_block_k``: the down kernel's chunk of the intermediate (0: as
+    of a token's k programs; 3, routing, gate/up, down and the sum in one launch, ``decode_chunk`` rows of the
+    intermediate per program, ``decode_block_k`` and ``decode_down_block_n`` its tiles; ``decode_down_early``:
+    1, the split down kernel requests its weights before it waits for the gate/up kernel, which then waits
+    before letting it be scheduled); more take the grouped matmul (``block_*``). ``decode_down_block_k``: the down kernel's chunk of the intermediate (0: as
     ``decode_block_k``); ``decode_stages``: how many chunks ahead their loops request (1: none). ``pdl``: the
-    decode path's kernels with programmatic dependent launch (kernels/pdl.py).
+    decode path's kernels with programmatic dependent launch (kernels/pdl.py); ``scratch(n, device,
+    dtype)``: the one-launch form's zeroed sum and counter (default: fresh per call; ``make_moe`` keeps them).
     """
     t, h = x.shape
     assert w13.shape[2] == h and w2.shape[1] == h and w13.shape[1] == 2 * w2.shape[2]
@@ -374,6 +467,9 @@ def moe_triton(
         return torch.empty_like(x)
     # the grouped path reads counts on the host, which a CUDA graph capture cannot: capture the decode path
     if t * top_k <= max_decode_pairs or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if decode_split_down == 3:
+            return _fused_experts(x, router_logits, w13, w2, top_k, renormalize, decode_chunk, decode_block_k,
+                                  decode_down_block_n, decode_warps, decode_stages, pdl, scratch)
         weights, ids = moe_route_triton(router_logits, top_k, renormalize, pdl)
         return _pair_experts(x, weights, ids, w13, w2, top_k, decode_block_n, decode_block_k, decode_down_block_n,
                              decode_warps, decode_split_down, pdl, decode_down_early, decode_down_block_k,
@@ -391,7 +487,13 @@ def moe_triton(
 
 # moe_triton's tunable parameters and their defaults
 _MOE_PARAMS = {k: p.default for k, p in inspect.signature(moe_triton).parameters.items()
-               if p.default is not inspect.Parameter.empty and k != "pdl"}
+               if p.default is not inspect.Parameter.empty and k not in ("pdl", "scratch")}
+
+
+def make_moe(**params):
+    """The moe callable for a variant: ``moe_triton`` with its parameters and this table's own zeroed sum and
+    counter for the one-launch form."""
+    return functools.partial(moe_triton, **params, scratch=ArrivalCounters())
 
 
 def norm_moe_triton(
@@ -403,9 +505,11 @@ def norm_moe_triton(
     """Same contract as ``kernels.moe.norm_moe_ref``. A decode batch (at most 4 tokens and ``max_decode_pairs``
     pairs) takes one launch for the residual add, RMSNorm and router (``router_*`` tiles) and, with
     ``route_by_last``, routing by its last program (else the routing kernel after it), then the decode path's
-    expert kernels; larger batches the Triton norm, torch's router and ``moe_triton``. ``moe_params``:
-    ``moe_triton``'s parameters; ``pdl``: programmatic dependent launch (kernels/pdl.py); ``counters(n,
-    device)``: the routing's arrival counter (default: zeroed per call; ``make_norm_moe`` keeps one)."""
+    expert kernels (with ``decode_split_down`` 3 the experts' one launch, which routes for itself); larger
+    batches the Triton norm, torch's router and ``moe_triton``. ``moe_params``: ``moe_triton``'s parameters;
+    ``pdl``: programmatic dependent launch (kernels/pdl.py); ``counters(n, device, dtype)``: the routing's
+    arrival counter, or the one-launch experts' sum and counter (default: zeroed per call; ``make_norm_moe``
+    keeps them)."""
     from kernels.norm_triton import fused_add_rms_norm_triton
 
     unknown = set(moe_params) - set(_MOE_PARAMS)
@@ -425,13 +529,17 @@ def norm_moe_triton(
     summed, h = torch.empty_like(x), torch.empty_like(x)
     weights = torch.empty((t, top_k), device=x.device, dtype=torch.float32)
     ids = torch.empty((t, top_k), device=x.device, dtype=torch.int32)
-    cnt = (counters or fresh_counters)(1, x.device) if route_by_last else ids
+    fused = p["decode_split_down"] == 3  # the experts route for themselves
+    cnt = (counters or fresh_counters)(1, x.device) if route_by_last and not fused else ids
     _norm_router_kernel[(triton.cdiv(e, router_block_n),)](
         x, residual, norm_weight, gate_weight, logits, summed, h, weights, ids, cnt, t, e, eps,
         K=hidden, TOP_K=top_k, RENORM=renormalize, BLOCK_M=triton.next_power_of_2(t), BLOCK_N=router_block_n,
         BLOCK_K=router_block_k, BLOCK_E=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k),
-        ROUTE=bool(route_by_last),
+        ROUTE=bool(route_by_last) and not fused,
         num_warps=router_warps, **launch_options(pdl, x))
+    if fused:
+        return _fused_experts(h, logits, w13, w2, top_k, renormalize, p["decode_chunk"], p["decode_block_k"],
+                              p["decode_down_block_n"], p["decode_warps"], p["decode_stages"], pdl, counters), summed
     if not route_by_last:
         weights, ids = moe_route_triton(logits, top_k, renormalize, pdl)
     return _pair_experts(h, weights, ids, w13, w2, top_k, p["decode_block_n"], p["decode_block_k"],

@@ -71,6 +71,12 @@ def test_all_triton_variant_equals_reference_on_a_tiny_model():
         spec = VariantSpec(block_size=4, kernels={**ALL_TRITON, "attention": attention},
                            kernel_params=with_pdl(kernel_params) if pdl else kernel_params)
         assert [o.token_ids for o in _tiny(spec).generate(prompts, params)] == ref
+    # the experts in one launch that routes for itself, after the composed or the fused norm + router
+    one = {"decode_split_down": 3, "decode_chunk": 12, "decode_block_k": 32, "decode_down_block_n": 16}
+    for norm_moe in ("reference", "triton"):
+        spec = VariantSpec(block_size=4, kernels={**ALL_TRITON, "norm_moe": norm_moe},
+                           kernel_params=with_pdl({"attention": {"block_n": 8}, "moe": one, "norm_moe": one}))
+        assert [o.token_ids for o in _tiny(spec).generate(prompts, params)] == ref, norm_moe
     # each Triton kernel alone among the references
     for op in ("rotary", "store_kv", "rotary_store_kv", "norm_rotary_store_kv", "rotary_attention", "moe", "linear",
                "norm_linear", "act_linear", "norm_moe", "prefetch"):

@@ -170,7 +170,7 @@ def test_paged_attention(case):
                                                (33, 32, 8, 3, 20, True), (5, 24, 3, 3, 16, False)])
 def test_moe_grouped_matmul(t, h, e, k, i, renorm):
     from kernels.moe import moe_ref
-    from kernels.moe_triton import moe_triton
+    from kernels.moe_triton import make_moe, moe_triton
 
     x, logits = torch.randn(t, h), torch.randn(t, e)
     w13, w2 = torch.randn(e, 2 * i, h) * 0.2, torch.randn(e, h, i) * 0.2
@@ -200,6 +200,15 @@ def test_moe_grouped_matmul(t, h, e, k, i, renorm):
                            decode_block_k=block_k, decode_down_block_n=8, decode_split_down=2, decode_down_early=1,
                            decode_down_block_k=down_block_k, decode_stages=1 + (block_k == 32), pdl=2)
         torch.testing.assert_close(early, ref, rtol=1e-4, atol=1e-4)
+    # routing, gate/up, down and the sum in one launch: chunks of the intermediate that do not divide it, one
+    # that covers it whole, one row; the float32 sum and counter kept across calls (the kernel re-zeroes them)
+    op = make_moe(max_decode_pairs=t * k, decode_split_down=3, decode_block_k=16, decode_down_block_n=8)
+    for chunk in (6, 32, 1):
+        for _ in range(2):
+            one = op(x, logits, w13, w2, k, renorm, decode_chunk=chunk)
+            torch.testing.assert_close(one, ref, rtol=1e-4, atol=1e-4)
+    scratch = op.keywords["scratch"]
+    assert not scratch(t * h, x.device, torch.float32).any() and not scratch(1, x.device).any()
 
 
 @pytest.mark.parametrize("t,h,e,k,i,renorm", [(1, 48, 6, 2, 8, True), (3, 40, 9, 3, 24, False),
@@ -223,8 +232,9 @@ def test_norm_moe(t, h, e, k, i, renorm):
     # router_block_n 16 > e for the smaller cases: one program
     # route_by_last 0: the routing kernel after the norm + router launch
     counters = ArrivalCounters()
+    # split 3: the experts in one launch that routes for itself (route_by_last has no effect)
     for split, router_block_n, router_block_k, route_by_last in ((1, 2, 32, 1), (2, 4, 64, 1), (0, 16, 32, 1),
-                                                                 (2, 4, 64, 0), (2, 2, 32, 0)):
+                                                                 (2, 4, 64, 0), (2, 2, 32, 0), (3, 4, 64, 1)):
         for _ in range(2):  # twice: the routing's counter, kept by ``counters``, is reset by the kernel
             out, summed = norm_moe_triton(x, r, nw, 1e-6, gw, w13, w2, k, renorm, router_block_n=router_block_n,
                                           router_block_k=router_block_k, route_by_last=route_by_last,
@@ -233,7 +243,7 @@ def test_norm_moe(t, h, e, k, i, renorm):
                                           counters=counters)
             torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(summed, ref_summed)
-    assert int(counters(1, torch.device("cpu"))[0]) == 0
+    assert not counters(1, torch.device("cpu")).any() and not counters(t * h, torch.device("cpu"), torch.float32).any()
     with pytest.raises(TypeError, match="unknown parameters"):
         norm_moe_triton(x, r, nw, 1e-6, gw, w13, w2, k, renorm, decode_blok_n=8)
 
