@@ -286,7 +286,8 @@ def tiny_models_vs_transformers(tmp: Path) -> bool:
                                                           "rotary_attention": {"num_splits": 0},
                                                           "moe": {"decode_split_down": 2, "decode_down_early": 1}}, 2))
         one = {"decode_split_down": 3, "decode_chunk": 48, "decode_block_k": 256, "decode_down_block_n": 128}
-        pdl_one = dataclasses.replace(pdl, kernel_params={**pdl.kernel_params, "moe": {**one, "pdl": 2}})
+        pdl_one = dataclasses.replace(pdl, kernel_params={**{op: dict(p_) for op, p_ in pdl.kernel_params},
+                                                          "moe": {**one, "pdl": 2}})
         results = {}
         for label, variant, ahead in (("reference", None, False), ("triton", spec, True),
                                       ("triton+graphs", graphs, False), ("triton+graphs+pdl", pdl, False),
