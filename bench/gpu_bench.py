@@ -912,28 +912,26 @@ def moe_decode(bw: float, layers: int | None, sweep_tiles: bool = False):
     best3 = moe_decode_params(attn["attention"], cfg.hidden_size)
     pre = TRITON_MOE_DECODE
     best3 = {**best3, "moe": {**best3["moe"], "pdl": 2}}
-    one = one_launch_sweep(eng, cfg, best3) or {"decode_split_down": 3, "decode_chunk": 32, "decode_block_k": 256,
-                                                "decode_down_block_n": 128, "decode_warps": 4}
-    p_one = {**best3, "moe": {**one, "pdl": 2}}
-    split = lambda n: {"num_splits": n, "block_n": 64, "merge_by_last": 0, "pdl": 2}  # noqa: E731
+    # norm + router in one launch (norm_moe "triton"), its rows whole (one request each, h normed in registers)
+    norm_moe = lambda n, by_last, warps=4: dataclasses.replace(  # noqa: E731
+        gemv, kernels={**pre, "norm_moe": "triton"}, kernel_params={**best3, "norm_moe": {
+            **best3["moe"], "router_block_n": n, "router_block_k": 2048, "route_by_last": by_last,
+            "router_warps": warps, "pdl": 2}})
     forms = [
         ("previous best: split-KV, no dependent launch", gemv),
         ("last session's best (TRITON_MOE_DECODE)", dataclasses.replace(gemv, kernels=pre, kernel_params=best3)),
-        ("+ the experts in one launch (routing, gate/up, down, sum)",
-         dataclasses.replace(gemv, kernels=pre, kernel_params=p_one)),
-        ("+ the experts in one launch after norm + router in one (norm_moe: the block after attention in two)",
-         dataclasses.replace(gemv, kernels={**pre, "norm_moe": "triton"},
-                             kernel_params={**p_one, "norm_moe": {**one, "router_block_n": 2, "pdl": 2}})),
-        ("TRITON_MOE_DECODE, the attention block unsplit (1 split, 64-key blocks)",
-         dataclasses.replace(gemv, kernels=pre, kernel_params={**best3, "rotary_attention": split(1)})),
-        ("TRITON_MOE_DECODE, the attention block in 2 splits",
-         dataclasses.replace(gemv, kernels=pre, kernel_params={**best3, "rotary_attention": split(2)})),
-        ("+ the experts in one launch, the attention block unsplit",
-         dataclasses.replace(gemv, kernels=pre, kernel_params={**p_one, "rotary_attention": split(1)})),
-        ("+ the experts in one launch, the attention block in 2 splits",
-         dataclasses.replace(gemv, kernels=pre, kernel_params={**p_one, "rotary_attention": split(2)})),
+        ("+ norm + router in one launch (whole rows, 2 per program), the routing kernel after", norm_moe(2, 0)),
+        ("+ norm + router in one launch (whole rows, 4 per program), the routing kernel after", norm_moe(4, 0)),
+        ("+ norm + router in one launch (whole rows, 1 per program), the routing kernel after", norm_moe(1, 0)),
+        ("+ norm + router in one launch (whole rows, 2 per program, 8 warps), the routing kernel after",
+         norm_moe(2, 0, 8)),
+        ("+ norm + router in one launch (whole rows, 2 per program), routing by its last program", norm_moe(2, 1)),
     ]
-    if sweep_tiles:
+    if sweep_tiles:  # the experts in one launch (measured slower than three launches: bench/RESULTS.md)
+        one = one_launch_sweep(eng, cfg, best3)
+        if one:
+            forms.append(("+ the experts in one launch (routing, gate/up, down, sum)", dataclasses.replace(
+                gemv, kernels=pre, kernel_params={**best3, "moe": {**one, "pdl": 2}})))
         forms += experts_sweep(eng, cfg, gemv, pre, best3)
     best = (0.0, None, "")
     for name, variant in forms:
