@@ -917,15 +917,19 @@ def moe_decode(bw: float, layers: int | None, sweep_tiles: bool = False):
         gemv, kernels={**pre, "norm_moe": "triton"}, kernel_params={**best3, "norm_moe": {
             **best3["moe"], "router_block_n": n, "router_block_k": 2048, "route_by_last": by_last,
             "router_warps": warps, "pdl": 2}})
+    ra = best3["rotary_attention"]
+    with_ra = lambda **kw: {**best3, "rotary_attention": {**ra, **kw}}  # noqa: E731
     forms = [
         ("previous best: split-KV, no dependent launch", gemv),
-        ("last session's best (TRITON_MOE_DECODE)", dataclasses.replace(gemv, kernels=pre, kernel_params=best3)),
-        ("+ norm + router in one launch (whole rows, 2 per program), the routing kernel after", norm_moe(2, 0)),
-        ("+ norm + router in one launch (whole rows, 4 per program), the routing kernel after", norm_moe(4, 0)),
+        ("last session's best (TRITON_MOE_DECODE, the attention block's cache tile after its wait)",
+         dataclasses.replace(gemv, kernels=pre, kernel_params=with_ra(cache_before_wait=0))),
+        ("TRITON_MOE_DECODE: the attention block's first cache tile before its wait",
+         dataclasses.replace(gemv, kernels=pre, kernel_params=best3)),
         ("+ norm + router in one launch (whole rows, 1 per program), the routing kernel after", norm_moe(1, 0)),
-        ("+ norm + router in one launch (whole rows, 2 per program, 8 warps), the routing kernel after",
-         norm_moe(2, 0, 8)),
-        ("+ norm + router in one launch (whole rows, 2 per program), routing by its last program", norm_moe(2, 1)),
+        ("TRITON_MOE_DECODE, the attention block in 4 splits",
+         dataclasses.replace(gemv, kernels=pre, kernel_params=with_ra(num_splits=4))),
+        ("TRITON_MOE_DECODE, the attention block in 16 splits of 16-key tiles",
+         dataclasses.replace(gemv, kernels=pre, kernel_params=with_ra(num_splits=16, block_n=16))),
     ]
     if sweep_tiles:  # the experts in one launch (measured slower than three launches: bench/RESULTS.md)
         one = one_launch_sweep(eng, cfg, best3)

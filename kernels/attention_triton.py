@@ -267,20 +267,41 @@ def split_kv_attention_triton(q, k_cache, v_cache, meta: AttentionMetadata, scal
 
 
 @triton.jit
+def _cache_tile(kc_ptr, vc_ptr, bt_row, blk, n0, end, kvh, offs_d, mask_d, HALF, BLOCK_SIZE, KVH,
+                BLOCK_N: tl.constexpr):
+    """Keys and values n0 .. n0 + BLOCK_N (below end) of one KV head as their two rotary halves, from the cache
+    slots that ``blk`` (their block table entries) gives; and the next tile's block table entries."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask = (offs_n < end)[:, None] & mask_d[None, :]
+    slot_n = blk.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
+    kv_off = slot_n[:, None] * (KVH * 2 * HALF) + kvh * 2 * HALF + offs_d[None, :]
+    ka = tl.load(kc_ptr + kv_off, mask=mask, other=0.0)
+    kz = tl.load(kc_ptr + kv_off + HALF, mask=mask, other=0.0)
+    va = tl.load(vc_ptr + kv_off, mask=mask, other=0.0)
+    vz = tl.load(vc_ptr + kv_off + HALF, mask=mask, other=0.0)
+    nxt = offs_n + BLOCK_N
+    return ka, kz, va, vz, tl.load(bt_row + nxt // BLOCK_SIZE, mask=nxt < end, other=0)
+
+
+@triton.jit
 def _rotary_decode_kernel(
     q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, slot_ptr, cs_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr,
     o_ptr, part_ptr, m_ptr, l_ptr, cnt_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt, eps, scale,
     GROUP, HALF, BLOCK_SIZE, KVH,
     NORM: tl.constexpr, G_PAD: tl.constexpr, GM_PAD: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    S_PAD: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = 0,
+    S_PAD: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr, IEEE: tl.constexpr, EARLY: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
     """One program per (sequence, KV head, split) of a decode batch. Heads are handled as their two rotary
-    halves (d < HALF and HALF + d), so the rotation needs no shuffle within a head. Loads that do not depend
-    on each other are issued together (the program is a chain of a few memory round trips), and the block
-    table entry of the next tile is read while the current one is computed."""
+    halves (d < HALF and HALF + d), so the rotation needs no shuffle within a head. The cache below the new
+    token was written by earlier steps and the sequence's length, position and block table before this step's
+    kernels, so with EARLY the split's first tile of keys and values is requested before the wait
+    (``pdl_enter``): after it, one round trip for the new query, key and value. The next tile's block table
+    entries are read while the current one is computed."""
     b = tl.program_id(0)
-    pdl_enter(PDL)
+    if not EARLY:
+        pdl_enter(PDL)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     n_splits = tl.num_programs(2)
@@ -291,19 +312,10 @@ def _rotary_decode_kernel(
     heads = kvh * GROUP + offs_g
     qmask = mask_g[:, None] & mask_d[None, :]
     kmask = mask_d[None, :]
-    # first round trip: the sequence's length and position, this KV head's query heads, the new key and value
+    # (with EARLY before the wait) the sequence's length and position, this split's first block table entries and
+    # tile of the cache, and the rotation at the token's position
     kv_len = tl.load(ctx_ptr + b)
     pos = tl.load(pos_ptr + b)
-    qb = q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
-    q1 = tl.load(qb, mask=qmask, other=0.0)
-    q2 = tl.load(qb + HALF, mask=qmask, other=0.0)
-    kb = k_ptr + b * stride_kt + kvh * stride_kh + offs_d[None, :]
-    k1 = tl.load(kb, mask=kmask, other=0.0)
-    k2 = tl.load(kb + HALF, mask=kmask, other=0.0)
-    vb = v_ptr + b * stride_vt + kvh * stride_vh + offs_d[None, :]
-    v1 = tl.load(vb, mask=kmask, other=0.0).to(vc_ptr.dtype.element_ty)
-    v2 = tl.load(vb + HALF, mask=kmask, other=0.0).to(vc_ptr.dtype.element_ty)
-    # second: this split's first block table entries, and the rotation at the token's position
     split_len = tl.cdiv(tl.cdiv(kv_len, n_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(kv_len, start + split_len)
@@ -313,6 +325,20 @@ def _rotary_decode_kernel(
     blk = tl.load(bt_ptr + b * stride_bt + offs_n // BLOCK_SIZE, mask=offs_n < cached_end, other=0)
     cos = tl.load(cs_ptr + pos * 2 * HALF + offs_d, mask=mask_d, other=0.0)
     sin = tl.load(cs_ptr + pos * 2 * HALF + HALF + offs_d, mask=mask_d, other=0.0)
+    ka, kz, va, vz, blk = _cache_tile(kc_ptr, vc_ptr, bt_ptr + b * stride_bt, blk, start, cached_end, kvh, offs_d,
+                                      mask_d, HALF, BLOCK_SIZE, KVH, BLOCK_N)
+    if EARLY:
+        pdl_enter(PDL)
+    # after it: this KV head's query heads, the new key and value (the projection before wrote them)
+    qb = q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    q1 = tl.load(qb, mask=qmask, other=0.0)
+    q2 = tl.load(qb + HALF, mask=qmask, other=0.0)
+    kb = k_ptr + b * stride_kt + kvh * stride_kh + offs_d[None, :]
+    k1 = tl.load(kb, mask=kmask, other=0.0)
+    k2 = tl.load(kb + HALF, mask=kmask, other=0.0)
+    vb = v_ptr + b * stride_vt + kvh * stride_vh + offs_d[None, :]
+    v1 = tl.load(vb, mask=kmask, other=0.0).to(vc_ptr.dtype.element_ty)
+    v2 = tl.load(vb + HALF, mask=kmask, other=0.0).to(vc_ptr.dtype.element_ty)
     # the query heads and the new key normed and rotated as kernels.rotary_triton does
     q1, q2 = _head_norm(q1, q2, qw_ptr, offs_d, mask_d, eps, HALF, NORM)
     c = cos.to(q1.dtype)[None, :]
@@ -327,23 +353,15 @@ def _rotary_decode_kernel(
     acc2 = tl.zeros([G_PAD, HALF_PAD], tl.float32)
     n0 = start
     while n0 < cached_end:  # a while loop: the bound is loaded at run time
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < cached_end
-        slot_n = blk.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
-        kv_off = slot_n[:, None] * (KVH * 2 * HALF) + kvh * 2 * HALF + offs_d[None, :]
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        ka = tl.load(kc_ptr + kv_off, mask=kv_mask, other=0.0)
-        kz = tl.load(kc_ptr + kv_off + HALF, mask=kv_mask, other=0.0)
-        va = tl.load(vc_ptr + kv_off, mask=kv_mask, other=0.0)
-        vz = tl.load(vc_ptr + kv_off + HALF, mask=kv_mask, other=0.0)
-        nxt = offs_n + BLOCK_N
-        blk = tl.load(bt_ptr + b * stride_bt + nxt // BLOCK_SIZE, mask=nxt < cached_end, other=0)
+        mask_n = n0 + tl.arange(0, BLOCK_N) < cached_end
         sc = (_dot(q1, tl.trans(ka), IEEE) + _dot(q2, tl.trans(kz), IEEE)) * scale  # (G_PAD, BLOCK_N)
         sc = tl.where(mask_n[None, :], sc, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i)
         acc1 = acc1 * alpha[:, None] + _dot(p.to(va.dtype), va, IEEE)
         acc2 = acc2 * alpha[:, None] + _dot(p.to(vz.dtype), vz, IEEE)
         n0 += BLOCK_N
+        ka, kz, va, vz, blk = _cache_tile(kc_ptr, vc_ptr, bt_ptr + b * stride_bt, blk, n0, cached_end, kvh,
+                                          offs_d, mask_d, HALF, BLOCK_SIZE, KVH, BLOCK_N)  # masked past the end
     if (last >= start) & (last < end):  # this split holds the new token: attend to it, and cache it
         dst = tl.load(slot_ptr + b) * (KVH * 2 * HALF) + kvh * 2 * HALF + offs_d[None, :]
         tl.store(kc_ptr + dst, k1, mask=kmask)
@@ -401,11 +419,12 @@ def _rotary_decode_kernel(
 def rotary_attention_triton(
     q, k, v, q_weight, k_weight, eps: float, positions, cos_sin, k_cache, v_cache, meta: AttentionMetadata,
     scale: float, *, num_splits: int = 0, merge_by_last: int = 0, block_n: int = 32, block_m: int = 32,
-    num_warps: int = 4, num_stages: int = 2, pdl: int = 0, counters=None,
+    num_warps: int = 4, num_stages: int = 2, cache_before_wait: int = 1, pdl: int = 0, counters=None,
 ):
     """Same contract as ``kernels.attention.rotary_attention_ref``. A decode batch takes ``_rotary_decode_kernel``
     (``num_splits`` as ``paged_attention_triton``'s, 0: by the batch's size; the splits merged by the merge
-    kernel after it, or by the last of them to finish with ``merge_by_last``); others the
+    kernel after it, or by the last of them to finish with ``merge_by_last``; with ``cache_before_wait`` each
+    split's first tile of the cache requested before the dependent-launch wait); others the
     rotary + KV-store kernel, then ``paged_attention_triton``. ``counters(n, device)``: the split merge's
     arrival counters (default: zeroed per call; ``make_rotary_attention`` keeps one buffer)."""
     t, h, d = q.shape
@@ -440,7 +459,8 @@ def rotary_attention_triton(
         group, d // 2, k_cache.shape[1], kvh,
         NORM=norm, G_PAD=max(16, triton.next_power_of_2(group)), GM_PAD=triton.next_power_of_2(group),
         HALF_PAD=max(16, triton.next_power_of_2(d // 2)), BLOCK_N=block_n, S_PAD=triton.next_power_of_2(num_splits),
-        SPLIT=num_splits > 1, MERGE=bool(merge_by_last), IEEE=q.dtype == torch.float32, num_warps=num_warps,
+        SPLIT=num_splits > 1, MERGE=bool(merge_by_last), IEEE=q.dtype == torch.float32,
+        EARLY=bool(cache_before_wait), num_warps=num_warps,
         num_stages=num_stages, **launch_options(pdl, q))
     if num_splits > 1 and not merge_by_last:
         _merge(part, m, l, out, pdl)

@@ -355,11 +355,13 @@ def test_rotary_attention(heads, kvh, d, bs, contexts, norm):
     ref_kc, ref_vc = kc.clone(), vc.clone()
     ref = rotary_attention_ref(q, k, v, qw, kw, 1e-6, pos, cs, ref_kc, ref_vc, meta, d**-0.5)
     counters = ArrivalCounters()
-    for splits, by_last in ((1, 1), (3, 1), (0, 1), (3, 0)):  # 0: automatic; by_last 0: the merge kernel after
+    # splits 0: automatic; by_last 0: the merge kernel after; early 0: the cache's first tile after the wait
+    for splits, by_last, early in ((1, 1, 1), (3, 1, 1), (0, 1, 0), (3, 0, 1)):
         for _ in range(2):  # the counters are reset by the kernel: a second call must merge again
             got_kc, got_vc = kc.clone(), vc.clone()
             got = rotary_attention_triton(q, k, v, qw, kw, 1e-6, pos, cs, got_kc, got_vc, meta, d**-0.5,
-                                          num_splits=splits, merge_by_last=by_last, block_n=8, counters=counters)
+                                          num_splits=splits, merge_by_last=by_last, block_n=8, counters=counters,
+                                          cache_before_wait=early)
             torch.testing.assert_close(got, ref, **TOL)
             torch.testing.assert_close(got_kc, ref_kc, **TOL)
             torch.testing.assert_close(got_vc, ref_vc, rtol=0, atol=0)
