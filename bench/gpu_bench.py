@@ -494,6 +494,12 @@ def llama8b_decode(m: Llama8B, bw: float, quick: bool = False):
          dataclasses.replace(gemv, kernels={**TRITON_ALL, **TRITON_GEMV, "rotary_attention": "triton"},
                              kernel_params=with_pdl({"attention": {"num_splits": 0, "block_n": 32},
                                                      "rotary_attention": {"num_splits": 0, "block_n": 32}})), True),
+        ("the MoE's best form (pdl 2, whole-row projection tiles, o_proj into L2), the attention in two launches",
+         dataclasses.replace(gemv, kernels={**TRITON_ALL, **TRITON_GEMV, "prefetch": "triton"},
+                             kernel_params=moe_decode_params({"num_splits": 0, "block_n": 32}, 4096)), True),
+        ("the MoE's best form (TRITON_MOE_DECODE: + rotary_attention, its cache tile before the wait)",
+         dataclasses.replace(gemv, kernels=TRITON_MOE_DECODE,
+                             kernel_params=moe_decode_params({"num_splits": 0, "block_n": 32}, 4096)), True),
     ]
     if quick:  # the best forms only, no transformers rows
         specs = specs[-4:]
