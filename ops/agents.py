@@ -263,6 +263,15 @@ class KernelChoices(Agent):
                     kernels=TRITON_MOE_DECODE, kernel_params=moe_decode_params(attn, state.spec.hidden_size),
                     cuda_graph_batch_sizes=graphs),
                     f"mixture of experts at concurrency {conc:.1f}: fewer, overlapped launches per layer"))
+            elif conc <= 4:
+                # measured best for batch-1 dense decode on an H200 (bench/RESULTS.md): the attention block
+                # (rotary, KV store, split-KV attention) in one launch, its first cache tile requested before the wait
+                cands.append((dataclasses.replace(
+                    v, name="kernels: triton + graphs + fused GEMV + dependent launch + rotary_attention",
+                    kernels={**TRITON_ALL, **TRITON_GEMV, "rotary_attention": "triton"},
+                    kernel_params=with_pdl({"attention": attn, "rotary_attention": attn}),
+                    cuda_graph_batch_sizes=graphs),
+                    f"few sequences at once (concurrency {conc:.1f}): one launch fewer per layer in the attention"))
         if ctx >= 4096:
             cands.append((dataclasses.replace(v, name="kernels: split-KV attention + graphs",
                                               kernels={**TRITON_ALL, "attention": "triton_split_kv"},

@@ -189,8 +189,13 @@ def test_kernel_choices_follow_device_and_concurrency(tmp_path):
     assert not any(p.variant.params("linear").get("pdl") for p in props)  # the test hardware has no capability
     hopper = dataclasses.replace(gpu, hardware=dataclasses.replace(gpu.hardware, compute_capability="9.0"))
     pdl = [p.variant for p in KernelChoices().propose(hopper, 8) if p.variant.params("linear").get("pdl")]
-    assert len(pdl) == 1 and all(pdl[0].params(op).get("pdl") == 1 for op in PDL_OPS)
-    assert pdl[0].params("attention")["num_splits"] == 0  # low concurrency: with split-KV
+    assert len(pdl) == 2 and all(v.params(op).get("pdl") == 1 for v in pdl for op in PDL_OPS)
+    assert all(v.params("attention")["num_splits"] == 0 for v in pdl)  # low concurrency: with split-KV
+    # and a dense model at low concurrency: the attention block in one launch too
+    assert [v.impl("rotary_attention") for v in pdl] == ["reference", "triton"]
+    assert pdl[1].params("rotary_attention")["num_splits"] == 0
+    assert not any(p.variant.impl("rotary_attention") == "triton" for p in KernelChoices().propose(
+        dataclasses.replace(hopper, traffic=dataclasses.replace(gpu.traffic, estimated_concurrency=32.0)), 8))
     assert not any(p.variant.impl("prefetch") == "triton" for p in KernelChoices().propose(hopper, 8))  # dense
     moe = dataclasses.replace(hopper, spec=dataclasses.replace(hopper.spec, experts=128, experts_per_token=8,
                                                                hidden_size=2048))
