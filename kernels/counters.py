@@ -13,8 +13,8 @@ import torch
 class ArrivalCounters:
     """Zeroed buffers (int32 counters, float32 sums) that the kernels reset after use: one buffer per device and
     dtype, owned by one operation instance (a variant's table), so launches of two variants (one warming up
-    while the other serves) never share one. A larger request replaces the buffer; replaced buffers are kept, as CUDA graphs captured with
-    them still use them."""
+    while the other serves) never share one. A larger request replaces the buffer; replaced buffers are kept,
+    as CUDA graphs captured with them still use them."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}

@@ -2,8 +2,9 @@
 
 - few routed (token, slot) pairs (decode): a fused routing kernel (softmax, top-k,
   renormalization) and two matrix-vector kernels that read each pair's expert from a device
-  tensor. Nothing goes back to the host, so the step can be captured in a CUDA graph, and
-  each routed expert's weights are read once per pair: the bytes a decode step must move.
+  tensor (or all of it in one kernel that routes for itself and sums by atomics). Nothing goes
+  back to the host, so the step can be captured in a CUDA graph, and each routed expert's
+  weights are read once per pair: the bytes a decode step must move.
 - many pairs (prefill): routing is the reference's; the pairs are sorted by expert and padded
   to whole BLOCK_M tiles, so every program of the grouped matmul multiplies rows of one
   expert only (the grouping reads the counts on the host).
@@ -454,9 +455,10 @@ def moe_triton(
     decode path (``decode_*`` parameters; ``decode_split_down``: 0, one down-projection program row per token
     looping over its k experts; 1, one per pair, summed by another launch; 2, one per pair, summed by the last
     of a token's k programs; 3, routing, gate/up, down and the sum in one launch, ``decode_chunk`` rows of the
-    intermediate per program, ``decode_block_k`` and ``decode_down_block_n`` its tiles; ``decode_down_early``:
-    1, the split down kernel requests its weights before it waits for the gate/up kernel, which then waits
-    before letting it be scheduled); more take the grouped matmul (``block_*``). ``decode_down_block_k``: the down kernel's chunk of the intermediate (0: as
+    intermediate per program, ``decode_block_k`` and ``decode_down_block_n`` its tiles (slower than 2 at batch 1
+    on an H200: bench/RESULTS.md); ``decode_down_early``: 1, the split down kernel requests its weights before
+    it waits for the gate/up kernel, which then waits before letting it be scheduled); more take the grouped
+    matmul (``block_*``). ``decode_down_block_k``: the down kernel's chunk of the intermediate (0: as
     ``decode_block_k``); ``decode_stages``: how many chunks ahead their loops request (1: none). ``pdl``: the
     decode path's kernels with programmatic dependent launch (kernels/pdl.py); ``scratch(n, device,
     dtype)``: the one-launch form's zeroed sum and counter (default: fresh per call; ``make_moe`` keeps them).
