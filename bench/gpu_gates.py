@@ -40,6 +40,12 @@ def main() -> int:
         "... + dependent launch (pdl 1)": VariantSpec(
             kernels={**TRITON_ALL, **TRITON_GEMV}, kernel_params=with_pdl({"attention": {"num_splits": 0, "block_n": 32}}),
             cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32)),
+        "... + dependent launch (pdl 1) + rotary_attention": VariantSpec(
+            # the form the kernel agent proposes for dense models at low concurrency
+            kernels={**TRITON_ALL, **TRITON_GEMV, "rotary_attention": "triton"},
+            kernel_params=with_pdl({"attention": {"num_splits": 0, "block_n": 32},
+                                    "rotary_attention": {"num_splits": 0, "block_n": 32}}),
+            cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32)),
         "... + dependent launch, rotary_attention, whole-row tiles, sum in down, o_proj prefetch": VariantSpec(
             # the form measured best on the MoE shape (hidden 2,048), on either model
             kernels=TRITON_MOE_DECODE, kernel_params=moe_decode_params({"num_splits": 0, "block_n": 32}, 2048),
