@@ -280,14 +280,13 @@ def tiny_models_vs_transformers(tmp: Path) -> bool:
                                eos_token_id=None, pad_token_id=0)[0, 40:].tolist()
         spec = VariantSpec(kernels={**TRITON_ALL, **TRITON_GEMV})
         graphs = dataclasses.replace(spec, cuda_graph_batch_sizes=(1, 2, 4))
+        pdl_params = with_pdl({"attention": {"num_splits": 0}, "rotary_attention": {"num_splits": 0},
+                               "moe": {"decode_split_down": 2, "decode_down_early": 1}}, 2)
         pdl = dataclasses.replace(graphs, kernels={**TRITON_ALL, **TRITON_GEMV, "prefetch": "triton",
                                                    "rotary_attention": "triton"},
-                                  kernel_params=with_pdl({"attention": {"num_splits": 0},
-                                                          "rotary_attention": {"num_splits": 0},
-                                                          "moe": {"decode_split_down": 2, "decode_down_early": 1}}, 2))
+                                  kernel_params=pdl_params)
         one = {"decode_split_down": 3, "decode_chunk": 48, "decode_block_k": 256, "decode_down_block_n": 128}
-        pdl_one = dataclasses.replace(pdl, kernel_params={**{op: dict(p_) for op, p_ in pdl.kernel_params},
-                                                          "moe": {**one, "pdl": 2}})
+        pdl_one = dataclasses.replace(pdl, kernel_params={**pdl_params, "moe": {**one, "pdl": 2}})
         results = {}
         for label, variant, ahead in (("reference", None, False), ("triton", spec, True),
                                       ("triton+graphs", graphs, False), ("triton+graphs+pdl", pdl, False),
@@ -794,31 +793,43 @@ def kernel_profile(label: str, fn, steps: int = 5, top: int = 14) -> None:
             f"{sum(v) / len(v):.1f} us each, {100 * sum(v) / steps / total:.0f}%")
 
 
-def experts_sweep(eng, cfg, gemv, pre, best):
-    """The experts alone at batch 1 (routing, gate/up, down with the sum), dependent launch, over their tiles;
-    each call on another layer's experts, so none is served from L2. Returns the forms with the best tiles."""
-    from kernels.moe_triton import moe_triton
+def experts_timer(eng, cfg):
+    """(us(params), bytes): microseconds per call of the experts alone at batch 1 (``make_moe(**params)``: the
+    routing, gate/up and down with the sum), each call on another layer's experts, so none is served from L2;
+    and the bytes of weights one call reads."""
+    from kernels.moe_triton import make_moe
 
     k_, xs = cfg.num_experts_per_tok, torch.randn(1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
     lgs = [torch.randn(1, cfg.num_experts, device="cuda", dtype=torch.bfloat16) for _ in range(24)]
     mlps = [eng.model.layers[i].mlp for i in range(min(24, cfg.num_hidden_layers))]
-    moe_bytes = (k_ * 3 * cfg.moe_intermediate_size) * cfg.hidden_size * 2
 
-    def experts_us(params):
-        calls = [lambda m=m, lg=lg: moe_triton(xs, lg, m.w13, m.w2, k_, True, decode_split_down=2, pdl=2, **params)
-                 for m, lg in zip(mlps, lgs)]
-        return 1e6 * rotating_timed(calls)
+    def us(params):
+        op = make_moe(**params)
+        return 1e6 * rotating_timed([lambda m=m, lg=lg: op(xs, lg, m.w13, m.w2, k_, True) for m, lg in zip(mlps, lgs)])
 
+    return us, (k_ * 3 * cfg.moe_intermediate_size) * cfg.hidden_size * 2
+
+
+def timed_tiles(sweep: list, us, params: dict, label: str) -> None:
+    """Appends (us(params), params) to sweep; a tile that does not compile (registers) is reported instead."""
+    try:
+        sweep.append((us(params), params))
+    except Exception as e:
+        row(f"{label} {params}", f"FAILED {type(e).__name__}: {str(e)[:100]}")
+
+
+def experts_sweep(eng, cfg, gemv, pre, best):
+    """The experts alone at batch 1 (routing, gate/up, down with the sum), dependent launch, over their tiles
+    (``experts_timer``). Returns the forms with the best tiles."""
+    timer, moe_bytes = experts_timer(eng, cfg)
+    experts_us = lambda params: timer({"decode_split_down": 2, "pdl": 2, **params})  # noqa: E731
     sweep = []
     for bn in (4, 8, 16):
         for bk in (256, 512, 1024, 2048):
             for warps in (4, 8):
                 params = dict(decode_block_n=bn, decode_block_k=bk, decode_warps=warps, decode_down_block_n=8,
                               decode_down_block_k=256)
-                try:
-                    sweep.append((experts_us(params), params))
-                except Exception as e:  # a tile that does not compile (registers) is reported, the rest go on
-                    row(f"MoE experts b=1 {params}", f"FAILED {type(e).__name__}: {str(e)[:100]}")
+                timed_tiles(sweep, experts_us, params, "MoE experts b=1")
     t0, gu = min(sweep, key=lambda r: r[0])
     current = next((t for t, p_ in sweep if p_["decode_block_n"] == 8 and p_["decode_block_k"] == 256
                     and p_["decode_warps"] == 4), float("nan"))
@@ -828,11 +839,8 @@ def experts_sweep(eng, cfg, gemv, pre, best):
     sweep2 = []
     for dbn in (4, 8, 16):
         for dbk in (256, 1024):
-            params = {**gu, "decode_down_block_n": dbn, "decode_down_block_k": dbk}
-            try:
-                sweep2.append((experts_us(params), params))
-            except Exception as e:
-                row(f"MoE experts b=1 {params}", f"FAILED {type(e).__name__}: {str(e)[:100]}")
+            timed_tiles(sweep2, experts_us, {**gu, "decode_down_block_n": dbn, "decode_down_block_k": dbk},
+                        "MoE experts b=1")
     t1, tiles = min(sweep2, key=lambda r: r[0])
     row("MoE experts b=1, then the down tiles: best", f"{tiles}: {t1:.1f} us = {moe_bytes / t1 / 1e3:,.0f} GB/s")
     return [(f"TRITON_MOE_DECODE with the experts' best tiles {tiles}",
@@ -841,18 +849,8 @@ def experts_sweep(eng, cfg, gemv, pre, best):
 
 def one_launch_sweep(eng, cfg, best):
     """The experts in one launch (routing, gate/up, down, sum) alone at batch 1 over their tiles, against the
-    current split form, each call on another layer's experts (none served from L2). Returns the best tiles."""
-    from kernels.moe_triton import make_moe
-
-    k_, xs = cfg.num_experts_per_tok, torch.randn(1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-    lgs = [torch.randn(1, cfg.num_experts, device="cuda", dtype=torch.bfloat16) for _ in range(24)]
-    mlps = [eng.model.layers[i].mlp for i in range(min(24, cfg.num_hidden_layers))]
-    moe_bytes = (k_ * 3 * cfg.moe_intermediate_size) * cfg.hidden_size * 2
-
-    def experts_us(params):
-        op = make_moe(**params)
-        return 1e6 * rotating_timed([lambda m=m, lg=lg: op(xs, lg, m.w13, m.w2, k_, True) for m, lg in zip(mlps, lgs)])
-
+    current split form (``experts_timer``). Returns the best tiles."""
+    experts_us, moe_bytes = experts_timer(eng, cfg)
     current = experts_us(best["moe"])
     sweep = []
     for chunk in (16, 32, 48, 64):
@@ -860,19 +858,12 @@ def one_launch_sweep(eng, cfg, best):
             for warps in (4, 8):
                 params = dict(decode_split_down=3, decode_chunk=chunk, decode_block_k=bk, decode_down_block_n=128,
                               decode_warps=warps, pdl=2)
-                try:
-                    sweep.append((experts_us(params), params))
-                except Exception as e:  # a tile that does not compile (registers) is reported, the rest go on
-                    row(f"MoE experts in one launch b=1 {params}", f"FAILED {type(e).__name__}: {str(e)[:100]}")
+                timed_tiles(sweep, experts_us, params, "MoE experts in one launch b=1")
     if not sweep:
         return None
     t0, tiles = min(sweep, key=lambda r: r[0])
     for dbn in (64, 256, 512):
-        params = {**tiles, "decode_down_block_n": dbn}
-        try:
-            sweep.append((experts_us(params), params))
-        except Exception as e:
-            row(f"MoE experts in one launch b=1 {params}", f"FAILED {type(e).__name__}: {str(e)[:100]}")
+        timed_tiles(sweep, experts_us, {**tiles, "decode_down_block_n": dbn}, "MoE experts in one launch b=1")
     t1, tiles = min(sweep, key=lambda r: r[0])
     row("MoE experts b=1 (75.5 MB): the current form (routing, gate/up, down + sum: three launches) and in one "
         "launch, the best tiles", f"{current:.1f} us = {moe_bytes / current / 1e3:,.0f} GB/s; one launch "
@@ -917,7 +908,6 @@ def moe_decode(bw: float, layers: int | None, sweep_tiles: bool = False):
     gemv = dataclasses.replace(spec, kernels={**TRITON_ALL, **TRITON_GEMV})
     best3 = moe_decode_params(attn["attention"], cfg.hidden_size)
     pre = TRITON_MOE_DECODE
-    best3 = {**best3, "moe": {**best3["moe"], "pdl": 2}}
     # norm + router in one launch (norm_moe "triton"), its rows whole (one request each, h normed in registers)
     norm_moe = lambda n, by_last, warps=4: dataclasses.replace(  # noqa: E731
         gemv, kernels={**pre, "norm_moe": "triton"}, kernel_params={**best3, "norm_moe": {

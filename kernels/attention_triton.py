@@ -321,12 +321,13 @@ def _rotary_decode_kernel(
     end = tl.minimum(kv_len, start + split_len)
     last = kv_len - 1  # the new token's position: its key and value are the ones in registers
     cached_end = tl.minimum(end, last)
+    bt_row = bt_ptr + b * stride_bt
     offs_n = start + tl.arange(0, BLOCK_N)
-    blk = tl.load(bt_ptr + b * stride_bt + offs_n // BLOCK_SIZE, mask=offs_n < cached_end, other=0)
+    blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=offs_n < cached_end, other=0)
     cos = tl.load(cs_ptr + pos * 2 * HALF + offs_d, mask=mask_d, other=0.0)
     sin = tl.load(cs_ptr + pos * 2 * HALF + HALF + offs_d, mask=mask_d, other=0.0)
-    ka, kz, va, vz, blk = _cache_tile(kc_ptr, vc_ptr, bt_ptr + b * stride_bt, blk, start, cached_end, kvh, offs_d,
-                                      mask_d, HALF, BLOCK_SIZE, KVH, BLOCK_N)
+    ka, kz, va, vz, blk = _cache_tile(kc_ptr, vc_ptr, bt_row, blk, start, cached_end, kvh, offs_d, mask_d, HALF,
+                                      BLOCK_SIZE, KVH, BLOCK_N)
     if EARLY:
         pdl_enter(PDL)
     # after it: this KV head's query heads, the new key and value (the projection before wrote them)
@@ -360,8 +361,8 @@ def _rotary_decode_kernel(
         acc1 = acc1 * alpha[:, None] + _dot(p.to(va.dtype), va, IEEE)
         acc2 = acc2 * alpha[:, None] + _dot(p.to(vz.dtype), vz, IEEE)
         n0 += BLOCK_N
-        ka, kz, va, vz, blk = _cache_tile(kc_ptr, vc_ptr, bt_ptr + b * stride_bt, blk, n0, cached_end, kvh,
-                                          offs_d, mask_d, HALF, BLOCK_SIZE, KVH, BLOCK_N)  # masked past the end
+        ka, kz, va, vz, blk = _cache_tile(kc_ptr, vc_ptr, bt_row, blk, n0, cached_end, kvh, offs_d, mask_d, HALF,
+                                          BLOCK_SIZE, KVH, BLOCK_N)  # masked past the end
     if (last >= start) & (last < end):  # this split holds the new token: attend to it, and cache it
         dst = tl.load(slot_ptr + b) * (KVH * 2 * HALF) + kvh * 2 * HALF + offs_d[None, :]
         tl.store(kc_ptr + dst, k1, mask=kmask)

@@ -98,15 +98,21 @@ def _grouped_matmul(a, w, pairs, tile_expert, num_pairs, a_div, weights, block_m
 
 
 @triton.jit
-def _route_row(logits_ptr, w_ptr, ids_ptr, t, E, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
-               K_PAD: tl.constexpr):
-    """Token t: softmax over the experts in float32, the top k (lowest index on ties), optionally renormalized.
-    The logits are read from L2 (``.cg``): another program of the same launch may have just written them."""
+def _route_probs(logits_ptr, t, E, BLOCK_E: tl.constexpr):
+    """Token t's softmax over the experts in float32 (-1 past the last expert), and the experts' indices. The
+    logits are read from L2 (``.cg``): another program of the same launch may have just written them."""
     offs = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + t * E + offs, mask=offs < E, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
-    p = p / tl.sum(p, axis=0)
-    p = tl.where(offs < E, p, -1.0)
+    return tl.where(offs < E, p / tl.sum(p, axis=0), -1.0), offs
+
+
+@triton.jit
+def _route_row(logits_ptr, w_ptr, ids_ptr, t, E, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
+               K_PAD: tl.constexpr):
+    """Token t: softmax over the experts in float32 (``_route_probs``), the top k (lowest index on ties),
+    optionally renormalized."""
+    p, offs = _route_probs(logits_ptr, t, E, BLOCK_E)
     offs_k = tl.arange(0, K_PAD)
     top_w = tl.zeros([K_PAD], tl.float32)
     top_i = tl.zeros([K_PAD], tl.int32)
@@ -305,11 +311,7 @@ def _route_slot(logits_ptr, t, j, E, TOP_K: tl.constexpr, RENORM: tl.constexpr, 
     """Token t's expert in slot j and its weight, as ``_route_row`` chooses them (softmax in float32, the top k
     with the lowest index first on ties, optionally renormalized), without a serial loop: every expert's rank
     is the number of experts ahead of it."""
-    offs = tl.arange(0, BLOCK_E)
-    x = tl.load(logits_ptr + t * E + offs, mask=offs < E, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
-    p = tl.exp(x - tl.max(x, axis=0))
-    p = p / tl.sum(p, axis=0)
-    p = tl.where(offs < E, p, -1.0)
+    p, offs = _route_probs(logits_ptr, t, E, BLOCK_E)
     ahead = (p[None, :] > p[:, None]) | ((p[None, :] == p[:, None]) & (offs[None, :] < offs[:, None]))
     rank = tl.sum(ahead.to(tl.int32), axis=1)
     e = tl.sum(tl.where(rank == j, offs, 0), axis=0)
