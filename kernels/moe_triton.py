@@ -191,13 +191,17 @@ def _norm_router_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, logits_ptr, sum_ptr, h_ptr,
 
 
 @triton.jit
-def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, cnt_ptr, n_cnt, N, TOP_K, stride_we, stride_wn,
-                         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ZERO_CNT: tl.constexpr,
-                         PDL: tl.constexpr = 0):
+def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, cnt_ptr, logits_ptr, rw_ptr, n_cnt, N, E, stride_we,
+                         stride_wn, K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         ZERO_CNT: tl.constexpr, ROUTE: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
+                         EVICT: tl.constexpr, PDL: tl.constexpr = 0):
     """out[pair, n] = x[pair // TOP_K] . w13[expert(pair), n] for one block of n. With ZERO_CNT the programs also
-    zero the n_cnt arrival counters the down kernel after them counts on."""
+    zero the n_cnt arrival counters the down kernel after them counts on. With ROUTE every program routes its
+    pair from the router logits itself (``_route_slot``: no routing launch before) and the programs of the first
+    block of n store the pair's expert and weight for the down kernel. EVICT: the weights' L2 eviction policy
+    ("evict_first": streamed through without pushing out what a prefetch read ahead)."""
     pair = tl.program_id(0)
-    pdl_enter(PDL)  # the expert comes from the routing kernel: no weight can be requested before
+    pdl_enter(PDL)  # the expert comes from the routing (or the router's logits): no weight can be requested before
     if ZERO_CNT:
         programs = tl.num_programs(0) * tl.num_programs(1)
         i = pair * tl.num_programs(1) + tl.program_id(1)
@@ -206,7 +210,14 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, cnt_ptr, n_cnt, N, TOP_
             i += programs
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    e = tl.load(ids_ptr + pair).to(tl.int64)
+    if ROUTE:
+        e, weight = _route_slot(logits_ptr, pair // TOP_K, pair % TOP_K, E, TOP_K, RENORM, BLOCK_E)
+        if tl.program_id(1) == 0:
+            tl.store(ids_ptr + pair, e)
+            tl.store(rw_ptr + pair, weight)
+        e = e.to(tl.int64)
+    else:
+        e = tl.load(ids_ptr + pair).to(tl.int64)
     row = x_ptr + (pair // TOP_K) * K
     acc = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):  # K is known when compiling: a counted loop, its loads pipelined
@@ -214,7 +225,7 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, cnt_ptr, n_cnt, N, TOP_
         mask_k = offs_k < K
         a = tl.load(row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :],
-                    mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+                    mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy=EVICT)
         acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
     tl.store(out_ptr + pair * N + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
@@ -233,7 +244,8 @@ def _act_dot(acc, w, gu_ptr, pair, k0, I, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _pair_down_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, stride_we, stride_wn, I: tl.constexpr,
-                      TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
+                      TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr = "",
+                      PDL: tl.constexpr = 0):
     """out[t, n] = sum_j weight[t, j] * (silu(gate) * up)[t, j] . w2[expert(t, j), n]: the activation, the
     routing weights and the sum over the k experts, in one pass per block of n."""
     t = tl.program_id(0)
@@ -248,7 +260,7 @@ def _pair_down_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, stride_we, str
         for k0 in range(0, I, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             w = tl.load(w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :],
-                        mask=mask_n[:, None] & (offs_k < I)[None, :], other=0.0)
+                        mask=mask_n[:, None] & (offs_k < I)[None, :], other=0.0, eviction_policy=EVICT)
             acc = _act_dot(acc, w, gu_ptr, pair, k0, I, BLOCK_K)
         total += acc * tl.load(rw_ptr + pair)
     tl.store(out_ptr + t * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
@@ -257,7 +269,8 @@ def _pair_down_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, stride_we, str
 @triton.jit
 def _pair_down_split_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, part_ptr, out_ptr, cnt_ptr, N, stride_we, stride_wn,
                             I: tl.constexpr, TOP_K: tl.constexpr, SUM: tl.constexpr, EARLY: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr = "",
+                            PDL: tl.constexpr = 0):
     """part[pair, n] = weight[pair] * (silu(gate) * up)[pair] . w2[expert(pair), n]: one pair per program row,
     so k times the programs of the fused kernel. The k rows of a token are summed afterwards, or with SUM by
     the last of the token's k programs for this block of n (in slot order, as ``_sum_pairs_kernel``), counted on
@@ -272,13 +285,15 @@ def _pair_down_split_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, part_ptr, out_ptr, c
     e = tl.load(ids_ptr + pair, cache_modifier=".cg").to(tl.int64)  # from L2: written by an earlier kernel
     w_row = w_ptr + e * stride_we + offs_n[:, None] * stride_wn
     offs_k = tl.arange(0, BLOCK_K)
-    w = tl.load(w_row + offs_k[None, :], mask=mask_n[:, None] & (offs_k < I)[None, :], other=0.0)
+    w = tl.load(w_row + offs_k[None, :], mask=mask_n[:, None] & (offs_k < I)[None, :], other=0.0,
+                eviction_policy=EVICT)
     if EARLY:
         pdl_enter(PDL)
     acc = _act_dot(tl.zeros([BLOCK_N], tl.float32), w, gu_ptr, pair, 0, I, BLOCK_K)
     for k0 in range(BLOCK_K, I, BLOCK_K):  # I is known when compiling: a counted loop, its loads pipelined
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_row + offs_k[None, :], mask=mask_n[:, None] & (offs_k < I)[None, :], other=0.0)
+        w = tl.load(w_row + offs_k[None, :], mask=mask_n[:, None] & (offs_k < I)[None, :], other=0.0,
+                    eviction_policy=EVICT)
         acc = _act_dot(acc, w, gu_ptr, pair, k0, I, BLOCK_K)
     tl.store(part_ptr + pair * N + offs_n, acc * tl.load(rw_ptr + pair), mask=mask_n)
     if SUM:
@@ -390,22 +405,36 @@ def moe_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 
 
 def _pair_experts(x, weights, ids, w13, w2, top_k, block_n, block_k, down_block_n, num_warps, split_down, pdl,
-                  down_early=0, down_block_k=None, num_stages=1):
-    """The routed experts of the decode path: per (token, slot) pair matrix-vector products."""
+                  down_early=0, down_block_k=None, num_stages=1, logits=None, renormalize=False, evict=0):
+    """The routed experts of the decode path: per (token, slot) pair matrix-vector products. With ``logits``
+    (weights and ids None) the gate/up kernel routes for itself; ``evict``: the experts' weights read with the
+    L2 "evict first" policy."""
     down_block_k = down_block_k or block_k
     t, h = x.shape
     i = w2.shape[2]
     assert w13.is_contiguous() and w2.is_contiguous()
     x = x.contiguous()
+    route = logits is not None
+    if route:
+        if down_early:
+            raise ValueError("decode_down_early needs the routing kernel: the down kernel would read the experts "
+                             "before the gate/up kernel that routes has stored them")
+        logits = logits.contiguous()
+        weights = torch.empty((t, top_k), device=x.device, dtype=torch.float32)
+        ids = torch.empty((t, top_k), device=x.device, dtype=torch.int32)
     opts = launch_options(pdl, x)
+    evict = "evict_first" if evict else ""
     gate_up = torch.empty((t * top_k, 2 * i), device=x.device, dtype=x.dtype)
     n_blocks = triton.cdiv(h, down_block_n)
     # the down kernel's arrival counters: this call's own (the gate/up kernel zeroes them), so launches on other
     # streams (a variant warming up while the engine serves) never share one
     cnt = torch.empty(t * n_blocks, device=x.device, dtype=torch.int32) if split_down == 2 else None
+    e = logits.shape[1] if route else 1
     _pair_gate_up_kernel[(t * top_k, triton.cdiv(2 * i, block_n))](
-        x, w13, ids, gate_up, cnt if cnt is not None else ids, 0 if cnt is None else cnt.numel(), 2 * i, top_k,
-        w13.stride(0), w13.stride(1), K=h, BLOCK_N=block_n, BLOCK_K=block_k, ZERO_CNT=cnt is not None,
+        x, w13, ids, gate_up, cnt if cnt is not None else ids, logits if route else x, weights,
+        0 if cnt is None else cnt.numel(), 2 * i, e, w13.stride(0), w13.stride(1), K=h, TOP_K=top_k,
+        BLOCK_N=block_n, BLOCK_K=block_k, ZERO_CNT=cnt is not None, ROUTE=route, RENORM=renormalize,
+        BLOCK_E=triton.next_power_of_2(e), EVICT=evict,
         num_warps=num_warps, num_stages=num_stages, **(launch_options(1, x) if down_early and pdl else opts))
     out = torch.empty_like(x)
     if split_down:
@@ -413,14 +442,15 @@ def _pair_experts(x, weights, ids, w13, w2, top_k, block_n, block_k, down_block_
         _pair_down_split_kernel[(t * top_k, n_blocks)](
             gate_up, w2, ids, weights, part, out, cnt if cnt is not None else ids, h, w2.stride(0), w2.stride(1),
             I=i, TOP_K=top_k, SUM=cnt is not None, EARLY=bool(down_early), BLOCK_N=down_block_n,
-            BLOCK_K=down_block_k,
+            BLOCK_K=down_block_k, EVICT=evict,
             num_warps=num_warps, num_stages=num_stages, **opts)
         if cnt is None:
             _sum_pairs_kernel[(t, triton.cdiv(h, 1024))](part, out, h, TOP_K=top_k, BLOCK_N=1024, **opts)
         return out
     _pair_down_kernel[(t, triton.cdiv(h, down_block_n))](
         gate_up, w2, ids, weights, out, h, w2.stride(0), w2.stride(1), I=i,
-        TOP_K=top_k, BLOCK_N=down_block_n, BLOCK_K=down_block_k, num_warps=num_warps, num_stages=num_stages, **opts)
+        TOP_K=top_k, BLOCK_N=down_block_n, BLOCK_K=down_block_k, EVICT=evict, num_warps=num_warps,
+        num_stages=num_stages, **opts)
     return out
 
 
@@ -449,7 +479,8 @@ def moe_triton(
     block_m: int = 16, block_n: int = 32, block_k: int = 32,
     max_decode_pairs: int = 64, decode_block_n: int = 8, decode_block_k: int = 256, decode_down_block_n: int = 8,
     decode_warps: int = 4, decode_split_down: int = 1, decode_down_early: int = 0, decode_down_block_k: int = 0,
-    decode_stages: int = 1, decode_chunk: int = 32, pdl: int = 0, scratch=None,
+    decode_stages: int = 1, decode_chunk: int = 32, decode_self_route: int = 0, decode_evict: int = 0, pdl: int = 0,
+    scratch=None,
 ) -> torch.Tensor:
     """x: (T, H); router_logits: (T, E); w13: (E, 2I, H) holding [gate | up]; w2: (E, H, I). Returns (T, H).
 
@@ -474,10 +505,14 @@ def moe_triton(
         if decode_split_down == 3:
             return _fused_experts(x, router_logits, w13, w2, top_k, renormalize, decode_chunk, decode_block_k,
                                   decode_down_block_n, decode_warps, decode_stages, pdl, scratch)
-        weights, ids = moe_route_triton(router_logits, top_k, renormalize, pdl)
+        if decode_self_route:
+            weights = ids = None
+        else:
+            weights, ids = moe_route_triton(router_logits, top_k, renormalize, pdl)
         return _pair_experts(x, weights, ids, w13, w2, top_k, decode_block_n, decode_block_k, decode_down_block_n,
                              decode_warps, decode_split_down, pdl, decode_down_early, decode_down_block_k,
-                             decode_stages)
+                             decode_stages, router_logits if decode_self_route else None, renormalize,
+                             decode_evict)
     weights, ids = moe_route_ref(router_logits, top_k, renormalize)
     pairs, tile_expert = _group_by_expert(ids, w13.shape[0], block_m)
     num_pairs = t * top_k
@@ -509,7 +544,8 @@ def norm_moe_triton(
     """Same contract as ``kernels.moe.norm_moe_ref``. A decode batch (at most 4 tokens and ``max_decode_pairs``
     pairs) takes one launch for the residual add, RMSNorm and router (``router_*`` tiles) and, with
     ``route_by_last``, routing by its last program (else the routing kernel after it), then the decode path's
-    expert kernels (with ``decode_split_down`` 3 the experts' one launch, which routes for itself); larger
+    expert kernels (with ``decode_split_down`` 3 the experts' one launch, or with ``decode_self_route`` the
+    gate/up kernel, routing for itself: no routing here); larger
     batches the Triton norm, torch's router and ``moe_triton``. ``moe_params``: ``moe_triton``'s parameters;
     ``pdl``: programmatic dependent launch (kernels/pdl.py); ``counters(n, device, dtype)``: the routing's
     arrival counter, or the one-launch experts' sum and counter (default: zeroed per call; ``make_norm_moe``
@@ -533,22 +569,26 @@ def norm_moe_triton(
     summed, h = torch.empty_like(x), torch.empty_like(x)
     weights = torch.empty((t, top_k), device=x.device, dtype=torch.float32)
     ids = torch.empty((t, top_k), device=x.device, dtype=torch.int32)
-    fused = p["decode_split_down"] == 3  # the experts route for themselves
-    cnt = (counters or fresh_counters)(1, x.device) if route_by_last and not fused else ids
+    fused = p["decode_split_down"] == 3  # the experts in one launch, which routes for itself
+    self_route = fused or bool(p["decode_self_route"])  # no routing here: the expert kernels route
+    cnt = (counters or fresh_counters)(1, x.device) if route_by_last and not self_route else ids
     _norm_router_kernel[(triton.cdiv(e, router_block_n),)](
         x, residual, norm_weight, gate_weight, logits, summed, h, weights, ids, cnt, t, e, eps,
         K=hidden, TOP_K=top_k, RENORM=renormalize, BLOCK_M=triton.next_power_of_2(t), BLOCK_N=router_block_n,
         BLOCK_K=router_block_k, BLOCK_E=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k),
-        ROUTE=bool(route_by_last) and not fused,
+        ROUTE=bool(route_by_last) and not self_route,
         num_warps=router_warps, **launch_options(pdl, x))
     if fused:
         return _fused_experts(h, logits, w13, w2, top_k, renormalize, p["decode_chunk"], p["decode_block_k"],
                               p["decode_down_block_n"], p["decode_warps"], p["decode_stages"], pdl, counters), summed
-    if not route_by_last:
+    if self_route:
+        weights = ids = None
+    elif not route_by_last:
         weights, ids = moe_route_triton(logits, top_k, renormalize, pdl)
     return _pair_experts(h, weights, ids, w13, w2, top_k, p["decode_block_n"], p["decode_block_k"],
                          p["decode_down_block_n"], p["decode_warps"], p["decode_split_down"], pdl,
-                         p["decode_down_early"], p["decode_down_block_k"], p["decode_stages"]), summed
+                         p["decode_down_early"], p["decode_down_block_k"], p["decode_stages"],
+                         logits if self_route else None, renormalize, p["decode_evict"]), summed
 
 
 def make_norm_moe(**params):

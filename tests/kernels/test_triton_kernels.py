@@ -200,6 +200,16 @@ def test_moe_grouped_matmul(t, h, e, k, i, renorm):
                            decode_block_k=block_k, decode_down_block_n=8, decode_split_down=2, decode_down_early=1,
                            decode_down_block_k=down_block_k, decode_stages=1 + (block_k == 32), pdl=2)
         torch.testing.assert_close(early, ref, rtol=1e-4, atol=1e-4)
+    # no routing launch: the gate/up programs route their pairs themselves (and store them for the down kernel),
+    # with every down form; the weights read with the "evict first" policy (a hint: the same values)
+    for split in (0, 1, 2):
+        own = moe_triton(x, logits, w13, w2, k, renorm, max_decode_pairs=t * k, decode_block_n=16,
+                         decode_block_k=16, decode_down_block_n=8, decode_split_down=split, decode_self_route=1,
+                         decode_evict=split % 2, pdl=2)
+        torch.testing.assert_close(own, ref, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="routing kernel"):
+        moe_triton(x, logits, w13, w2, k, renorm, max_decode_pairs=t * k, decode_split_down=2, decode_down_early=1,
+                   decode_self_route=1)
     # routing, gate/up, down and the sum in one launch: chunks of the intermediate that do not divide it, one
     # that covers it whole, one row; the float32 sum and counter kept across calls (the kernel re-zeroes them)
     op = make_moe(max_decode_pairs=t * k, decode_split_down=3, decode_block_k=16, decode_down_block_n=8)
@@ -232,14 +242,17 @@ def test_norm_moe(t, h, e, k, i, renorm):
     # router_block_n 16 > e for the smaller cases: one program
     # route_by_last 0: the routing kernel after the norm + router launch
     counters = ArrivalCounters()
-    # split 3: the experts in one launch that routes for itself (route_by_last has no effect)
-    for split, router_block_n, router_block_k, route_by_last in ((1, 2, 32, 1), (2, 4, 64, 1), (0, 16, 32, 1),
-                                                                 (2, 4, 64, 0), (2, 2, 32, 0), (3, 4, 64, 1)):
+    # split 3: the experts in one launch that routes for itself; self_route: the gate/up kernel routes (for
+    # both route_by_last has no effect)
+    for split, router_block_n, router_block_k, route_by_last, self_route in (
+            (1, 2, 32, 1, 0), (2, 4, 64, 1, 0), (0, 16, 32, 1, 0), (2, 4, 64, 0, 0), (2, 2, 32, 0, 0),
+            (3, 4, 64, 1, 0), (2, 4, 64, 1, 1), (1, 2, 32, 0, 1)):
         for _ in range(2):  # twice: the routing's counter, kept by ``counters``, is reset by the kernel
             out, summed = norm_moe_triton(x, r, nw, 1e-6, gw, w13, w2, k, renorm, router_block_n=router_block_n,
                                           router_block_k=router_block_k, route_by_last=route_by_last,
                                           decode_block_n=16, decode_block_k=16, decode_down_block_n=8,
-                                          decode_split_down=split, pdl=1, block_m=16, block_n=16, block_k=16,
+                                          decode_split_down=split, decode_self_route=self_route,
+                                          decode_evict=self_route, pdl=1, block_m=16, block_n=16, block_k=16,
                                           counters=counters)
             torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(summed, ref_summed)
