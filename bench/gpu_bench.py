@@ -194,7 +194,9 @@ def kernel_checks() -> bool:
     mref = moe_ref(xm, lg, w13, w2, 8, True).float()
     e_moe = max(err(moe_triton(xm, lg, w13, w2, 8, True), mref),
                 err(moe_triton(xm, lg, w13, w2, 8, True, max_decode_pairs=0), mref),
-                err(moe_triton(xm, lg, w13, w2, 8, True, decode_split_down=2, decode_down_early=1, pdl=2), mref))
+                err(moe_triton(xm, lg, w13, w2, 8, True, decode_split_down=2, decode_down_early=1, pdl=2), mref),
+                err(moe_triton(xm, lg, w13, w2, 8, True, decode_split_down=2, decode_self_route=1, decode_evict=1,
+                               pdl=2), mref))
     # the experts in one launch, twice with the kept float32 sum and counter (the kernel re-zeroes them)
     from kernels.moe_triton import make_moe
 
@@ -213,9 +215,9 @@ def kernel_checks() -> bool:
     nref, nsum = norm_moe_ref(xs, rs, nws, 1e-6, gws, w13s, w2s, 8, True)
     e_nmoe = 0.0
     for t_ in (1, 3):
-        for split, route_by_last in ((1, 1), (2, 1), (2, 0), (3, 1)):
+        for split, route_by_last, own in ((1, 1, 0), (2, 1, 0), (2, 0, 0), (3, 1, 0), (2, 0, 1)):
             o_, s_ = norm_moe_triton(xs[:t_], rs[:t_], nws, 1e-6, gws, w13s, w2s, 8, True, decode_split_down=split,
-                                     route_by_last=route_by_last, pdl=1)
+                                     route_by_last=route_by_last, decode_self_route=own, decode_evict=own, pdl=1)
             e_nmoe = max(e_nmoe, err(o_, nref[:t_]) / nref.abs().max().item(), err(s_, nsum[:t_]))
     del w13s, w2s
     # the L2 prefetch kernel reads every element once (its per-program sums add up)
@@ -287,10 +289,13 @@ def tiny_models_vs_transformers(tmp: Path) -> bool:
                                   kernel_params=pdl_params)
         one = {"decode_split_down": 3, "decode_chunk": 48, "decode_block_k": 256, "decode_down_block_n": 128}
         pdl_one = dataclasses.replace(pdl, kernel_params={**pdl_params, "moe": {**one, "pdl": 2}})
+        own = {"decode_split_down": 2, "decode_self_route": 1, "decode_evict": 1, "pdl": 2}
+        pdl_own = dataclasses.replace(pdl, kernel_params={**pdl_params, "moe": own, "prefetch": {"next_qkv": 1}})
         results = {}
         for label, variant, ahead in (("reference", None, False), ("triton", spec, True),
                                       ("triton+graphs", graphs, False), ("triton+graphs+pdl", pdl, False),
                                       ("triton+graphs+pdl, experts in one launch", pdl_one, False),
+                                      ("triton+graphs+pdl, no routing launch, next QKV into L2", pdl_own, False),
                                       ("triton+graphs+ahead", graphs, True)):
             try:
                 eng = LLMEngine(EngineConfig(source=resolve(str(folder)), device="cuda", num_kv_blocks=64,
@@ -908,24 +913,25 @@ def moe_decode(bw: float, layers: int | None, sweep_tiles: bool = False):
     gemv = dataclasses.replace(spec, kernels={**TRITON_ALL, **TRITON_GEMV})
     best3 = moe_decode_params(attn["attention"], cfg.hidden_size)
     pre = TRITON_MOE_DECODE
-    # norm + router in one launch (norm_moe "triton"), its rows whole (one request each, h normed in registers)
-    norm_moe = lambda n, by_last, warps=4: dataclasses.replace(  # noqa: E731
-        gemv, kernels={**pre, "norm_moe": "triton"}, kernel_params={**best3, "norm_moe": {
-            **best3["moe"], "router_block_n": n, "router_block_k": 2048, "route_by_last": by_last,
-            "router_warps": warps, "pdl": 2}})
-    ra = best3["rotary_attention"]
-    with_ra = lambda **kw: {**best3, "rotary_attention": {**ra, **kw}}  # noqa: E731
     forms = [
         ("previous best: split-KV, no dependent launch", gemv),
-        ("last session's best (TRITON_MOE_DECODE, the attention block's cache tile after its wait)",
-         dataclasses.replace(gemv, kernels=pre, kernel_params=with_ra(cache_before_wait=0))),
         ("TRITON_MOE_DECODE: the attention block's first cache tile before its wait",
          dataclasses.replace(gemv, kernels=pre, kernel_params=best3)),
-        ("+ norm + router in one launch (whole rows, 1 per program), the routing kernel after", norm_moe(1, 0)),
-        ("TRITON_MOE_DECODE, the attention block in 4 splits",
-         dataclasses.replace(gemv, kernels=pre, kernel_params=with_ra(num_splits=4))),
-        ("TRITON_MOE_DECODE, the attention block in 16 splits of 16-key tiles",
-         dataclasses.replace(gemv, kernels=pre, kernel_params=with_ra(num_splits=16, block_n=16))),
+    ]
+    # no routing launch (the gate/up programs route), the experts' weights evict-first, the next layer's QKV
+    # projection read into L2 while the MoE block's latency-bound head (norm, router, routing) leaves HBM idle
+    moe_with = lambda prefetch=None, **kw: dataclasses.replace(  # noqa: E731
+        gemv, kernels=pre, kernel_params={**best3, "moe": {**best3["moe"], **kw},
+                                          **({"prefetch": prefetch} if prefetch else {})})
+    forms += [
+        ("+ no routing launch (the gate/up kernel routes)", moe_with(decode_self_route=1)),
+        ("+ the experts' weights evict-first", moe_with(decode_evict=1)),
+        ("+ the next layer's QKV into L2 during the MoE block", moe_with({"next_qkv": 1})),
+        ("+ evict-first experts + the next QKV into L2", moe_with({"next_qkv": 1}, decode_evict=1)),
+        ("+ evict-first experts + the next QKV into L2 (132 programs)",
+         moe_with({"next_qkv": 1, "programs": 132}, decode_evict=1)),
+        ("+ no routing launch + evict-first experts + the next QKV into L2",
+         moe_with({"next_qkv": 1}, decode_evict=1, decode_self_route=1)),
     ]
     if sweep_tiles:  # the experts in one launch (measured slower than three launches: bench/RESULTS.md)
         one = one_launch_sweep(eng, cfg, best3)
