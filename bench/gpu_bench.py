@@ -195,7 +195,7 @@ def kernel_checks() -> bool:
     e_moe = max(err(moe_triton(xm, lg, w13, w2, 8, True), mref),
                 err(moe_triton(xm, lg, w13, w2, 8, True, max_decode_pairs=0), mref),
                 err(moe_triton(xm, lg, w13, w2, 8, True, decode_split_down=2, decode_down_early=1, pdl=2), mref),
-                err(moe_triton(xm, lg, w13, w2, 8, True, decode_split_down=2, decode_self_route=1, decode_evict=1,
+                err(moe_triton(xm, lg, w13, w2, 8, True, decode_split_down=2, decode_route_rank=1, decode_evict=1,
                                pdl=2), mref))
     # the experts in one launch, twice with the kept float32 sum and counter (the kernel re-zeroes them)
     from kernels.moe_triton import make_moe
@@ -215,9 +215,9 @@ def kernel_checks() -> bool:
     nref, nsum = norm_moe_ref(xs, rs, nws, 1e-6, gws, w13s, w2s, 8, True)
     e_nmoe = 0.0
     for t_ in (1, 3):
-        for split, route_by_last, own in ((1, 1, 0), (2, 1, 0), (2, 0, 0), (3, 1, 0), (2, 0, 1)):
+        for split, route_by_last, rank in ((1, 1, 0), (2, 1, 0), (2, 0, 0), (3, 1, 0), (2, 0, 1)):
             o_, s_ = norm_moe_triton(xs[:t_], rs[:t_], nws, 1e-6, gws, w13s, w2s, 8, True, decode_split_down=split,
-                                     route_by_last=route_by_last, decode_self_route=own, decode_evict=own, pdl=1)
+                                     route_by_last=route_by_last, decode_route_rank=rank, decode_evict=rank, pdl=1)
             e_nmoe = max(e_nmoe, err(o_, nref[:t_]) / nref.abs().max().item(), err(s_, nsum[:t_]))
     del w13s, w2s
     # the L2 prefetch kernel reads every element once (its per-program sums add up)
@@ -289,13 +289,14 @@ def tiny_models_vs_transformers(tmp: Path) -> bool:
                                   kernel_params=pdl_params)
         one = {"decode_split_down": 3, "decode_chunk": 48, "decode_block_k": 256, "decode_down_block_n": 128}
         pdl_one = dataclasses.replace(pdl, kernel_params={**pdl_params, "moe": {**one, "pdl": 2}})
-        own = {"decode_split_down": 2, "decode_self_route": 1, "decode_evict": 1, "pdl": 2}
-        pdl_own = dataclasses.replace(pdl, kernel_params={**pdl_params, "moe": own, "prefetch": {"next_qkv": 1}})
+        own = {"decode_split_down": 2, "decode_route_rank": 1, "decode_evict": 1, "pdl": 2}
+        pdl_own = dataclasses.replace(pdl, kernel_params={**pdl_params, "moe": own, "linear": {"evict": 1, "pdl": 2},
+                                                          "norm_linear": {"evict": 1, "pdl": 2}})
         results = {}
         for label, variant, ahead in (("reference", None, False), ("triton", spec, True),
                                       ("triton+graphs", graphs, False), ("triton+graphs+pdl", pdl, False),
                                       ("triton+graphs+pdl, experts in one launch", pdl_one, False),
-                                      ("triton+graphs+pdl, no routing launch, next QKV into L2", pdl_own, False),
+                                      ("triton+graphs+pdl, routing by rank, weights evict-first", pdl_own, False),
                                       ("triton+graphs+ahead", graphs, True)):
             try:
                 eng = LLMEngine(EngineConfig(source=resolve(str(folder)), device="cuda", num_kv_blocks=64,
@@ -913,25 +914,19 @@ def moe_decode(bw: float, layers: int | None, sweep_tiles: bool = False):
     gemv = dataclasses.replace(spec, kernels={**TRITON_ALL, **TRITON_GEMV})
     best3 = moe_decode_params(attn["attention"], cfg.hidden_size)
     pre = TRITON_MOE_DECODE
+    # TRITON_MOE_DECODE with changes: the experts' weights not evict-first (last session's form), the projections'
+    # weights evict-first too, the routing kernel by rank (four warps) instead of k serial reductions (one warp)
+    moe_with = lambda evict=None, **kw: dataclasses.replace(  # noqa: E731
+        gemv, kernels=pre, kernel_params={**best3, "moe": {**best3["moe"], **kw}, **({
+            op: {**best3.get(op, {}), "evict": evict} for op in ("linear", "norm_linear")} if evict else {})})
     forms = [
         ("previous best: split-KV, no dependent launch", gemv),
-        ("TRITON_MOE_DECODE: the attention block's first cache tile before its wait",
-         dataclasses.replace(gemv, kernels=pre, kernel_params=best3)),
-    ]
-    # no routing launch (the gate/up programs route), the experts' weights evict-first, the next layer's QKV
-    # projection read into L2 while the MoE block's latency-bound head (norm, router, routing) leaves HBM idle
-    moe_with = lambda prefetch=None, **kw: dataclasses.replace(  # noqa: E731
-        gemv, kernels=pre, kernel_params={**best3, "moe": {**best3["moe"], **kw},
-                                          **({"prefetch": prefetch} if prefetch else {})})
-    forms += [
-        ("+ no routing launch (the gate/up kernel routes)", moe_with(decode_self_route=1)),
-        ("+ the experts' weights evict-first", moe_with(decode_evict=1)),
-        ("+ the next layer's QKV into L2 during the MoE block", moe_with({"next_qkv": 1})),
-        ("+ evict-first experts + the next QKV into L2", moe_with({"next_qkv": 1}, decode_evict=1)),
-        ("+ evict-first experts + the next QKV into L2 (132 programs)",
-         moe_with({"next_qkv": 1, "programs": 132}, decode_evict=1)),
-        ("+ no routing launch + evict-first experts + the next QKV into L2",
-         moe_with({"next_qkv": 1}, decode_evict=1, decode_self_route=1)),
+        ("TRITON_MOE_DECODE (the experts' weights evict-first)", dataclasses.replace(gemv, kernels=pre,
+                                                                                  kernel_params=best3)),
+        ("TRITON_MOE_DECODE, the experts' weights not evict-first (last session's)", moe_with(decode_evict=0)),
+        ("+ the projections' weights evict-first", moe_with(1)),
+        ("+ routing by rank", moe_with(decode_route_rank=1)),
+        ("+ the projections' weights evict-first + routing by rank", moe_with(1, decode_route_rank=1)),
     ]
     if sweep_tiles:  # the experts in one launch (measured slower than three launches: bench/RESULTS.md)
         one = one_launch_sweep(eng, cfg, best3)

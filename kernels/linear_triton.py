@@ -82,9 +82,9 @@ def _add_rms_rstd(x_ptr, r_ptr, sum_ptr, rm, m_mask, stride_x, stride_r, stride_
 @triton.jit
 def _gemv_rows(w_ptr, w_first, rn, n_mask, stride_w, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r, rstd,
                K: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
+               BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
     """(BLOCK_M, BLOCK_N) float32: the prologue's input times weight rows rn; ``w_first`` holds their first
-    BLOCK_K columns, already loaded."""
+    BLOCK_K columns, already loaded; EVICT: the weights' L2 eviction policy ("" or "evict_first")."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # one row: accumulate elementwise and reduce once at the end (no cross-thread sum per chunk)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -92,7 +92,8 @@ def _gemv_rows(w_ptr, w_first, rn, n_mask, stride_w, x_ptr, r_ptr, nw_ptr, rm, m
                             K, PROLOGUE, BLOCK_M, BLOCK_K)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
+        w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0,
+                    eviction_policy=EVICT)
         acc, acc1 = _gemv_chunk(acc, acc1, w, k0, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r, rstd,
                                 K, PROLOGUE, BLOCK_M, BLOCK_K)
     if BLOCK_M == 1:
@@ -106,7 +107,8 @@ def _gemv_kernel(
     M, N, stride_x, stride_r, stride_w, stride_out, stride_sum, eps,
     K: tl.constexpr,  # a compile-time bound keeps the loop a plain counted loop (and the interpreter happy)
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr = "",
+    PDL: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
@@ -116,14 +118,14 @@ def _gemv_kernel(
     # the first chunk of weights is requested before waiting for the kernel that writes x (kernels/pdl.py)
     rk0 = tl.arange(0, BLOCK_K)
     w_first = tl.load(w_ptr + rn[:, None] * stride_w + rk0[None, :], mask=n_mask[:, None] & (rk0 < K)[None, :],
-                      other=0.0)
+                      other=0.0, eviction_policy=EVICT)
     pdl_enter(PDL)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if PROLOGUE == 2:  # program 0 also writes the sum (the new residual)
         rstd = _add_rms_rstd(x_ptr, r_ptr, sum_ptr, rm, m_mask, stride_x, stride_r, stride_sum, eps, pid == 0,
                              K, BLOCK_M, BLOCK_K)
     acc = _gemv_rows(w_ptr, w_first, rn, n_mask, stride_w, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r,
-                     rstd, K, PROLOGUE, BLOCK_M, BLOCK_N, BLOCK_K)
+                     rstd, K, PROLOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVICT)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rm[:, None] * stride_out + rn[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -201,8 +203,9 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _gemv(x, weight, bias, prologue, tiles, r=None, norm_weight=None, eps=0.0, k=None, pdl=0):
-    """Launches the kernel for x's rows (x is the prologue's input); returns (out, summed or None)."""
+def _gemv(x, weight, bias, prologue, tiles, r=None, norm_weight=None, eps=0.0, k=None, pdl=0, evict=0):
+    """Launches the kernel for x's rows (x is the prologue's input); returns (out, summed or None). ``evict``: the
+    weights read with the L2 "evict first" policy (streamed through once)."""
     m, n = x.shape[0], weight.shape[0]
     k = weight.shape[1] if k is None else k
     assert weight.stride(1) == 1, "weight rows must be contiguous"
@@ -215,7 +218,7 @@ def _gemv(x, weight, bias, prologue, tiles, r=None, norm_weight=None, eps=0.0, k
     args = (x, r, norm_weight, weight, b, out, summed, m, n, x.stride(0), r.stride(0), weight.stride(0),
             out.stride(0), summed.stride(0), eps)
     meta = dict(K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_M=max(triton.next_power_of_2(m), 1),
-                **launch_options(pdl, x))
+                EVICT="evict_first" if evict else "", **launch_options(pdl, x))
     if tiles or _interpreted() or not x.is_cuda:
         t = {**DEFAULT_TILES, **tiles}
         _gemv_kernel[(triton.cdiv(n, t["block_n"]),)](*args, **meta, BLOCK_N=t["block_n"], BLOCK_K=t["block_k"],
@@ -230,10 +233,10 @@ def _tiles(block_n, block_k, num_warps) -> dict:
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, max_m: int = 4,
-                  block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None, pdl: int = 0
-                  ) -> torch.Tensor:
+                  block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None, pdl: int = 0,
+                  evict: int = 0) -> torch.Tensor:
     """x: (T, K), weight: (N, K) -> (T, N). T > max_m goes to torch's matrix multiply. ``pdl``: programmatic
-    dependent launch (kernels/pdl.py)."""
+    dependent launch (kernels/pdl.py); ``evict``: 1, the weights read with the L2 "evict first" policy."""
     tiles = _tiles(block_n, block_k, num_warps)
     if x.shape[0] > max_m or x.shape[0] == 0:
         return F.linear(x, weight, bias)
@@ -242,15 +245,16 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             (x.shape[0], *weight.shape, NONE, x.dtype, x.device), lambda: _gemv(x, weight, bias, NONE, tiles),
             lambda: F.linear(x, weight, bias)):
         return F.linear(x, weight, bias)
-    return _gemv(x, weight, bias, NONE, tiles, pdl=pdl)[0]
+    return _gemv(x, weight, bias, NONE, tiles, pdl=pdl, evict=evict)[0]
 
 
 def norm_linear_triton(
     x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
     bias: torch.Tensor | None = None, *, max_m: int = 4, block_n: int | None = None, block_k: int | None = None,
-    num_warps: int | None = None, pdl: int = 0,
+    num_warps: int | None = None, pdl: int = 0, evict: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (linear(rms_norm(x + residual)), x + residual); x, residual: (T, K)."""
+    """Returns (linear(rms_norm(x + residual)), x + residual); x, residual: (T, K). ``evict`` as
+    ``linear_triton``'s."""
     from kernels.norm_triton import fused_add_rms_norm_triton
 
     assert residual.shape == x.shape and norm_weight.shape == (x.shape[1],)
@@ -265,7 +269,8 @@ def norm_linear_triton(
     x, residual = x.contiguous(), residual.contiguous()
 
     def fused():
-        return _gemv(x, weight, bias, ADD_RMS_NORM, tiles, r=residual, norm_weight=norm_weight, eps=eps, pdl=pdl)
+        return _gemv(x, weight, bias, ADD_RMS_NORM, tiles, r=residual, norm_weight=norm_weight, eps=eps, pdl=pdl,
+                     evict=evict)
 
     if _auto(x, tiles) and not _triton_is_faster((x.shape[0], *weight.shape, ADD_RMS_NORM, x.dtype, x.device),
                                                  fused, unfused):
@@ -274,8 +279,10 @@ def norm_linear_triton(
 
 
 def act_linear_triton(x: torch.Tensor, weight: torch.Tensor, *, max_m: int = 4, block_n: int | None = None,
-                      block_k: int | None = None, num_warps: int | None = None, pdl: int = 0) -> torch.Tensor:
-    """x: (T, 2K) holding [gate | up]; weight: (N, K) -> linear(silu(gate) * up)."""
+                      block_k: int | None = None, num_warps: int | None = None, pdl: int = 0, evict: int = 0
+                      ) -> torch.Tensor:
+    """x: (T, 2K) holding [gate | up]; weight: (N, K) -> linear(silu(gate) * up). ``evict`` as
+    ``linear_triton``'s."""
     from kernels.activation_triton import silu_and_mul_triton
 
     assert x.shape[1] == 2 * weight.shape[1], f"input {tuple(x.shape)} does not hold [gate | up] for {tuple(weight.shape)}"
@@ -288,4 +295,4 @@ def act_linear_triton(x: torch.Tensor, weight: torch.Tensor, *, max_m: int = 4, 
             lambda: _gemv(x, weight, None, SILU_MUL, tiles, k=weight.shape[1]),
             lambda: F.linear(silu_and_mul_triton(x), weight)):
         return F.linear(silu_and_mul_triton(x), weight)
-    return _gemv(x, weight, None, SILU_MUL, tiles, k=weight.shape[1], pdl=pdl)[0]
+    return _gemv(x, weight, None, SILU_MUL, tiles, k=weight.shape[1], pdl=pdl, evict=evict)[0]

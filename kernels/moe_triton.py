@@ -129,12 +129,33 @@ def _route_row(logits_ptr, w_ptr, ids_ptr, t, E, TOP_K: tl.constexpr, RENORM: tl
 
 
 @triton.jit
+def _route_ranks(logits_ptr, t, E, BLOCK_E: tl.constexpr):
+    """Token t's probabilities (``_route_probs``), the experts' indices and every expert's rank: the number of
+    experts ahead of it (a higher probability, or the same and a lower index)."""
+    p, offs = _route_probs(logits_ptr, t, E, BLOCK_E)
+    ahead = (p[None, :] > p[:, None]) | ((p[None, :] == p[:, None]) & (offs[None, :] < offs[:, None]))
+    return p, offs, tl.sum(ahead.to(tl.int32), axis=1)
+
+
+@triton.jit
 def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
-                  K_PAD: tl.constexpr, PDL: tl.constexpr = 0):
-    """One program per token (``_route_row``)."""
+                  K_PAD: tl.constexpr, RANK: tl.constexpr = 0, PDL: tl.constexpr = 0):
+    """One program per token: ``_route_row`` (k serial reductions), or with RANK the same choice from every
+    expert's rank at once (``_route_ranks``)."""
     t = tl.program_id(0)
     pdl_enter(PDL)
-    _route_row(logits_ptr, w_ptr, ids_ptr, t, E, TOP_K, RENORM, BLOCK_E, K_PAD)
+    if RANK:
+        p, offs, rank = _route_ranks(logits_ptr, t, E, BLOCK_E)
+        slots = tl.arange(0, K_PAD)
+        hit = rank[None, :] == slots[:, None]  # (K_PAD, BLOCK_E): slot j holds the expert of rank j
+        top_i = tl.sum(tl.where(hit, offs[None, :], 0), axis=1)
+        top_w = tl.sum(tl.where(hit, p[None, :], 0.0), axis=1)
+        if RENORM:
+            top_w = top_w / tl.sum(tl.where(slots < TOP_K, top_w, 0.0), axis=0)
+        tl.store(w_ptr + t * TOP_K + slots, top_w, mask=slots < TOP_K)
+        tl.store(ids_ptr + t * TOP_K + slots, top_i, mask=slots < TOP_K)
+    else:
+        _route_row(logits_ptr, w_ptr, ids_ptr, t, E, TOP_K, RENORM, BLOCK_E, K_PAD)
 
 
 @triton.jit
@@ -176,7 +197,7 @@ def _norm_router_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, logits_ptr, sum_ptr, h_ptr,
                     s.to(tl.float32) * rstd[:, None]).to(s.dtype)
                 tl.store(h_ptr + rm[:, None] * K + rk[None, :], h, mask=mk)
         acc = _gemv_rows(w_ptr, w_first, rn, n_mask, K, x_ptr, r_ptr, nw_ptr, rm, m_mask, K, K, rstd, K, 2, BLOCK_M,
-                         BLOCK_N, BLOCK_K)
+                         BLOCK_N, BLOCK_K, "")
     tl.store(logits_ptr + rm[:, None] * E + rn[None, :], acc.to(logits_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
     if ROUTE:
@@ -191,17 +212,14 @@ def _norm_router_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, logits_ptr, sum_ptr, h_ptr,
 
 
 @triton.jit
-def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, cnt_ptr, logits_ptr, rw_ptr, n_cnt, N, E, stride_we,
-                         stride_wn, K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         ZERO_CNT: tl.constexpr, ROUTE: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
-                         EVICT: tl.constexpr, PDL: tl.constexpr = 0):
+def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, cnt_ptr, n_cnt, N, TOP_K, stride_we, stride_wn,
+                         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ZERO_CNT: tl.constexpr,
+                         EVICT: tl.constexpr = "", PDL: tl.constexpr = 0):
     """out[pair, n] = x[pair // TOP_K] . w13[expert(pair), n] for one block of n. With ZERO_CNT the programs also
-    zero the n_cnt arrival counters the down kernel after them counts on. With ROUTE every program routes its
-    pair from the router logits itself (``_route_slot``: no routing launch before) and the programs of the first
-    block of n store the pair's expert and weight for the down kernel. EVICT: the weights' L2 eviction policy
-    ("evict_first": streamed through without pushing out what a prefetch read ahead)."""
+    zero the n_cnt arrival counters the down kernel after them counts on. EVICT: the weights' L2 eviction policy
+    ("evict_first": streamed through once, so they do not push out of L2 what other kernels read again)."""
     pair = tl.program_id(0)
-    pdl_enter(PDL)  # the expert comes from the routing (or the router's logits): no weight can be requested before
+    pdl_enter(PDL)  # the expert comes from the routing kernel: no weight can be requested before
     if ZERO_CNT:
         programs = tl.num_programs(0) * tl.num_programs(1)
         i = pair * tl.num_programs(1) + tl.program_id(1)
@@ -210,14 +228,7 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, cnt_ptr, logits_ptr, rw
             i += programs
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    if ROUTE:
-        e, weight = _route_slot(logits_ptr, pair // TOP_K, pair % TOP_K, E, TOP_K, RENORM, BLOCK_E)
-        if tl.program_id(1) == 0:
-            tl.store(ids_ptr + pair, e)
-            tl.store(rw_ptr + pair, weight)
-        e = e.to(tl.int64)
-    else:
-        e = tl.load(ids_ptr + pair).to(tl.int64)
+    e = tl.load(ids_ptr + pair).to(tl.int64)
     row = x_ptr + (pair // TOP_K) * K
     acc = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):  # K is known when compiling: a counted loop, its loads pipelined
@@ -326,9 +337,7 @@ def _route_slot(logits_ptr, t, j, E, TOP_K: tl.constexpr, RENORM: tl.constexpr, 
     """Token t's expert in slot j and its weight, as ``_route_row`` chooses them (softmax in float32, the top k
     with the lowest index first on ties, optionally renormalized), without a serial loop: every expert's rank
     is the number of experts ahead of it."""
-    p, offs = _route_probs(logits_ptr, t, E, BLOCK_E)
-    ahead = (p[None, :] > p[:, None]) | ((p[None, :] == p[:, None]) & (offs[None, :] < offs[:, None]))
-    rank = tl.sum(ahead.to(tl.int32), axis=1)
+    p, offs, rank = _route_ranks(logits_ptr, t, E, BLOCK_E)
     e = tl.sum(tl.where(rank == j, offs, 0), axis=0)
     w = tl.sum(tl.where(rank == j, p, 0.0), axis=0)
     if RENORM:
@@ -388,40 +397,32 @@ def _fused_experts_kernel(x_ptr, logits_ptr, w13_ptr, w2_ptr, acc_ptr, out_ptr, 
         tl.atomic_xchg(cnt_ptr, 0)
 
 
-def moe_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool, pdl: int = 0
+def moe_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool, pdl: int = 0, rank: int = 0
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``kernels.moe.moe_route_ref`` (ids as int32): weights (T, k) float32, ids (T, k)."""
+    """Same contract as ``kernels.moe.moe_route_ref`` (ids as int32): weights (T, k) float32, ids (T, k).
+    ``rank``: the top k from every expert's rank at once (four warps) instead of k serial reductions."""
     t, e = router_logits.shape
     logits = router_logits.contiguous()
     weights = torch.empty((t, top_k), device=logits.device, dtype=torch.float32)
     ids = torch.empty((t, top_k), device=logits.device, dtype=torch.int32)
     if t:
-        # one warp for up to 256 experts: each of the k serial reductions stays within the warp
+        # serial: one warp for up to 256 experts, each of the k reductions within the warp
         _route_kernel[(t,)](logits, weights, ids, e, TOP_K=top_k, RENORM=renormalize,
-                            BLOCK_E=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k),
-                            num_warps=1 if e <= 256 else 4,
+                            BLOCK_E=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k), RANK=bool(rank),
+                            num_warps=4 if rank or e > 256 else 1,
                             **launch_options(pdl, logits))
     return weights, ids
 
 
 def _pair_experts(x, weights, ids, w13, w2, top_k, block_n, block_k, down_block_n, num_warps, split_down, pdl,
-                  down_early=0, down_block_k=None, num_stages=1, logits=None, renormalize=False, evict=0):
-    """The routed experts of the decode path: per (token, slot) pair matrix-vector products. With ``logits``
-    (weights and ids None) the gate/up kernel routes for itself; ``evict``: the experts' weights read with the
-    L2 "evict first" policy."""
+                  down_early=0, down_block_k=None, num_stages=1, evict=0):
+    """The routed experts of the decode path: per (token, slot) pair matrix-vector products; ``evict``: their
+    weights read with the L2 "evict first" policy."""
     down_block_k = down_block_k or block_k
     t, h = x.shape
     i = w2.shape[2]
     assert w13.is_contiguous() and w2.is_contiguous()
     x = x.contiguous()
-    route = logits is not None
-    if route:
-        if down_early:
-            raise ValueError("decode_down_early needs the routing kernel: the down kernel would read the experts "
-                             "before the gate/up kernel that routes has stored them")
-        logits = logits.contiguous()
-        weights = torch.empty((t, top_k), device=x.device, dtype=torch.float32)
-        ids = torch.empty((t, top_k), device=x.device, dtype=torch.int32)
     opts = launch_options(pdl, x)
     evict = "evict_first" if evict else ""
     gate_up = torch.empty((t * top_k, 2 * i), device=x.device, dtype=x.dtype)
@@ -429,12 +430,9 @@ def _pair_experts(x, weights, ids, w13, w2, top_k, block_n, block_k, down_block_
     # the down kernel's arrival counters: this call's own (the gate/up kernel zeroes them), so launches on other
     # streams (a variant warming up while the engine serves) never share one
     cnt = torch.empty(t * n_blocks, device=x.device, dtype=torch.int32) if split_down == 2 else None
-    e = logits.shape[1] if route else 1
     _pair_gate_up_kernel[(t * top_k, triton.cdiv(2 * i, block_n))](
-        x, w13, ids, gate_up, cnt if cnt is not None else ids, logits if route else x, weights,
-        0 if cnt is None else cnt.numel(), 2 * i, e, w13.stride(0), w13.stride(1), K=h, TOP_K=top_k,
-        BLOCK_N=block_n, BLOCK_K=block_k, ZERO_CNT=cnt is not None, ROUTE=route, RENORM=renormalize,
-        BLOCK_E=triton.next_power_of_2(e), EVICT=evict,
+        x, w13, ids, gate_up, cnt if cnt is not None else ids, 0 if cnt is None else cnt.numel(), 2 * i, top_k,
+        w13.stride(0), w13.stride(1), K=h, BLOCK_N=block_n, BLOCK_K=block_k, ZERO_CNT=cnt is not None, EVICT=evict,
         num_warps=num_warps, num_stages=num_stages, **(launch_options(1, x) if down_early and pdl else opts))
     out = torch.empty_like(x)
     if split_down:
@@ -479,7 +477,7 @@ def moe_triton(
     block_m: int = 16, block_n: int = 32, block_k: int = 32,
     max_decode_pairs: int = 64, decode_block_n: int = 8, decode_block_k: int = 256, decode_down_block_n: int = 8,
     decode_warps: int = 4, decode_split_down: int = 1, decode_down_early: int = 0, decode_down_block_k: int = 0,
-    decode_stages: int = 1, decode_chunk: int = 32, decode_self_route: int = 0, decode_evict: int = 0, pdl: int = 0,
+    decode_stages: int = 1, decode_chunk: int = 32, decode_route_rank: int = 0, decode_evict: int = 0, pdl: int = 0,
     scratch=None,
 ) -> torch.Tensor:
     """x: (T, H); router_logits: (T, E); w13: (E, 2I, H) holding [gate | up]; w2: (E, H, I). Returns (T, H).
@@ -492,7 +490,10 @@ def moe_triton(
     on an H200: bench/RESULTS.md); ``decode_down_early``: 1, the split down kernel requests its weights before
     it waits for the gate/up kernel, which then waits before letting it be scheduled); more take the grouped
     matmul (``block_*``). ``decode_down_block_k``: the down kernel's chunk of the intermediate (0: as
-    ``decode_block_k``); ``decode_stages``: how many chunks ahead their loops request (1: none). ``pdl``: the
+    ``decode_block_k``); ``decode_stages``: how many chunks ahead their loops request (1: none);
+    ``decode_route_rank``: the routing kernel's top k from every expert's rank at once (four warps) instead of k
+    serial reductions (one warp); ``decode_evict``: 1, the experts' weights read with the L2 "evict first"
+    policy (streamed through once, so they do not push out of L2 what other kernels read again). ``pdl``: the
     decode path's kernels with programmatic dependent launch (kernels/pdl.py); ``scratch(n, device,
     dtype)``: the one-launch form's zeroed sum and counter (default: fresh per call; ``make_moe`` keeps them).
     """
@@ -505,14 +506,10 @@ def moe_triton(
         if decode_split_down == 3:
             return _fused_experts(x, router_logits, w13, w2, top_k, renormalize, decode_chunk, decode_block_k,
                                   decode_down_block_n, decode_warps, decode_stages, pdl, scratch)
-        if decode_self_route:
-            weights = ids = None
-        else:
-            weights, ids = moe_route_triton(router_logits, top_k, renormalize, pdl)
+        weights, ids = moe_route_triton(router_logits, top_k, renormalize, pdl, decode_route_rank)
         return _pair_experts(x, weights, ids, w13, w2, top_k, decode_block_n, decode_block_k, decode_down_block_n,
                              decode_warps, decode_split_down, pdl, decode_down_early, decode_down_block_k,
-                             decode_stages, router_logits if decode_self_route else None, renormalize,
-                             decode_evict)
+                             decode_stages, decode_evict)
     weights, ids = moe_route_ref(router_logits, top_k, renormalize)
     pairs, tile_expert = _group_by_expert(ids, w13.shape[0], block_m)
     num_pairs = t * top_k
@@ -544,8 +541,7 @@ def norm_moe_triton(
     """Same contract as ``kernels.moe.norm_moe_ref``. A decode batch (at most 4 tokens and ``max_decode_pairs``
     pairs) takes one launch for the residual add, RMSNorm and router (``router_*`` tiles) and, with
     ``route_by_last``, routing by its last program (else the routing kernel after it), then the decode path's
-    expert kernels (with ``decode_split_down`` 3 the experts' one launch, or with ``decode_self_route`` the
-    gate/up kernel, routing for itself: no routing here); larger
+    expert kernels (with ``decode_split_down`` 3 the experts' one launch, which routes for itself); larger
     batches the Triton norm, torch's router and ``moe_triton``. ``moe_params``: ``moe_triton``'s parameters;
     ``pdl``: programmatic dependent launch (kernels/pdl.py); ``counters(n, device, dtype)``: the routing's
     arrival counter, or the one-launch experts' sum and counter (default: zeroed per call; ``make_norm_moe``
@@ -569,26 +565,23 @@ def norm_moe_triton(
     summed, h = torch.empty_like(x), torch.empty_like(x)
     weights = torch.empty((t, top_k), device=x.device, dtype=torch.float32)
     ids = torch.empty((t, top_k), device=x.device, dtype=torch.int32)
-    fused = p["decode_split_down"] == 3  # the experts in one launch, which routes for itself
-    self_route = fused or bool(p["decode_self_route"])  # no routing here: the expert kernels route
-    cnt = (counters or fresh_counters)(1, x.device) if route_by_last and not self_route else ids
+    fused = p["decode_split_down"] == 3  # the experts route for themselves
+    cnt = (counters or fresh_counters)(1, x.device) if route_by_last and not fused else ids
     _norm_router_kernel[(triton.cdiv(e, router_block_n),)](
         x, residual, norm_weight, gate_weight, logits, summed, h, weights, ids, cnt, t, e, eps,
         K=hidden, TOP_K=top_k, RENORM=renormalize, BLOCK_M=triton.next_power_of_2(t), BLOCK_N=router_block_n,
         BLOCK_K=router_block_k, BLOCK_E=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k),
-        ROUTE=bool(route_by_last) and not self_route,
+        ROUTE=bool(route_by_last) and not fused,
         num_warps=router_warps, **launch_options(pdl, x))
     if fused:
         return _fused_experts(h, logits, w13, w2, top_k, renormalize, p["decode_chunk"], p["decode_block_k"],
                               p["decode_down_block_n"], p["decode_warps"], p["decode_stages"], pdl, counters), summed
-    if self_route:
-        weights = ids = None
-    elif not route_by_last:
-        weights, ids = moe_route_triton(logits, top_k, renormalize, pdl)
+    if not route_by_last:
+        weights, ids = moe_route_triton(logits, top_k, renormalize, pdl, p["decode_route_rank"])
     return _pair_experts(h, weights, ids, w13, w2, top_k, p["decode_block_n"], p["decode_block_k"],
                          p["decode_down_block_n"], p["decode_warps"], p["decode_split_down"], pdl,
                          p["decode_down_early"], p["decode_down_block_k"], p["decode_stages"],
-                         logits if self_route else None, renormalize, p["decode_evict"]), summed
+                         p["decode_evict"]), summed
 
 
 def make_norm_moe(**params):

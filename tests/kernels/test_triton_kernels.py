@@ -200,16 +200,13 @@ def test_moe_grouped_matmul(t, h, e, k, i, renorm):
                            decode_block_k=block_k, decode_down_block_n=8, decode_split_down=2, decode_down_early=1,
                            decode_down_block_k=down_block_k, decode_stages=1 + (block_k == 32), pdl=2)
         torch.testing.assert_close(early, ref, rtol=1e-4, atol=1e-4)
-    # no routing launch: the gate/up programs route their pairs themselves (and store them for the down kernel),
-    # with every down form; the weights read with the "evict first" policy (a hint: the same values)
+    # the routing by rank, the experts' weights read with the "evict first" policy (a hint: the same values),
+    # with every down form
     for split in (0, 1, 2):
-        own = moe_triton(x, logits, w13, w2, k, renorm, max_decode_pairs=t * k, decode_block_n=16,
-                         decode_block_k=16, decode_down_block_n=8, decode_split_down=split, decode_self_route=1,
-                         decode_evict=split % 2, pdl=2)
-        torch.testing.assert_close(own, ref, rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="routing kernel"):
-        moe_triton(x, logits, w13, w2, k, renorm, max_decode_pairs=t * k, decode_split_down=2, decode_down_early=1,
-                   decode_self_route=1)
+        ranked = moe_triton(x, logits, w13, w2, k, renorm, max_decode_pairs=t * k, decode_block_n=16,
+                            decode_block_k=16, decode_down_block_n=8, decode_split_down=split, decode_route_rank=1,
+                            decode_evict=1, pdl=2)
+        torch.testing.assert_close(ranked, ref, rtol=1e-4, atol=1e-4)
     # routing, gate/up, down and the sum in one launch: chunks of the intermediate that do not divide it, one
     # that covers it whole, one row; the float32 sum and counter kept across calls (the kernel re-zeroes them)
     op = make_moe(max_decode_pairs=t * k, decode_split_down=3, decode_block_k=16, decode_down_block_n=8)
@@ -242,17 +239,17 @@ def test_norm_moe(t, h, e, k, i, renorm):
     # router_block_n 16 > e for the smaller cases: one program
     # route_by_last 0: the routing kernel after the norm + router launch
     counters = ArrivalCounters()
-    # split 3: the experts in one launch that routes for itself; self_route: the gate/up kernel routes (for
-    # both route_by_last has no effect)
-    for split, router_block_n, router_block_k, route_by_last, self_route in (
+    # split 3: the experts in one launch that routes for itself (route_by_last has no effect); rank: the routing
+    # kernel after it by rank, the experts evict-first
+    for split, router_block_n, router_block_k, route_by_last, rank in (
             (1, 2, 32, 1, 0), (2, 4, 64, 1, 0), (0, 16, 32, 1, 0), (2, 4, 64, 0, 0), (2, 2, 32, 0, 0),
-            (3, 4, 64, 1, 0), (2, 4, 64, 1, 1), (1, 2, 32, 0, 1)):
+            (3, 4, 64, 1, 0), (2, 4, 64, 0, 1)):
         for _ in range(2):  # twice: the routing's counter, kept by ``counters``, is reset by the kernel
             out, summed = norm_moe_triton(x, r, nw, 1e-6, gw, w13, w2, k, renorm, router_block_n=router_block_n,
                                           router_block_k=router_block_k, route_by_last=route_by_last,
                                           decode_block_n=16, decode_block_k=16, decode_down_block_n=8,
-                                          decode_split_down=split, decode_self_route=self_route,
-                                          decode_evict=self_route, pdl=1, block_m=16, block_n=16, block_k=16,
+                                          decode_split_down=split, decode_route_rank=rank, decode_evict=rank,
+                                          pdl=1, block_m=16, block_n=16, block_k=16,
                                           counters=counters)
             torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(summed, ref_summed)
@@ -267,10 +264,13 @@ def test_moe_route(t, e, k, renorm):
     from kernels.moe_triton import moe_route_triton
 
     logits = torch.randn(t, e)
-    w, ids = moe_route_triton(logits, k, renorm)
-    rw, rids = moe_route_ref(logits, k, renorm)
-    assert torch.equal(ids.long(), rids)
-    torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
+    logits[0, :2] = logits[0].max() + 1  # a tie at the top: the lower index first (a stable sort's order)
+    rw, _ = moe_route_ref(logits, k, renorm)
+    rids = torch.sort(torch.softmax(logits, -1), dim=-1, descending=True, stable=True).indices[:, :k]
+    for rank in (0, 1):  # k serial reductions, or every expert's rank at once
+        w, ids = moe_route_triton(logits, k, renorm, rank=rank)
+        assert torch.equal(ids.long(), rids), rank
+        torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("m,n,k,bias,tiles", [
@@ -297,6 +297,10 @@ def test_linear_kernels(m, n, k, bias, tiles):
     torch.testing.assert_close(summed, ref_summed)
     gu = torch.randn(m, 2 * k)
     torch.testing.assert_close(act_linear_triton(gu, w, **t), act_linear_ref(gu, w), **tol)
+    # the weights read with the L2 "evict first" policy: a hint, the same values
+    torch.testing.assert_close(linear_triton(x, w, b, **t, evict=1), linear_ref(x, w, b), **tol)
+    torch.testing.assert_close(norm_linear_triton(x, r, nw, 1e-6, w, b, **t, evict=1)[0], ref_out, **tol)
+    torch.testing.assert_close(act_linear_triton(gu, w, **t, evict=1), act_linear_ref(gu, w), **tol)
     # more rows than max_m: the plain matrix multiply after the Triton norm / activation
     x5, r5, gu5 = torch.randn(5, k), torch.randn(5, k), torch.randn(5, 2 * k)
     torch.testing.assert_close(linear_triton(x5, w, b, max_m=4), linear_ref(x5, w, b), **tol)
