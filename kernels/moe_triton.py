@@ -492,7 +492,7 @@ def moe_triton(
     matmul (``block_*``). ``decode_down_block_k``: the down kernel's chunk of the intermediate (0: as
     ``decode_block_k``); ``decode_stages``: how many chunks ahead their loops request (1: none);
     ``decode_route_rank``: the routing kernel's top k from every expert's rank at once (four warps) instead of k
-    serial reductions (one warp); ``decode_evict``: 1, the experts' weights read with the L2 "evict first"
+    serial reductions (one warp; measured slower at batch 1 on an H200: bench/RESULTS.md); ``decode_evict``: 1, the experts' weights read with the L2 "evict first"
     policy (streamed through once, so they do not push out of L2 what other kernels read again). ``pdl``: the
     decode path's kernels with programmatic dependent launch (kernels/pdl.py); ``scratch(n, device,
     dtype)``: the one-launch form's zeroed sum and counter (default: fresh per call; ``make_moe`` keeps them).
