@@ -918,7 +918,8 @@ def moe_decode(bw: float, layers: int | None, sweep_tiles: bool = False):
     # weights evict-first too, the routing kernel by rank (four warps) instead of k serial reductions (one warp)
     moe_with = lambda evict=None, **kw: dataclasses.replace(  # noqa: E731
         gemv, kernels=pre, kernel_params={**best3, "moe": {**best3["moe"], **kw}, **({
-            op: {**best3.get(op, {}), "evict": evict} for op in ("linear", "norm_linear")} if evict is not None else {})})
+            op: {**best3.get(op, {}), "evict": evict} for op in ("linear", "norm_linear")}
+            if evict is not None else {})})
     forms = [
         ("previous best: split-KV, no dependent launch", gemv),
         ("TRITON_MOE_DECODE (the experts' weights evict-first)", dataclasses.replace(gemv, kernels=pre,
