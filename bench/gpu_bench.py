@@ -196,7 +196,9 @@ def kernel_checks() -> bool:
                 err(moe_triton(xm, lg, w13, w2, 8, True, max_decode_pairs=0), mref),
                 err(moe_triton(xm, lg, w13, w2, 8, True, decode_split_down=2, decode_down_early=1, pdl=2), mref),
                 err(moe_triton(xm, lg, w13, w2, 8, True, decode_split_down=2, decode_route_rank=1, decode_evict=1,
-                               pdl=2), mref))
+                               pdl=2), mref),
+                err(moe_triton(xm, lg, w13, w2, 8, True, decode_split_down=2, decode_evict=1, decode_act=1,
+                               decode_block_n=2, decode_block_k=2048, decode_down_block_n=16, pdl=2), mref))
     # the experts in one launch, twice with the kept float32 sum and counter (the kernel re-zeroes them)
     from kernels.moe_triton import make_moe
 
@@ -215,9 +217,10 @@ def kernel_checks() -> bool:
     nref, nsum = norm_moe_ref(xs, rs, nws, 1e-6, gws, w13s, w2s, 8, True)
     e_nmoe = 0.0
     for t_ in (1, 3):
-        for split, route_by_last, rank in ((1, 1, 0), (2, 1, 0), (2, 0, 0), (3, 1, 0), (2, 0, 1)):
+        for split, route_by_last, rank in ((1, 1, 0), (2, 1, 0), (2, 0, 0), (3, 1, 0), (2, 0, 1), (2, 0, 2)):
             o_, s_ = norm_moe_triton(xs[:t_], rs[:t_], nws, 1e-6, gws, w13s, w2s, 8, True, decode_split_down=split,
-                                     route_by_last=route_by_last, decode_route_rank=rank, decode_evict=rank, pdl=1)
+                                     route_by_last=route_by_last, decode_route_rank=rank == 1,
+                                     decode_evict=rank == 1, decode_act=rank == 2, pdl=1)
             e_nmoe = max(e_nmoe, err(o_, nref[:t_]) / nref.abs().max().item(), err(s_, nsum[:t_]))
     del w13s, w2s
     # the L2 prefetch kernel reads every element once (its per-program sums add up)
@@ -289,14 +292,16 @@ def tiny_models_vs_transformers(tmp: Path) -> bool:
                                   kernel_params=pdl_params)
         one = {"decode_split_down": 3, "decode_chunk": 48, "decode_block_k": 256, "decode_down_block_n": 128}
         pdl_one = dataclasses.replace(pdl, kernel_params={**pdl_params, "moe": {**one, "pdl": 2}})
-        own = {"decode_split_down": 2, "decode_route_rank": 1, "decode_evict": 1, "pdl": 2}
+        own = {"decode_split_down": 2, "decode_route_rank": 1, "decode_evict": 1, "decode_act": 1, "pdl": 2}
         pdl_own = dataclasses.replace(pdl, kernel_params={**pdl_params, "moe": own, "linear": {"evict": 1, "pdl": 2},
-                                                          "norm_linear": {"evict": 1, "pdl": 2}})
+                                                          "norm_linear": {"evict": 1, "pdl": 2},
+                                                          "prefetch": {"next_qkv": 1, "defer_join": 1}})
         results = {}
         for label, variant, ahead in (("reference", None, False), ("triton", spec, True),
                                       ("triton+graphs", graphs, False), ("triton+graphs+pdl", pdl, False),
                                       ("triton+graphs+pdl, experts in one launch", pdl_one, False),
-                                      ("triton+graphs+pdl, routing by rank, weights evict-first", pdl_own, False),
+                                      ("triton+graphs+pdl, routing by rank, weights evict-first, activation in "
+                                       "gate/up, prefetch joins deferred", pdl_own, False),
                                       ("triton+graphs+ahead", graphs, True)):
             try:
                 eng = LLMEngine(EngineConfig(source=resolve(str(folder)), device="cuda", num_kv_blocks=64,
@@ -914,20 +919,26 @@ def moe_decode(bw: float, layers: int | None, sweep_tiles: bool = False):
     gemv = dataclasses.replace(spec, kernels={**TRITON_ALL, **TRITON_GEMV})
     best3 = moe_decode_params(attn["attention"], cfg.hidden_size)
     pre = TRITON_MOE_DECODE
-    # TRITON_MOE_DECODE with changes: the experts' weights not evict-first (last session's form), the projections'
-    # weights evict-first too, the routing kernel by rank (four warps) instead of k serial reductions (one warp)
-    moe_with = lambda evict=None, **kw: dataclasses.replace(  # noqa: E731
-        gemv, kernels=pre, kernel_params={**best3, "moe": {**best3["moe"], **kw}, **({
-            op: {**best3.get(op, {}), "evict": evict} for op in ("linear", "norm_linear")}
-            if evict is not None else {})})
+    # TRITON_MOE_DECODE with changes (moe parameters, prefetch parameters): the activation applied by the gate/up
+    # kernel (its programs read matching gate and up rows: 4 of each, or 2 for the same bytes per program); the
+    # prefetches' joins deferred to the step's end (no cross-stream wait before the output projection); the next
+    # layer's QKV projection read into L2 during the MoE block
+    def moe_with(moe=None, prefetch=None):
+        return dataclasses.replace(gemv, kernels=pre, kernel_params={
+            **best3, "moe": {**best3["moe"], **(moe or {})}, "prefetch": {**best3.get("prefetch", {}),
+                                                                         **(prefetch or {})}})
+
+    act2 = {"decode_act": 1, "decode_block_n": 2}
     forms = [
         ("previous best: split-KV, no dependent launch", gemv),
-        ("TRITON_MOE_DECODE (the experts' weights evict-first)", dataclasses.replace(gemv, kernels=pre,
-                                                                                  kernel_params=best3)),
-        ("TRITON_MOE_DECODE, the experts' weights not evict-first (last session's)", moe_with(0, decode_evict=0)),
-        ("TRITON_MOE_DECODE, the projections' weights not evict-first", moe_with(0)),
-        ("+ routing by rank", moe_with(decode_route_rank=1)),
-        ("+ the projections' weights evict-first + routing by rank", moe_with(1, decode_route_rank=1)),
+        ("TRITON_MOE_DECODE (last session's best)", dataclasses.replace(gemv, kernels=pre, kernel_params=best3)),
+        ("+ the activation in the gate/up kernel (4 gate + 4 up rows per program)", moe_with({"decode_act": 1})),
+        ("+ the activation in the gate/up kernel (2 + 2 rows per program)", moe_with(act2)),
+        ("+ the prefetch's join deferred to the step's end", moe_with(prefetch={"defer_join": 1})),
+        ("+ the join deferred + the activation in gate/up (2 + 2)", moe_with(act2, {"defer_join": 1})),
+        ("+ the join deferred + the next QKV into L2", moe_with(prefetch={"defer_join": 1, "next_qkv": 1})),
+        ("+ the join deferred + the next QKV into L2 + the activation in gate/up (2 + 2)",
+         moe_with(act2, {"defer_join": 1, "next_qkv": 1})),
     ]
     if sweep_tiles:  # the experts in one launch (measured slower than three launches: bench/RESULTS.md)
         one = one_launch_sweep(eng, cfg, best3)

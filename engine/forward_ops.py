@@ -36,7 +36,7 @@ class ForwardOps:
     norm_linear: Callable  # residual add + RMSNorm, then a projection; fused or composed
     act_linear: Callable  # SiLU-and-multiply, then a projection; fused or composed
     norm_moe: Callable  # residual add + RMSNorm, router, then moe (an MoE layer after attention); fused or composed
-    prefetch: Callable  # weights a later kernel reads -> join(), called before that kernel
+    prefetch: Callable  # weights a later kernel reads -> join(), called before it ("end": the step's last call)
 
     def replace(self, **changes: Callable) -> "ForwardOps":
         """A copy with some operations replaced; composite operations built from parts follow the new parts."""

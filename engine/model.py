@@ -150,6 +150,7 @@ class CausalLM(nn.Module):
             nxt = layers[i + 1].self_attn.qkv_proj.weight if i + 1 < len(layers) else None
             x, residual = layer(x, residual, positions, cos_sin, kv, attn, ops, nxt)
         x, _ = ops.fused_add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)
+        ops.prefetch((), x.shape[0], "end")()  # the side stream's deferred reads joined before the step ends
         return x
 
     def compute_logits(self, hidden: torch.Tensor, ops: ForwardOps | None = None) -> torch.Tensor:

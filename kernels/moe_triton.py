@@ -214,10 +214,12 @@ def _norm_router_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, logits_ptr, sum_ptr, h_ptr,
 @triton.jit
 def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, cnt_ptr, n_cnt, N, TOP_K, stride_we, stride_wn,
                          K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ZERO_CNT: tl.constexpr,
-                         EVICT: tl.constexpr = "", PDL: tl.constexpr = 0):
-    """out[pair, n] = x[pair // TOP_K] . w13[expert(pair), n] for one block of n. With ZERO_CNT the programs also
-    zero the n_cnt arrival counters the down kernel after them counts on. EVICT: the weights' L2 eviction policy
-    ("evict_first": streamed through once, so they do not push out of L2 what other kernels read again)."""
+                         EVICT: tl.constexpr = "", ACT: tl.constexpr = 0, PDL: tl.constexpr = 0):
+    """out[pair, n] = x[pair // TOP_K] . w13[expert(pair), n] for one block of n. With ACT, N is the intermediate
+    size and the block's gate rows n and up rows N + n are read together: out[pair, n] = silu(gate) * up, in the
+    reference's rounding (kernels.activation). With ZERO_CNT the programs also zero the n_cnt arrival counters
+    the down kernel after them counts on. EVICT: the weights' L2 eviction policy ("evict_first": streamed
+    through once, so they do not push out of L2 what other kernels read again)."""
     pair = tl.program_id(0)
     pdl_enter(PDL)  # the expert comes from the routing kernel: no weight can be requested before
     if ZERO_CNT:
@@ -231,21 +233,34 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, cnt_ptr, n_cnt, N, TOP_
     e = tl.load(ids_ptr + pair).to(tl.int64)
     row = x_ptr + (pair // TOP_K) * K
     acc = tl.zeros([BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_N], tl.float32)
+    w_rows = w_ptr + e * stride_we + offs_n[:, None] * stride_wn
     for k0 in range(0, K, BLOCK_K):  # K is known when compiling: a counted loop, its loads pipelined
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         a = tl.load(row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :],
-                    mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy=EVICT)
+        mask = mask_n[:, None] & mask_k[None, :]
+        w = tl.load(w_rows + offs_k[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
         acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-    tl.store(out_ptr + pair * N + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+        if ACT:
+            w = tl.load(w_rows + N * stride_wn + offs_k[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
+            up += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+    dtype = out_ptr.dtype.element_ty
+    if ACT:
+        gf = acc.to(dtype).to(tl.float32)
+        acc = (gf / (1.0 + tl.exp(-gf))).to(dtype) * up.to(dtype)
+    tl.store(out_ptr + pair * N + offs_n, acc.to(dtype), mask=mask_n)
 
 
 @triton.jit
-def _act_dot(acc, w, gu_ptr, pair, k0, I, BLOCK_K: tl.constexpr):
-    """acc + w . (silu(gate) * up)[pair, k0 : k0 + BLOCK_K], in the reference's rounding (kernels.activation)."""
+def _act_dot(acc, w, gu_ptr, pair, k0, I, BLOCK_K: tl.constexpr, ACT: tl.constexpr = 0):
+    """acc + w . (silu(gate) * up)[pair, k0 : k0 + BLOCK_K], in the reference's rounding (kernels.activation);
+    with ACT gu holds the activation (I per pair), else gate and up (2I per pair)."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask_k = offs_k < I
+    if ACT:
+        return acc + tl.sum(w.to(tl.float32) * tl.load(gu_ptr + pair * I + offs_k, mask=mask_k,
+                                                       other=0.0).to(tl.float32)[None, :], axis=1)
     g = tl.load(gu_ptr + pair * 2 * I + offs_k, mask=mask_k, other=0.0)
     u = tl.load(gu_ptr + pair * 2 * I + I + offs_k, mask=mask_k, other=0.0)
     gf = g.to(tl.float32)
@@ -256,9 +271,10 @@ def _act_dot(acc, w, gu_ptr, pair, k0, I, BLOCK_K: tl.constexpr):
 @triton.jit
 def _pair_down_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, stride_we, stride_wn, I: tl.constexpr,
                       TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr = "",
-                      PDL: tl.constexpr = 0):
-    """out[t, n] = sum_j weight[t, j] * (silu(gate) * up)[t, j] . w2[expert(t, j), n]: the activation, the
-    routing weights and the sum over the k experts, in one pass per block of n."""
+                      ACT: tl.constexpr = 0, PDL: tl.constexpr = 0):
+    """out[t, n] = sum_j weight[t, j] * (silu(gate) * up)[t, j] . w2[expert(t, j), n]: the activation (with ACT
+    already applied by the gate/up kernel), the routing weights and the sum over the k experts, in one pass per
+    block of n."""
     t = tl.program_id(0)
     pdl_enter(PDL)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -272,7 +288,7 @@ def _pair_down_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, stride_we, str
             offs_k = k0 + tl.arange(0, BLOCK_K)
             w = tl.load(w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :],
                         mask=mask_n[:, None] & (offs_k < I)[None, :], other=0.0, eviction_policy=EVICT)
-            acc = _act_dot(acc, w, gu_ptr, pair, k0, I, BLOCK_K)
+            acc = _act_dot(acc, w, gu_ptr, pair, k0, I, BLOCK_K, ACT)
         total += acc * tl.load(rw_ptr + pair)
     tl.store(out_ptr + t * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
 
@@ -281,8 +297,9 @@ def _pair_down_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, stride_we, str
 def _pair_down_split_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, part_ptr, out_ptr, cnt_ptr, N, stride_we, stride_wn,
                             I: tl.constexpr, TOP_K: tl.constexpr, SUM: tl.constexpr, EARLY: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr = "",
-                            PDL: tl.constexpr = 0):
-    """part[pair, n] = weight[pair] * (silu(gate) * up)[pair] . w2[expert(pair), n]: one pair per program row,
+                            ACT: tl.constexpr = 0, PDL: tl.constexpr = 0):
+    """part[pair, n] = weight[pair] * (silu(gate) * up)[pair] . w2[expert(pair), n] (ACT: gu holds the
+    activation, as ``_pair_down_kernel``): one pair per program row,
     so k times the programs of the fused kernel. The k rows of a token are summed afterwards, or with SUM by
     the last of the token's k programs for this block of n (in slot order, as ``_sum_pairs_kernel``), counted on
     cnt, which the gate/up kernel before zeroed. With EARLY the expert and the first chunk of its weights are
@@ -300,12 +317,12 @@ def _pair_down_split_kernel(gu_ptr, w_ptr, ids_ptr, rw_ptr, part_ptr, out_ptr, c
                 eviction_policy=EVICT)
     if EARLY:
         pdl_enter(PDL)
-    acc = _act_dot(tl.zeros([BLOCK_N], tl.float32), w, gu_ptr, pair, 0, I, BLOCK_K)
+    acc = _act_dot(tl.zeros([BLOCK_N], tl.float32), w, gu_ptr, pair, 0, I, BLOCK_K, ACT)
     for k0 in range(BLOCK_K, I, BLOCK_K):  # I is known when compiling: a counted loop, its loads pipelined
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_row + offs_k[None, :], mask=mask_n[:, None] & (offs_k < I)[None, :], other=0.0,
                     eviction_policy=EVICT)
-        acc = _act_dot(acc, w, gu_ptr, pair, k0, I, BLOCK_K)
+        acc = _act_dot(acc, w, gu_ptr, pair, k0, I, BLOCK_K, ACT)
     tl.store(part_ptr + pair * N + offs_n, acc * tl.load(rw_ptr + pair), mask=mask_n)
     if SUM:
         t = pair // TOP_K
@@ -415,9 +432,9 @@ def moe_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 
 
 def _pair_experts(x, weights, ids, w13, w2, top_k, block_n, block_k, down_block_n, num_warps, split_down, pdl,
-                  down_early=0, down_block_k=None, num_stages=1, evict=0):
+                  down_early=0, down_block_k=None, num_stages=1, evict=0, act=0):
     """The routed experts of the decode path: per (token, slot) pair matrix-vector products; ``evict``: their
-    weights read with the L2 "evict first" policy."""
+    weights read with the L2 "evict first" policy; ``act``: the activation applied by the gate/up kernel."""
     down_block_k = down_block_k or block_k
     t, h = x.shape
     i = w2.shape[2]
@@ -425,14 +442,16 @@ def _pair_experts(x, weights, ids, w13, w2, top_k, block_n, block_k, down_block_
     x = x.contiguous()
     opts = launch_options(pdl, x)
     evict = "evict_first" if evict else ""
-    gate_up = torch.empty((t * top_k, 2 * i), device=x.device, dtype=x.dtype)
+    gate_up = torch.empty((t * top_k, i if act else 2 * i), device=x.device, dtype=x.dtype)
     n_blocks = triton.cdiv(h, down_block_n)
     # the down kernel's arrival counters: this call's own (the gate/up kernel zeroes them), so launches on other
     # streams (a variant warming up while the engine serves) never share one
     cnt = torch.empty(t * n_blocks, device=x.device, dtype=torch.int32) if split_down == 2 else None
-    _pair_gate_up_kernel[(t * top_k, triton.cdiv(2 * i, block_n))](
-        x, w13, ids, gate_up, cnt if cnt is not None else ids, 0 if cnt is None else cnt.numel(), 2 * i, top_k,
+    n = gate_up.shape[1]
+    _pair_gate_up_kernel[(t * top_k, triton.cdiv(n, block_n))](
+        x, w13, ids, gate_up, cnt if cnt is not None else ids, 0 if cnt is None else cnt.numel(), n, top_k,
         w13.stride(0), w13.stride(1), K=h, BLOCK_N=block_n, BLOCK_K=block_k, ZERO_CNT=cnt is not None, EVICT=evict,
+        ACT=bool(act),
         num_warps=num_warps, num_stages=num_stages, **(launch_options(1, x) if down_early and pdl else opts))
     out = torch.empty_like(x)
     if split_down:
@@ -440,14 +459,14 @@ def _pair_experts(x, weights, ids, w13, w2, top_k, block_n, block_k, down_block_
         _pair_down_split_kernel[(t * top_k, n_blocks)](
             gate_up, w2, ids, weights, part, out, cnt if cnt is not None else ids, h, w2.stride(0), w2.stride(1),
             I=i, TOP_K=top_k, SUM=cnt is not None, EARLY=bool(down_early), BLOCK_N=down_block_n,
-            BLOCK_K=down_block_k, EVICT=evict,
+            BLOCK_K=down_block_k, EVICT=evict, ACT=bool(act),
             num_warps=num_warps, num_stages=num_stages, **opts)
         if cnt is None:
             _sum_pairs_kernel[(t, triton.cdiv(h, 1024))](part, out, h, TOP_K=top_k, BLOCK_N=1024, **opts)
         return out
     _pair_down_kernel[(t, triton.cdiv(h, down_block_n))](
         gate_up, w2, ids, weights, out, h, w2.stride(0), w2.stride(1), I=i,
-        TOP_K=top_k, BLOCK_N=down_block_n, BLOCK_K=down_block_k, EVICT=evict, num_warps=num_warps,
+        TOP_K=top_k, BLOCK_N=down_block_n, BLOCK_K=down_block_k, EVICT=evict, ACT=bool(act), num_warps=num_warps,
         num_stages=num_stages, **opts)
     return out
 
@@ -477,7 +496,8 @@ def moe_triton(
     block_m: int = 16, block_n: int = 32, block_k: int = 32,
     max_decode_pairs: int = 64, decode_block_n: int = 8, decode_block_k: int = 256, decode_down_block_n: int = 8,
     decode_warps: int = 4, decode_split_down: int = 1, decode_down_early: int = 0, decode_down_block_k: int = 0,
-    decode_stages: int = 1, decode_chunk: int = 32, decode_route_rank: int = 0, decode_evict: int = 0, pdl: int = 0,
+    decode_stages: int = 1, decode_chunk: int = 32, decode_route_rank: int = 0, decode_evict: int = 0,
+    decode_act: int = 0, pdl: int = 0,
     scratch=None,
 ) -> torch.Tensor:
     """x: (T, H); router_logits: (T, E); w13: (E, 2I, H) holding [gate | up]; w2: (E, H, I). Returns (T, H).
@@ -492,9 +512,11 @@ def moe_triton(
     matmul (``block_*``). ``decode_down_block_k``: the down kernel's chunk of the intermediate (0: as
     ``decode_block_k``); ``decode_stages``: how many chunks ahead their loops request (1: none);
     ``decode_route_rank``: the routing kernel's top k from every expert's rank at once (four warps) instead of k
-    serial reductions (one warp; measured slower at batch 1 on an H200: bench/RESULTS.md); ``decode_evict``: 1, the experts' weights read with the L2 "evict first"
-    policy (streamed through once, so they do not push out of L2 what other kernels read again). ``pdl``: the
-    decode path's kernels with programmatic dependent launch (kernels/pdl.py); ``scratch(n, device,
+    serial reductions (one warp; measured slower at batch 1 on an H200: bench/RESULTS.md); ``decode_evict``: 1,
+    the experts' weights read with the L2 "evict first" policy (streamed through once, so they do not push out
+    of L2 what other kernels read again); ``decode_act``: 1, each gate/up program reads matching gate and up
+    rows and writes their activation, so the down programs read half as much and compute no activation.
+    ``pdl``: the decode path's kernels with programmatic dependent launch (kernels/pdl.py); ``scratch(n, device,
     dtype)``: the one-launch form's zeroed sum and counter (default: fresh per call; ``make_moe`` keeps them).
     """
     t, h = x.shape
@@ -509,7 +531,7 @@ def moe_triton(
         weights, ids = moe_route_triton(router_logits, top_k, renormalize, pdl, decode_route_rank)
         return _pair_experts(x, weights, ids, w13, w2, top_k, decode_block_n, decode_block_k, decode_down_block_n,
                              decode_warps, decode_split_down, pdl, decode_down_early, decode_down_block_k,
-                             decode_stages, decode_evict)
+                             decode_stages, decode_evict, decode_act)
     weights, ids = moe_route_ref(router_logits, top_k, renormalize)
     pairs, tile_expert = _group_by_expert(ids, w13.shape[0], block_m)
     num_pairs = t * top_k
@@ -581,7 +603,7 @@ def norm_moe_triton(
     return _pair_experts(h, weights, ids, w13, w2, top_k, p["decode_block_n"], p["decode_block_k"],
                          p["decode_down_block_n"], p["decode_warps"], p["decode_split_down"], pdl,
                          p["decode_down_early"], p["decode_down_block_k"], p["decode_stages"],
-                         p["decode_evict"]), summed
+                         p["decode_evict"], p["decode_act"]), summed
 
 
 def make_norm_moe(**params):

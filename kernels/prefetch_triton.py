@@ -5,7 +5,9 @@ almost no bytes, and the output projection after it streams ~17-34 MB of weights
 ``prefetch_triton`` starts a kernel on a second stream that reads those weights with the L2
 "evict last" policy while the chain runs; the projection then reads them from L2. The
 returned ``join`` makes the main stream wait for the reads (a CUDA graph capture must end with
-every side stream joined); weights are never written during a step, so no other ordering is needed.
+every side stream joined); weights are never written during a step, so no other ordering is needed. With
+``defer_join`` the projection does not wait for the reads at all (a cross-stream wait before a kernel may
+cost it its dependent launch): the side stream is joined once, by the step's last call (site "end").
 
 Same contract as ``kernels.prefetch.prefetch_ref``.
 """
@@ -18,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.prefetch import no_join
+from kernels.prefetch import SITES, no_join
 
 
 @triton.jit
@@ -39,6 +41,7 @@ def _l2_prefetch_kernel(w_ptr, sink_ptr, N, PER_PROGRAM, BLOCK: tl.constexpr):
 
 _SIDE: dict[torch.device, torch.cuda.Stream] = {}
 _SINK: dict[tuple[torch.device, int], torch.Tensor] = {}
+_DEFERRED: set[torch.device] = set()  # side streams with reads no join has waited for yet
 
 
 def _launch(w: torch.Tensor, sink: torch.Tensor, programs: int, block: int, num_warps: int) -> None:
@@ -57,13 +60,16 @@ def prefetch_sums(w: torch.Tensor, programs: int = 4, block: int = 64) -> torch.
 
 def prefetch_triton(weights: Sequence[torch.Tensor | None], rows: int, site: str = "o_proj", *, max_rows: int = 4,
                     programs: int = 528, block: int = 4096, num_warps: int = 4, o_proj: int = 1,
-                    next_qkv: int = 0) -> Callable[[], None]:
+                    next_qkv: int = 0, defer_join: int = 0) -> Callable[[], None]:
     """Starts reading ``weights`` into L2 on a side stream when the step multiplies them by at most ``max_rows``
     rows (decode: the weights' bytes are the kernel's time) and the call's ``site`` is switched on (``o_proj``,
-    ``next_qkv``: 1 or 0); returns ``join()``, which makes the current stream wait for those reads. On a CPU
-    (or under the interpreter) nothing is started: no L2 to fill."""
-    if site not in ("o_proj", "next_qkv"):
+    ``next_qkv``: 1 or 0); returns ``join()``, which makes the current stream wait for those reads, or with
+    ``defer_join`` nothing: site "end" (no weights) returns the join of every deferred read. On a CPU (or under
+    the interpreter) nothing is started: no L2 to fill."""
+    if site not in SITES:
         raise ValueError(f"unknown prefetch site {site!r}")
+    if site == "end":
+        return _join_deferred
     ws = [w for w in weights if w is not None]
     if not ws or rows > max_rows or not {"o_proj": o_proj, "next_qkv": next_qkv}[site] or not ws[0].is_cuda or (
             os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")):
@@ -82,7 +88,18 @@ def prefetch_triton(weights: Sequence[torch.Tensor | None], rows: int, site: str
             assert w.is_contiguous(), "prefetch reads contiguous weights"
             _launch(w.view(-1), sink, programs, block, num_warps)
 
+    if defer_join:
+        _DEFERRED.add(dev)
+        return no_join
+
     def join() -> None:
         main.wait_stream(side)
 
     return join
+
+
+def _join_deferred() -> None:
+    """The current streams wait for every side stream's deferred reads."""
+    while _DEFERRED:
+        dev = _DEFERRED.pop()
+        torch.cuda.current_stream(dev).wait_stream(_SIDE[dev])

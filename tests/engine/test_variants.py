@@ -77,14 +77,14 @@ def test_all_triton_variant_equals_reference_on_a_tiny_model():
         spec = VariantSpec(block_size=4, kernels={**ALL_TRITON, "norm_moe": norm_moe},
                            kernel_params=with_pdl({"attention": {"block_n": 8}, "moe": one, "norm_moe": one}))
         assert [o.token_ids for o in _tiny(spec).generate(prompts, params)] == ref, norm_moe
-    # the routing by rank, the weights "evict first" (experts and projections), the next layer's QKV projection
-    # read ahead (a hint: nothing on a CPU)
-    own = {"decode_split_down": 2, "decode_route_rank": 1, "decode_evict": 1, "decode_block_k": 32}
+    # the routing by rank, the weights "evict first" (experts and projections), the activation applied by the
+    # gate/up kernel, the next layer's QKV projection read ahead with the join deferred (a hint: nothing on a CPU)
+    own = {"decode_split_down": 2, "decode_route_rank": 1, "decode_evict": 1, "decode_block_k": 32, "decode_act": 1}
     for norm_moe in ("reference", "triton"):
         spec = VariantSpec(block_size=4, kernels={**ALL_TRITON, "norm_moe": norm_moe},
                            kernel_params=with_pdl({"attention": {"block_n": 8}, "moe": own, "norm_moe": own,
                                                    "linear": {"evict": 1}, "norm_linear": {"evict": 1},
-                                                   "act_linear": {"evict": 1}, "prefetch": {"next_qkv": 1}}, 2))
+                                                   "act_linear": {"evict": 1}, "prefetch": {"next_qkv": 1, "defer_join": 1}}, 2))
         assert [o.token_ids for o in _tiny(spec).generate(prompts, params)] == ref, norm_moe
     # each Triton kernel alone among the references
     for op in ("rotary", "store_kv", "rotary_store_kv", "norm_rotary_store_kv", "rotary_attention", "moe", "linear",

@@ -207,6 +207,12 @@ def test_moe_grouped_matmul(t, h, e, k, i, renorm):
                             decode_block_k=16, decode_down_block_n=8, decode_split_down=split, decode_route_rank=1,
                             decode_evict=1, pdl=2)
         torch.testing.assert_close(ranked, ref, rtol=1e-4, atol=1e-4)
+    # the activation applied by the gate/up kernel (its programs read matching gate and up rows; a partial last
+    # block of rows), with every down form
+    for split in (0, 1, 2):
+        act = moe_triton(x, logits, w13, w2, k, renorm, max_decode_pairs=t * k, decode_block_n=16,
+                         decode_block_k=16, decode_down_block_n=8, decode_split_down=split, decode_act=1, pdl=2)
+        torch.testing.assert_close(act, ref, rtol=1e-4, atol=1e-4)
     # routing, gate/up, down and the sum in one launch: chunks of the intermediate that do not divide it, one
     # that covers it whole, one row; the float32 sum and counter kept across calls (the kernel re-zeroes them)
     op = make_moe(max_decode_pairs=t * k, decode_split_down=3, decode_block_k=16, decode_down_block_n=8)
@@ -239,16 +245,17 @@ def test_norm_moe(t, h, e, k, i, renorm):
     # router_block_n 16 > e for the smaller cases: one program
     # route_by_last 0: the routing kernel after the norm + router launch
     counters = ArrivalCounters()
-    # split 3: the experts in one launch that routes for itself (route_by_last has no effect); rank: the routing
-    # kernel after it by rank, the experts evict-first
+    # split 3: the experts in one launch that routes for itself (route_by_last has no effect); rank 1: the
+    # routing kernel after it by rank, the experts evict-first; 2: the activation applied by the gate/up kernel
     for split, router_block_n, router_block_k, route_by_last, rank in (
             (1, 2, 32, 1, 0), (2, 4, 64, 1, 0), (0, 16, 32, 1, 0), (2, 4, 64, 0, 0), (2, 2, 32, 0, 0),
-            (3, 4, 64, 1, 0), (2, 4, 64, 0, 1)):
+            (3, 4, 64, 1, 0), (2, 4, 64, 0, 1), (2, 4, 64, 1, 2)):
         for _ in range(2):  # twice: the routing's counter, kept by ``counters``, is reset by the kernel
             out, summed = norm_moe_triton(x, r, nw, 1e-6, gw, w13, w2, k, renorm, router_block_n=router_block_n,
                                           router_block_k=router_block_k, route_by_last=route_by_last,
                                           decode_block_n=16, decode_block_k=16, decode_down_block_n=8,
-                                          decode_split_down=split, decode_route_rank=rank, decode_evict=rank,
+                                          decode_split_down=split, decode_route_rank=rank == 1,
+                                          decode_evict=rank == 1, decode_act=rank == 2,
                                           pdl=1, block_m=16, block_n=16, block_k=16,
                                           counters=counters)
             torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
@@ -323,7 +330,7 @@ def test_dependent_launch_options():
 def test_l2_prefetch_reads_every_element(n, programs, block):
     """The prefetch kernel reads each weight once: its per-program sums add up to the tensor's (a program past
     the end reads nothing); on a CPU the side-stream form starts nothing."""
-    from kernels.prefetch import no_join
+    from kernels.prefetch import no_join, prefetch_ref
     from kernels.prefetch_triton import prefetch_sums, prefetch_triton
 
     w = torch.randn(n, dtype=torch.float64).float()
@@ -336,6 +343,11 @@ def test_l2_prefetch_reads_every_element(n, programs, block):
     assert prefetch_triton((None,), 1, "next_qkv", next_qkv=1) is no_join  # the last layer has no next
     with pytest.raises(ValueError, match="unknown prefetch site"):
         prefetch_triton((w,), 1, "gate_up")
+    # the step's last call joins the deferred reads (none here); the reference knows the same sites
+    prefetch_triton((), 1, "end")()
+    assert prefetch_ref((), 1, "end") is no_join and prefetch_ref((w,), 1, "next_qkv") is no_join
+    with pytest.raises(ValueError, match="unknown prefetch site"):
+        prefetch_ref((w,), 1, "gate_up")
 
 
 @pytest.mark.parametrize("norm", [False, True])
