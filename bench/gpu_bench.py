@@ -885,6 +885,44 @@ def one_launch_sweep(eng, cfg, best):
     return {k: v for k, v in tiles.items() if k != "pdl"}
 
 
+@section
+def l2_survival() -> None:
+    """Whether weights read into L2 ahead stay there while the experts stream through: a QKV-shaped GEMV (5,120 x
+    2,048 bf16, 21 MB) timed from HBM (L2 flushed), right after the prefetch kernel read it, and after the
+    prefetch and then 75 MB of other weights streamed by a GEMV with and without the "evict first" policy."""
+    from kernels.linear_triton import linear_triton
+    from kernels.prefetch_triton import prefetch_triton
+
+    bf = torch.bfloat16
+    w = torch.randn(5120, 2048, device="cuda", dtype=bf)
+    other = torch.randn(18432, 2048, device="cuda", dtype=bf)
+    x = torch.randn(1, 2048, device="cuda", dtype=bf)
+    flush = torch.empty(512 * 2 ** 20, device="cuda", dtype=torch.uint8)
+    tiles = dict(block_n=4, block_k=2048, num_warps=4)
+
+    def us(prefetch: bool, stream_evict: int | None) -> float:
+        times = []
+        for _ in range(25):
+            flush.zero_()
+            if prefetch:
+                prefetch_triton((w,), 1, "o_proj")()
+            if stream_evict is not None:
+                linear_triton(x, other, **tiles, evict=stream_evict)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            linear_triton(x, w, **tiles, evict=1)
+            b.record()
+            b.synchronize()
+            times.append(1e3 * a.elapsed_time(b))
+        return sorted(times)[len(times) // 2]
+
+    cold, warm = us(False, None), us(True, None)
+    after_first, after_normal = us(True, 1), us(True, 0)
+    row("L2: QKV-shaped GEMV (21 MB) from HBM / after the prefetch / after the prefetch and 75 MB streamed "
+        "evict-first / streamed with the default policy (median of 25, us)",
+        f"{cold:.1f} / {warm:.1f} / {after_first:.1f} / {after_normal:.1f}")
+
+
 # ---- 7. MoE -----------------------------------------------------------------------------------------
 @section
 def moe_decode(bw: float, layers: int | None, sweep_tiles: bool = False):
@@ -911,6 +949,7 @@ def moe_decode(bw: float, layers: int | None, sweep_tiles: bool = False):
     row(f"MoE ({cfg.num_hidden_layers} layers) weights, active bytes per token",
         f"{total / 1e9:.1f} GB total, {active / 1e9:.2f} GB active (8 of 128 experts, lm_head; not the embedding "
         f"table); roofline {roofline:.0f} tok/s; engine build {build:.0f} s")
+    l2_survival()
     # correctness on the GPU first: every form's greedy tokens against the eager reference MoE kernels
     ref_eng = LLMEngine.with_loaded(eng, dataclasses.replace(eng.config, variant=dataclasses.replace(
         spec, kernels={**TRITON_ALL, "moe": "reference"}, cuda_graph_batch_sizes=())))
@@ -929,16 +968,17 @@ def moe_decode(bw: float, layers: int | None, sweep_tiles: bool = False):
                                                                          **(prefetch or {})}})
 
     act2 = {"decode_act": 1, "decode_block_n": 2}
+    defer = {"defer_join": 1}
     forms = [
         ("previous best: split-KV, no dependent launch", gemv),
         ("TRITON_MOE_DECODE (last session's best)", dataclasses.replace(gemv, kernels=pre, kernel_params=best3)),
-        ("+ the activation in the gate/up kernel (4 gate + 4 up rows per program)", moe_with({"decode_act": 1})),
-        ("+ the activation in the gate/up kernel (2 + 2 rows per program)", moe_with(act2)),
-        ("+ the prefetch's join deferred to the step's end", moe_with(prefetch={"defer_join": 1})),
-        ("+ the join deferred + the activation in gate/up (2 + 2)", moe_with(act2, {"defer_join": 1})),
-        ("+ the join deferred + the next QKV into L2", moe_with(prefetch={"defer_join": 1, "next_qkv": 1})),
-        ("+ the join deferred + the next QKV into L2 + the activation in gate/up (2 + 2)",
-         moe_with(act2, {"defer_join": 1, "next_qkv": 1})),
+        ("+ the prefetch's join deferred to the step's end", moe_with(prefetch=defer)),
+        ("+ the next QKV into L2 during the attention (after o_proj's)", moe_with(prefetch={"next_qkv": 2})),
+        ("+ the join deferred + the next QKV into L2 during the attention",
+         moe_with(prefetch={**defer, "next_qkv": 2})),
+        ("+ the join deferred + the next QKV during the attention + the activation in gate/up (2 + 2)",
+         moe_with(act2, {**defer, "next_qkv": 2})),
+        ("+ the join deferred + the activation in gate/up (2 + 2)", moe_with(act2, defer)),
     ]
     if sweep_tiles:  # the experts in one launch (measured slower than three launches: bench/RESULTS.md)
         one = one_launch_sweep(eng, cfg, best3)

@@ -41,9 +41,11 @@ class Attention(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],  # each (num_blocks, block_size, KVH, D)
         attn: AttentionMetadata,
         ops: ForwardOps,
+        next_qkv: torch.Tensor | None = None,  # the next layer's QKV weight (a prefetch hint), None for the last
     ) -> torch.Tensor:
         t = qkv.shape[0]
         join = ops.prefetch((self.o_proj.weight,), t, "o_proj")  # read while the attention runs (a hint)
+        ops.prefetch((next_qkv,), t, "next_qkv_early")  # after it, same stream; joined at the step's end
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q = qkv[:, :q_size].reshape(t, self.num_heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].reshape(t, self.num_kv_heads, self.head_dim)
@@ -106,7 +108,7 @@ class DecoderLayer(nn.Module):
         else:
             qkv, residual = ops.norm_linear(x, residual, self.input_layernorm, self.eps, qkv_proj.weight,
                                             qkv_proj.bias)
-        h = self.self_attn(qkv, positions, cos_sin, kv, attn, ops)
+        h = self.self_attn(qkv, positions, cos_sin, kv, attn, ops, next_qkv)
         join = ops.prefetch((next_qkv,), h.shape[0], "next_qkv")
         if isinstance(self.mlp, MoE):
             out, residual = self.mlp(h, residual, self.post_attention_layernorm, self.eps, ops)

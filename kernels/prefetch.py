@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import torch
 
 
-SITES = ("o_proj", "next_qkv", "end")
+SITES = ("o_proj", "next_qkv_early", "next_qkv", "end")
 
 
 def no_join() -> None:
@@ -22,7 +22,8 @@ def no_join() -> None:
 def prefetch_ref(weights: Sequence[torch.Tensor | None], rows: int, site: str = "o_proj") -> Callable[[], None]:
     """weights: tensors a later kernel reads (None entries are skipped), with ``rows`` rows of input; ``site``:
     which call of the forward pass this is ("o_proj": the attention's output projection, during the attention;
-    "next_qkv": the next layer's QKV projection, during this layer's MLP; "end": no weights, the step's last
+    "next_qkv_early": the next layer's QKV projection, during the attention after the output projection's;
+    "next_qkv": the same, during this layer's MLP; "end": no weights, the step's last
     call). Returns join(), to be called before that kernel (for "end": before the step's result is used)."""
     if site not in SITES:
         raise ValueError(f"unknown prefetch site {site!r}")

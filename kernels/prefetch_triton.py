@@ -62,16 +62,18 @@ def prefetch_triton(weights: Sequence[torch.Tensor | None], rows: int, site: str
                     programs: int = 528, block: int = 4096, num_warps: int = 4, o_proj: int = 1,
                     next_qkv: int = 0, defer_join: int = 0) -> Callable[[], None]:
     """Starts reading ``weights`` into L2 on a side stream when the step multiplies them by at most ``max_rows``
-    rows (decode: the weights' bytes are the kernel's time) and the call's ``site`` is switched on (``o_proj``,
-    ``next_qkv``: 1 or 0); returns ``join()``, which makes the current stream wait for those reads, or with
-    ``defer_join`` nothing: site "end" (no weights) returns the join of every deferred read. On a CPU (or under
-    the interpreter) nothing is started: no L2 to fill."""
+    rows (decode: the weights' bytes are the kernel's time) and the call's ``site`` is switched on (``o_proj``:
+    1 or 0; ``next_qkv``: 0 off, 1 at "next_qkv", 2 at "next_qkv_early"); returns ``join()``, which makes the
+    current stream wait for those reads, or with ``defer_join`` (and always at "next_qkv_early") nothing: site
+    "end" (no weights) returns the join of every deferred read. On a CPU (or under the interpreter) nothing is
+    started: no L2 to fill."""
     if site not in SITES:
         raise ValueError(f"unknown prefetch site {site!r}")
     if site == "end":
         return _join_deferred
     ws = [w for w in weights if w is not None]
-    if not ws or rows > max_rows or not {"o_proj": o_proj, "next_qkv": next_qkv}[site] or not ws[0].is_cuda or (
+    on = {"o_proj": o_proj, "next_qkv": next_qkv == 1, "next_qkv_early": next_qkv == 2}[site]
+    if not ws or rows > max_rows or not on or not ws[0].is_cuda or (
             os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")):
         return no_join
     dev = ws[0].device
@@ -88,7 +90,7 @@ def prefetch_triton(weights: Sequence[torch.Tensor | None], rows: int, site: str
             assert w.is_contiguous(), "prefetch reads contiguous weights"
             _launch(w.view(-1), sink, programs, block, num_warps)
 
-    if defer_join:
+    if defer_join or site == "next_qkv_early":  # the early site's caller leaves its join to the step's end
         _DEFERRED.add(dev)
         return no_join
 
