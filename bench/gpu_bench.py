@@ -958,27 +958,22 @@ def moe_decode(bw: float, layers: int | None, sweep_tiles: bool = False):
     gemv = dataclasses.replace(spec, kernels={**TRITON_ALL, **TRITON_GEMV})
     best3 = moe_decode_params(attn["attention"], cfg.hidden_size)
     pre = TRITON_MOE_DECODE
-    # TRITON_MOE_DECODE with changes (moe parameters, prefetch parameters): the activation applied by the gate/up
-    # kernel (its programs read matching gate and up rows: 4 of each, or 2 for the same bytes per program); the
-    # prefetches' joins deferred to the step's end (no cross-stream wait before the output projection); the next
-    # layer's QKV projection read into L2 during the MoE block
-    def moe_with(moe=None, prefetch=None):
+    # TRITON_MOE_DECODE with changes (moe parameters, prefetch parameters, rotary_attention parameters)
+    def moe_with(moe=None, prefetch=None, attention=None):
         return dataclasses.replace(gemv, kernels=pre, kernel_params={
-            **best3, "moe": {**best3["moe"], **(moe or {})}, "prefetch": {**best3.get("prefetch", {}),
-                                                                         **(prefetch or {})}})
+            **best3, "moe": {**best3["moe"], **(moe or {})}, "prefetch": {**best3["prefetch"], **(prefetch or {})},
+            "rotary_attention": {**best3["rotary_attention"], **(attention or {})}})
 
-    act2 = {"decode_act": 1, "decode_block_n": 2}
-    defer = {"defer_join": 1}
     forms = [
         ("previous best: split-KV, no dependent launch", gemv),
-        ("TRITON_MOE_DECODE (last session's best)", dataclasses.replace(gemv, kernels=pre, kernel_params=best3)),
-        ("+ the prefetch's join deferred to the step's end", moe_with(prefetch=defer)),
-        ("+ the next QKV into L2 during the attention (after o_proj's)", moe_with(prefetch={"next_qkv": 2})),
-        ("+ the join deferred + the next QKV into L2 during the attention",
-         moe_with(prefetch={**defer, "next_qkv": 2})),
-        ("+ the join deferred + the next QKV during the attention + the activation in gate/up (2 + 2)",
-         moe_with(act2, {**defer, "next_qkv": 2})),
-        ("+ the join deferred + the activation in gate/up (2 + 2)", moe_with(act2, defer)),
+        ("TRITON_MOE_DECODE (the next QKV and o_proj into L2 during the attention, joined at the step's end; "
+         "the activation in gate/up)", dataclasses.replace(gemv, kernels=pre, kernel_params=best3)),
+        ("last session's TRITON_MOE_DECODE (o_proj's join before it, the activation in down)",
+         moe_with({"decode_act": 0, "decode_block_n": 4}, {"defer_join": 0, "next_qkv": 0})),
+        ("+ the prefetch in 264 programs", moe_with(prefetch={"programs": 264})),
+        ("+ the prefetch in 1,056 programs", moe_with(prefetch={"programs": 1056})),
+        ("+ the down kernel's first weights before its wait", moe_with({"decode_down_early": 1})),
+        ("+ the attention's splits merged by their last program", moe_with(attention={"merge_by_last": 1})),
     ]
     if sweep_tiles:  # the experts in one launch (measured slower than three launches: bench/RESULTS.md)
         one = one_launch_sweep(eng, cfg, best3)

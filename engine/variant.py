@@ -87,15 +87,18 @@ TRITON_MOE_DECODE = {**TRITON_ALL, **TRITON_GEMV, "prefetch": "triton", "rotary_
 def moe_decode_params(attention: dict, hidden_size: int) -> dict:
     """TRITON_MOE_DECODE's kernel parameters: the next kernel scheduled before the wait (pdl 2); projection
     tiles of a whole row (up to 2,048 columns: all requested before the wait), and the experts' gate/up the
-    same; the down projection 16 rows per program with the experts' sum in it, the experts' weights read
-    evict-first (streamed through L2 once), the projections' too; the attention block's splits merged by the merge
-    kernel after it."""
+    same, each program 2 gate and the matching 2 up rows, writing their activation; the down projection 16 rows
+    per program with the experts' sum in it, the experts' weights read evict-first (streamed through L2 once),
+    the projections' too; the attention block's splits merged by the merge kernel after it; during the attention
+    the output projection and then the next layer's QKV projection read into L2 on a side stream, joined once at
+    the step's end (a wait before a kernel would cost it its dependent launch)."""
     whole = {"block_n": 4, "block_k": min(2048, 1 << max(0, hidden_size - 1).bit_length()), "num_warps": 4,
              "evict": 1}
-    moe = {"decode_split_down": 2, "decode_block_n": 4, "decode_block_k": whole["block_k"], "decode_warps": 4,
-           "decode_down_block_n": 16, "decode_down_block_k": 256, "decode_evict": 1}
-    return with_pdl({"attention": attention, "rotary_attention": {**attention, "merge_by_last": 0}, "moe": moe,
-                     "linear": whole, "norm_linear": whole}, 2)
+    moe = {"decode_split_down": 2, "decode_block_n": 2, "decode_block_k": whole["block_k"], "decode_warps": 4,
+           "decode_down_block_n": 16, "decode_down_block_k": 256, "decode_evict": 1, "decode_act": 1}
+    return {**with_pdl({"attention": attention, "rotary_attention": {**attention, "merge_by_last": 0}, "moe": moe,
+                        "linear": whole, "norm_linear": whole}, 2),
+            "prefetch": {"defer_join": 1, "next_qkv": 2}}
 
 
 def _f(scope: str, default: Any = dataclasses.MISSING, **kw):

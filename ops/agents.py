@@ -257,9 +257,9 @@ class KernelChoices(Agent):
             if state.spec.experts and conc <= 4:
                 # measured best for batch-1 MoE decode on an H200 (bench/RESULTS.md): the next kernel scheduled
                 # before the wait, the experts' sum in the down kernel, a program's projection rows whole, and
-                # the output projection read into L2 while the attention runs
+                # the output projection and the next layer's QKV read into L2 while the attention runs
                 cands.append((dataclasses.replace(
-                    v, name="kernels: MoE decode, dependent launch + experts' sum in down + o_proj prefetch",
+                    v, name="kernels: MoE decode, dependent launch + experts' sum in down + L2 prefetch",
                     kernels=TRITON_MOE_DECODE, kernel_params=moe_decode_params(attn, state.spec.hidden_size),
                     cuda_graph_batch_sizes=graphs),
                     f"mixture of experts at concurrency {conc:.1f}: fewer, overlapped launches per layer"))
