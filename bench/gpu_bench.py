@@ -198,7 +198,10 @@ def kernel_checks() -> bool:
                 err(moe_triton(xm, lg, w13, w2, 8, True, decode_split_down=2, decode_route_rank=1, decode_evict=1,
                                pdl=2), mref),
                 err(moe_triton(xm, lg, w13, w2, 8, True, decode_split_down=2, decode_evict=1, decode_act=1,
-                               decode_block_n=2, decode_block_k=2048, decode_down_block_n=16, pdl=2), mref))
+                               decode_block_n=2, decode_block_k=2048, decode_down_block_n=16, pdl=2), mref),
+                err(moe_triton(xm, lg, w13, w2, 8, True, decode_split_down=2, decode_evict=1, decode_act=1,
+                               decode_block_n=2, decode_block_k=2048, decode_down_block_n=16, decode_persist=528,
+                               pdl=2), mref))
     # the experts in one launch, twice with the kept float32 sum and counter (the kernel re-zeroes them)
     from kernels.moe_triton import make_moe
 
@@ -504,6 +507,13 @@ def llama8b_decode(m: Llama8B, bw: float, quick: bool = False):
          dataclasses.replace(gemv, kernels={**TRITON_ALL, **TRITON_GEMV, "rotary_attention": "triton"},
                              kernel_params=with_pdl({"attention": {"num_splits": 0, "block_n": 32},
                                                      "rotary_attention": {"num_splits": 0, "block_n": 32}})), True),
+        ("+ GEMV fused, split-KV, pdl 1, rotary_attention, the projections' weights evict-first, o_proj read into "
+         "L2 during the attention, its join at the step's end", dataclasses.replace(
+             gemv, kernels={**TRITON_ALL, **TRITON_GEMV, "rotary_attention": "triton", "prefetch": "triton"},
+             kernel_params={**with_pdl({"attention": {"num_splits": 0, "block_n": 32},
+                                        "rotary_attention": {"num_splits": 0, "block_n": 32},
+                                        **{op: {"evict": 1} for op in ("linear", "norm_linear", "act_linear")}}),
+                            "prefetch": {"defer_join": 1}}), True),
         ("the MoE's best form (pdl 2, whole-row projection tiles, o_proj into L2), the attention in two launches",
          dataclasses.replace(gemv, kernels={**TRITON_ALL, **TRITON_GEMV, "prefetch": "triton"},
                              kernel_params=moe_decode_params({"num_splits": 0, "block_n": 32}, 4096)), True),
@@ -512,7 +522,7 @@ def llama8b_decode(m: Llama8B, bw: float, quick: bool = False):
                              kernel_params=moe_decode_params({"num_splits": 0, "block_n": 32}, 4096)), True),
     ]
     if quick:  # the best forms only, no transformers rows
-        specs = specs[-4:]
+        specs = specs[-5:]
     best = (0.0, None, "")
     for name, spec, ahead in specs:
         eng.config = dataclasses.replace(eng.config, async_decode=ahead)
@@ -964,16 +974,19 @@ def moe_decode(bw: float, layers: int | None, sweep_tiles: bool = False):
             **best3, "moe": {**best3["moe"], **(moe or {})}, "prefetch": {**best3["prefetch"], **(prefetch or {})},
             "rotary_attention": {**best3["rotary_attention"], **(attention or {})}})
 
+    persist = lambda n, stages=2: {"decode_persist": n, "decode_persist_stages": stages}  # noqa: E731
     forms = [
-        ("previous best: split-KV, no dependent launch", gemv),
         ("TRITON_MOE_DECODE (the next QKV and o_proj into L2 during the attention, joined at the step's end; "
          "the activation in gate/up)", dataclasses.replace(gemv, kernels=pre, kernel_params=best3)),
         ("last session's TRITON_MOE_DECODE (o_proj's join before it, the activation in down)",
          moe_with({"decode_act": 0, "decode_block_n": 4}, {"defer_join": 0, "next_qkv": 0})),
-        ("+ the prefetch in 264 programs", moe_with(prefetch={"programs": 264})),
-        ("+ the prefetch in 1,056 programs", moe_with(prefetch={"programs": 1056})),
-        ("+ the down kernel's first weights before its wait", moe_with({"decode_down_early": 1})),
-        ("+ the attention's splits merged by their last program", moe_with(attention={"merge_by_last": 1})),
+        ("+ gate/up in 528 programs taking tiles in turn", moe_with(persist(528, 1))),
+        ("+ gate/up in 528 programs taking tiles in turn, the next tile requested ahead", moe_with(persist(528))),
+        ("+ gate/up in 1,056 programs, the next tile requested ahead", moe_with(persist(1056))),
+        ("+ gate/up in 264 programs, the next tile requested ahead", moe_with(persist(264))),
+        ("+ gate/up in 264 programs of 4 + 4 rows, the next tile requested ahead",
+         moe_with({**persist(264), "decode_block_n": 4})),
+        ("+ the activation in gate/up with 1 + 1 rows per program", moe_with({"decode_block_n": 1})),
     ]
     if sweep_tiles:  # the experts in one launch (measured slower than three launches: bench/RESULTS.md)
         one = one_launch_sweep(eng, cfg, best3)
@@ -1021,7 +1034,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--hf-batch", type=int, default=32)
     ap.add_argument("--decode-quick", action="store_true",
-                    help="8B decode: only the four best forms, without the transformers rows")
+                    help="8B decode: only the five best forms, without the transformers rows")
     ap.add_argument("--moe-layers", type=int, default=None)
     ap.add_argument("--moe-sweep", action="store_true", help="MoE: also sweep the experts' tiles at batch 1")
     ap.add_argument("--cold-start", default=None, help=argparse.SUPPRESS)
