@@ -21,11 +21,6 @@ from engine.variant import (REFERENCE_VARIANT, TRITON_ALL, TRITON_GEMV, TRITON_M
                             VariantSpec, moe_decode_params, with_pdl)
 
 
-def _persistent(params: dict, programs: int) -> dict:
-    """``params`` with the experts' gate/up kernel in ``programs`` programs taking its tiles in turn."""
-    return {**params, "moe": {**params["moe"], "decode_persist": programs}}
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-3.1-8b")
@@ -55,11 +50,6 @@ def main() -> int:
         "next QKV prefetch": VariantSpec(
             # the form measured best on the MoE shape (hidden 2,048), on either model
             kernels=TRITON_MOE_DECODE, kernel_params=moe_decode_params({"num_splits": 0, "block_n": 32}, 2048),
-            cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32)),
-        "... + dependent launch, rotary_attention, whole-row tiles, sum in down, activation in gate/up, o_proj and "
-        "next QKV prefetch; gate/up in 528 programs taking tiles in turn": VariantSpec(
-            kernels=TRITON_MOE_DECODE, kernel_params=_persistent(moe_decode_params({"num_splits": 0, "block_n": 32},
-                                                                                   2048), 528),
             cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32)),
     }
     variants = {name: v for name, v in variants.items() if args.only in name}

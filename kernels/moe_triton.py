@@ -253,44 +253,6 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, cnt_ptr, n_cnt, N, TOP_
 
 
 @triton.jit
-def _pair_gate_up_persistent_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, cnt_ptr, n_cnt, N, TOP_K, n_blocks, n_tiles,
-                                    stride_we, stride_wn, N_ITER: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                                    BLOCK_K: tl.constexpr, ZERO_CNT: tl.constexpr, EVICT: tl.constexpr = "",
-                                    ACT: tl.constexpr = 0, PDL: tl.constexpr = 0):
-    """``_pair_gate_up_kernel``'s n_tiles tiles (pair, block of n; n_blocks per pair), whole rows (BLOCK_K >= K),
-    taken in turn by a fixed number of programs P (tiles pid, pid + P, ...): no partial second wave of programs,
-    and with num_stages > 1 a program requests its next tile's weights before it reduces the current one."""
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    pdl_enter(PDL)  # the experts come from the routing kernel: no weight can be requested before
-    if ZERO_CNT:
-        i = pid
-        while i < n_cnt:
-            tl.store(cnt_ptr + i, 0)
-            i += programs
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_k = offs_k < K
-    dtype = out_ptr.dtype.element_ty
-    for it in range(0, N_ITER):  # every program the same count, known when compiling (a counted loop, its loads
-        tile = pid + it * programs  # pipelined); the last round's tiles past the end masked off
-        valid = tile < n_tiles
-        pair = tile // n_blocks
-        offs_n = (tile % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = (offs_n < N) & valid
-        mask = mask_n[:, None] & mask_k[None, :]
-        e = tl.load(ids_ptr + pair, mask=valid, other=0).to(tl.int64)
-        a = tl.load(x_ptr + (pair // TOP_K) * K + offs_k, mask=mask_k & valid, other=0.0).to(tl.float32)[None, :]
-        w_rows = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
-        acc = tl.sum(tl.load(w_rows, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32) * a, axis=1)
-        if ACT:  # the activation in the reference's rounding, as _pair_gate_up_kernel
-            up = tl.sum(tl.load(w_rows + N * stride_wn, mask=mask, other=0.0, eviction_policy=EVICT
-                                ).to(tl.float32) * a, axis=1)
-            gf = acc.to(dtype).to(tl.float32)
-            acc = (gf / (1.0 + tl.exp(-gf))).to(dtype) * up.to(dtype)
-        tl.store(out_ptr + pair * N + offs_n, acc.to(dtype), mask=mask_n)
-
-
-@triton.jit
 def _act_dot(acc, w, gu_ptr, pair, k0, I, BLOCK_K: tl.constexpr, ACT: tl.constexpr = 0):
     """acc + w . (silu(gate) * up)[pair, k0 : k0 + BLOCK_K], in the reference's rounding (kernels.activation);
     with ACT gu holds the activation (I per pair), else gate and up (2I per pair)."""
@@ -470,11 +432,9 @@ def moe_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 
 
 def _pair_experts(x, weights, ids, w13, w2, top_k, block_n, block_k, down_block_n, num_warps, split_down, pdl,
-                  down_early=0, down_block_k=None, num_stages=1, evict=0, act=0, persist=0, persist_stages=2):
+                  down_early=0, down_block_k=None, num_stages=1, evict=0, act=0):
     """The routed experts of the decode path: per (token, slot) pair matrix-vector products; ``evict``: their
-    weights read with the L2 "evict first" policy; ``act``: the activation applied by the gate/up kernel;
-    ``persist``: the gate/up kernel in that many programs taking its tiles in turn (whole rows), its loop in
-    ``persist_stages`` stages."""
+    weights read with the L2 "evict first" policy; ``act``: the activation applied by the gate/up kernel."""
     down_block_k = down_block_k or block_k
     t, h = x.shape
     i = w2.shape[2]
@@ -488,24 +448,11 @@ def _pair_experts(x, weights, ids, w13, w2, top_k, block_n, block_k, down_block_
     # streams (a variant warming up while the engine serves) never share one
     cnt = torch.empty(t * n_blocks, device=x.device, dtype=torch.int32) if split_down == 2 else None
     n = gate_up.shape[1]
-    gate_up_opts = dict(num_warps=num_warps, num_stages=num_stages,
-                        **(launch_options(1, x) if down_early and pdl else opts))
-    if persist:
-        if block_k < h:
-            raise ValueError(f"the persistent gate/up kernel reads whole rows: decode_block_k {block_k} < hidden {h}")
-        n_blocks_gu = triton.cdiv(n, block_n)
-        n_tiles = t * top_k * n_blocks_gu
-        programs = min(persist, n_tiles)
-        _pair_gate_up_persistent_kernel[(programs,)](
-            x, w13, ids, gate_up, cnt if cnt is not None else ids, 0 if cnt is None else cnt.numel(), n, top_k,
-            n_blocks_gu, n_tiles, w13.stride(0), w13.stride(1), N_ITER=triton.cdiv(n_tiles, programs), K=h,
-            BLOCK_N=block_n, BLOCK_K=block_k, ZERO_CNT=cnt is not None, EVICT=evict, ACT=bool(act),
-            **{**gate_up_opts, "num_stages": persist_stages})
-    else:
-        _pair_gate_up_kernel[(t * top_k, triton.cdiv(n, block_n))](
-            x, w13, ids, gate_up, cnt if cnt is not None else ids, 0 if cnt is None else cnt.numel(), n, top_k,
-            w13.stride(0), w13.stride(1), K=h, BLOCK_N=block_n, BLOCK_K=block_k, ZERO_CNT=cnt is not None,
-            EVICT=evict, ACT=bool(act), **gate_up_opts)
+    _pair_gate_up_kernel[(t * top_k, triton.cdiv(n, block_n))](
+        x, w13, ids, gate_up, cnt if cnt is not None else ids, 0 if cnt is None else cnt.numel(), n, top_k,
+        w13.stride(0), w13.stride(1), K=h, BLOCK_N=block_n, BLOCK_K=block_k, ZERO_CNT=cnt is not None, EVICT=evict,
+        ACT=bool(act),
+        num_warps=num_warps, num_stages=num_stages, **(launch_options(1, x) if down_early and pdl else opts))
     out = torch.empty_like(x)
     if split_down:
         part = torch.empty((t * top_k, h), device=x.device, dtype=torch.float32)
@@ -550,7 +497,7 @@ def moe_triton(
     max_decode_pairs: int = 64, decode_block_n: int = 8, decode_block_k: int = 256, decode_down_block_n: int = 8,
     decode_warps: int = 4, decode_split_down: int = 1, decode_down_early: int = 0, decode_down_block_k: int = 0,
     decode_stages: int = 1, decode_chunk: int = 32, decode_route_rank: int = 0, decode_evict: int = 0,
-    decode_act: int = 0, decode_persist: int = 0, decode_persist_stages: int = 2, pdl: int = 0,
+    decode_act: int = 0, pdl: int = 0,
     scratch=None,
 ) -> torch.Tensor:
     """x: (T, H); router_logits: (T, E); w13: (E, 2I, H) holding [gate | up]; w2: (E, H, I). Returns (T, H).
@@ -568,11 +515,9 @@ def moe_triton(
     serial reductions (one warp; measured slower at batch 1 on an H200: bench/RESULTS.md); ``decode_evict``: 1,
     the experts' weights read with the L2 "evict first" policy (streamed through once, so they do not push out
     of L2 what other kernels read again); ``decode_act``: 1, each gate/up program reads matching gate and up
-    rows and writes their activation, so the down programs read half as much and compute no activation;
-    ``decode_persist``: the gate/up kernel in that many programs, each taking tiles in turn (no partial second
-    wave; with ``decode_persist_stages`` 2 the next tile requested before the current one is reduced), whole
-    rows only (``decode_block_k`` >= hidden); 0: one program per tile. ``pdl``: the decode path's kernels with
-    programmatic dependent launch (kernels/pdl.py); ``scratch(n, device, dtype)``: the one-launch form's zeroed sum and counter (default: fresh per call; ``make_moe`` keeps them).
+    rows and writes their activation, so the down programs read half as much and compute no activation.
+    ``pdl``: the decode path's kernels with programmatic dependent launch (kernels/pdl.py); ``scratch(n, device,
+    dtype)``: the one-launch form's zeroed sum and counter (default: fresh per call; ``make_moe`` keeps them).
     """
     t, h = x.shape
     assert w13.shape[2] == h and w2.shape[1] == h and w13.shape[1] == 2 * w2.shape[2]
@@ -586,7 +531,7 @@ def moe_triton(
         weights, ids = moe_route_triton(router_logits, top_k, renormalize, pdl, decode_route_rank)
         return _pair_experts(x, weights, ids, w13, w2, top_k, decode_block_n, decode_block_k, decode_down_block_n,
                              decode_warps, decode_split_down, pdl, decode_down_early, decode_down_block_k,
-                             decode_stages, decode_evict, decode_act, decode_persist, decode_persist_stages)
+                             decode_stages, decode_evict, decode_act)
     weights, ids = moe_route_ref(router_logits, top_k, renormalize)
     pairs, tile_expert = _group_by_expert(ids, w13.shape[0], block_m)
     num_pairs = t * top_k
@@ -658,8 +603,7 @@ def norm_moe_triton(
     return _pair_experts(h, weights, ids, w13, w2, top_k, p["decode_block_n"], p["decode_block_k"],
                          p["decode_down_block_n"], p["decode_warps"], p["decode_split_down"], pdl,
                          p["decode_down_early"], p["decode_down_block_k"], p["decode_stages"],
-                         p["decode_evict"], p["decode_act"], p["decode_persist"],
-                         p["decode_persist_stages"]), summed
+                         p["decode_evict"], p["decode_act"]), summed
 
 
 def make_norm_moe(**params):

@@ -78,10 +78,8 @@ def test_all_triton_variant_equals_reference_on_a_tiny_model():
                            kernel_params=with_pdl({"attention": {"block_n": 8}, "moe": one, "norm_moe": one}))
         assert [o.token_ids for o in _tiny(spec).generate(prompts, params)] == ref, norm_moe
     # the routing by rank, the weights "evict first" (experts and projections), the activation applied by the
-    # gate/up kernel in 3 programs taking its tiles in turn, the next layer's QKV projection read ahead with the
-    # join deferred (a hint: nothing on a CPU)
-    own = {"decode_split_down": 2, "decode_route_rank": 1, "decode_evict": 1, "decode_block_k": 32, "decode_act": 1,
-           "decode_persist": 3}
+    # gate/up kernel, the next layer's QKV projection read ahead with the join deferred (a hint: nothing on a CPU)
+    own = {"decode_split_down": 2, "decode_route_rank": 1, "decode_evict": 1, "decode_block_k": 32, "decode_act": 1}
     for norm_moe in ("reference", "triton"):
         spec = VariantSpec(block_size=4, kernels={**ALL_TRITON, "norm_moe": norm_moe},
                            kernel_params=with_pdl({"attention": {"block_n": 8}, "moe": own, "norm_moe": own,

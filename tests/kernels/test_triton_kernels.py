@@ -213,15 +213,6 @@ def test_moe_grouped_matmul(t, h, e, k, i, renorm):
         act = moe_triton(x, logits, w13, w2, k, renorm, max_decode_pairs=t * k, decode_block_n=16,
                          decode_block_k=16, decode_down_block_n=8, decode_split_down=split, decode_act=1, pdl=2)
         torch.testing.assert_close(act, ref, rtol=1e-4, atol=1e-4)
-    # the gate/up kernel in a fixed number of programs taking the tiles in turn: one program, a count that does
-    # not divide the tiles (a last round partly masked), more programs than tiles; whole rows only
-    for persist, act in ((1, 0), (7, 1), (1000, 1)):
-        got = moe_triton(x, logits, w13, w2, k, renorm, max_decode_pairs=t * k, decode_block_n=4, decode_block_k=64,
-                         decode_down_block_n=8, decode_split_down=2, decode_act=act, decode_persist=persist,
-                         decode_persist_stages=1 + act, pdl=2)
-        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="whole rows"):
-        moe_triton(x, logits, w13, w2, k, renorm, max_decode_pairs=t * k, decode_block_k=16, decode_persist=8)
     # routing, gate/up, down and the sum in one launch: chunks of the intermediate that do not divide it, one
     # that covers it whole, one row; the float32 sum and counter kept across calls (the kernel re-zeroes them)
     op = make_moe(max_decode_pairs=t * k, decode_split_down=3, decode_block_k=16, decode_down_block_n=8)
