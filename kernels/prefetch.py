@@ -23,8 +23,8 @@ def prefetch_ref(weights: Sequence[torch.Tensor | None], rows: int, site: str = 
     """weights: tensors a later kernel reads (None entries are skipped), with ``rows`` rows of input; ``site``:
     which call of the forward pass this is ("o_proj": the attention's output projection, during the attention;
     "next_qkv_early": the next layer's QKV projection, during the attention after the output projection's;
-    "next_qkv": the same, during this layer's MLP; "end": no weights, the step's last
-    call). Returns join(), to be called before that kernel (for "end": before the step's result is used)."""
+    "next_qkv": the same, during this layer's MLP; "end": no weights, the step's last call). Returns join(), to
+    be called before that kernel (for "end": before the step's result is used)."""
     if site not in SITES:
         raise ValueError(f"unknown prefetch site {site!r}")
     return no_join

@@ -14,6 +14,7 @@ Same contract as ``kernels.prefetch.prefetch_ref``.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Callable, Sequence
 
 import torch
@@ -41,7 +42,14 @@ def _l2_prefetch_kernel(w_ptr, sink_ptr, N, PER_PROGRAM, BLOCK: tl.constexpr):
 
 _SIDE: dict[torch.device, torch.cuda.Stream] = {}
 _SINK: dict[tuple[torch.device, int], torch.Tensor] = {}
-_DEFERRED: set[torch.device] = set()  # side streams with reads no join has waited for yet
+_LOCAL = threading.local()  # per thread (a variant may warm up beside a serving engine): .deferred, the devices
+# whose side stream holds reads that no join of this thread's step has waited for yet
+
+
+def _deferred() -> set[torch.device]:
+    if not hasattr(_LOCAL, "deferred"):
+        _LOCAL.deferred = set()
+    return _LOCAL.deferred
 
 
 def _launch(w: torch.Tensor, sink: torch.Tensor, programs: int, block: int, num_warps: int) -> None:
@@ -91,7 +99,7 @@ def prefetch_triton(weights: Sequence[torch.Tensor | None], rows: int, site: str
             _launch(w.view(-1), sink, programs, block, num_warps)
 
     if defer_join or site == "next_qkv_early":  # the early site's caller leaves its join to the step's end
-        _DEFERRED.add(dev)
+        _deferred().add(dev)
         return no_join
 
     def join() -> None:
@@ -101,7 +109,8 @@ def prefetch_triton(weights: Sequence[torch.Tensor | None], rows: int, site: str
 
 
 def _join_deferred() -> None:
-    """The current streams wait for every side stream's deferred reads."""
-    while _DEFERRED:
-        dev = _DEFERRED.pop()
+    """The current streams wait for every side stream's deferred reads (this thread's)."""
+    pending = _deferred()
+    while pending:
+        dev = pending.pop()
         torch.cuda.current_stream(dev).wait_stream(_SIDE[dev])
