@@ -931,6 +931,49 @@ def l2_survival() -> None:
         f"{cold:.1f} / {warm:.1f} / {after_first:.1f} / {after_normal:.1f}")
 
 
+@section
+def experts_alone() -> None:
+    """The experts alone at batch 1 (routing, gate/up with the activation, down with the sum), on synthetic
+    Qwen3-30B-A3B-shaped expert weights of 24 layers (each call on another layer's, so none is served from L2),
+    over the tiles; each tile's output first checked against the reference MoE."""
+    from kernels.moe import moe_ref
+    from kernels.moe_triton import make_moe
+
+    bf = torch.bfloat16
+    layers = [(torch.randn(128, 1536, 2048, device="cuda", dtype=bf) * 0.02,
+               torch.randn(128, 2048, 768, device="cuda", dtype=bf) * 0.02) for _ in range(24)]
+    x = torch.randn(1, 2048, device="cuda", dtype=bf)
+    lgs = [torch.randn(1, 128, device="cuda", dtype=bf) for _ in layers]
+    nbytes = 8 * 3 * 768 * 2048 * 2
+    ref = moe_ref(x, lgs[0], *layers[0], 8, True).float()
+    base = {"decode_split_down": 2, "decode_block_k": 2048, "decode_evict": 1, "decode_act": 1, "pdl": 2}
+    sweep = []
+    for bn in (1, 2, 4):
+        for dbn in (8, 16, 32):
+            for dbk in (256, 1024):
+                for warps in (4,):
+                    params = {**base, "decode_block_n": bn, "decode_down_block_n": dbn, "decode_down_block_k": dbk,
+                              "decode_warps": warps}
+                    try:
+                        op = make_moe(**params)
+                        e = (op(x, lgs[0], *layers[0], 8, True).float() - ref).abs().max().item()
+                        if e > 0.02 * ref.abs().max().item():
+                            row(f"experts alone b=1 {params}", f"MISMATCH max abs err {e:.4f}")
+                            continue
+                        t = rotating_timed([lambda w=w, lg=lg: op(x, lg, *w, 8, True) for w, lg in zip(layers, lgs)])
+                        sweep.append((t, bn, dbn, dbk, warps))
+                    except Exception as ex:
+                        row(f"experts alone b=1 {params}", f"FAILED {type(ex).__name__}: {str(ex)[:100]}")
+    sweep.sort()
+    current = next((r for r in sweep if r[1:] == (2, 16, 256, 4)), None)
+    row("experts alone b=1 (75.5 MB; checked against the reference), TRITON_MOE_DECODE's tiles (2 + 2 gate/up "
+        "rows, down 16 x 256, 4 warps)", f"{1e6 * current[0]:.1f} us = {nbytes / current[0] / 1e9:,.0f} GB/s"
+        if current else "n/a")
+    for t, bn, dbn, dbk, warps in sweep[:8]:
+        row(f"  experts alone b=1: {bn} + {bn} gate/up rows, down {dbn} x {dbk}, {warps} warps",
+            f"{1e6 * t:.1f} us = {nbytes / t / 1e9:,.0f} GB/s")
+
+
 # ---- 7. MoE -----------------------------------------------------------------------------------------
 @section
 def moe_decode(bw: float, layers: int | None, sweep_tiles: bool = False):
@@ -1019,7 +1062,7 @@ def main() -> None:
     global OUT
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("/tmp"))
-    ap.add_argument("--only", default="", help="comma-separated: attention,gemv,decode,throughput,swap,moe")
+    ap.add_argument("--only", default="", help="comma-separated: attention,gemv,decode,throughput,swap,moe,experts")
     ap.add_argument("--trace", type=Path, default=ROOT / "bench" / "data" / "azure_conv_400.csv")
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--hf-batch", type=int, default=32)
@@ -1069,6 +1112,8 @@ def main() -> None:
                 torch.cuda.empty_cache()
         if want("moe"):
             moe_decode(bw, args.moe_layers, args.moe_sweep)
+        if want("experts"):
+            experts_alone()
     finish()
 
 
