@@ -245,11 +245,14 @@ def kernel_checks() -> bool:
                  (act_linear_triton(gu, wd), act_linear_ref(gu, wd))]
         e_gemv = max([e_gemv] + [err(a_, b_) / b_.float().abs().max().item()
                                  for a_, b_ in pairs])
-    ok = (e_norm < 0.1 and e_act < 0.1 and e_pre < 0.02 and e_dec < 0.02 and e_rot < 0.05
+    # attention outputs in bf16 against a float32 reference: a couple of bf16 steps at the outputs' magnitude
+    # (the probabilities enter P @ V in bf16; sequences of one key return a value row of randn, up to ~5)
+    att_tol = 2 ** -6 * max(2.0, ref.abs().max().item(), dref.abs().max().item())
+    ok = (e_norm < 0.1 and e_act < 0.1 and e_pre < att_tol and e_dec < att_tol and e_rot < 0.05
           and e_moe < 0.02 * scale + 1e-3 and e_gemv < 0.02 and e_nmoe < 1e-4)
     row("kernels vs reference, bf16 max abs err (norm/act/prefill/decode/rot+kv/moe/gemv rel.; norm_moe fp32 rel.)",
         f"{e_norm:.3g} / {e_act:.3g} / {e_pre:.3g} / {e_dec:.3g} / {e_rot:.3g} / {e_moe:.3g} (|moe| {scale:.2g}) / "
-        f"{e_gemv:.3g}; {e_nmoe:.3g} -> {'OK' if ok else 'MISMATCH'}")
+        f"{e_gemv:.3g}; {e_nmoe:.3g} (attention tolerance {att_tol:.3g}) -> {'OK' if ok else 'MISMATCH'}")
     return ok
 
 
