@@ -514,7 +514,8 @@ def llama8b_decode(m: Llama8B, bw: float, quick: bool = False):
                                         "rotary_attention": {"num_splits": 0, "block_n": 32},
                                         **{op: {"evict": 1} for op in ("linear", "norm_linear", "act_linear")}}),
                             "prefetch": {"defer_join": 1}}), True),
-        ("the MoE's best form (pdl 2, whole-row projection tiles, o_proj into L2), the attention in two launches",
+        ("the MoE's best form (moe_decode_params: pdl 2, whole-row projection tiles, o_proj and the next QKV into "
+         "L2, joined at the step's end), the attention in two launches",
          dataclasses.replace(gemv, kernels={**TRITON_ALL, **TRITON_GEMV, "prefetch": "triton"},
                              kernel_params=moe_decode_params({"num_splits": 0, "block_n": 32}, 4096)), True),
         ("the MoE's best form (TRITON_MOE_DECODE: + rotary_attention, its cache tile before the wait)",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,7 +37,8 @@ class ForwardOps:
     norm_linear: Callable  # residual add + RMSNorm, then a projection; fused or composed
     act_linear: Callable  # SiLU-and-multiply, then a projection; fused or composed
     norm_moe: Callable  # residual add + RMSNorm, router, then moe (an MoE layer after attention); fused or composed
-    prefetch: Callable  # weights a later kernel reads -> join(), called before it ("end": the step's last call)
+    prefetch: Callable  # weights a later kernel reads -> join(), called before it ("end": the step's last call;
+    # "abort": a step that raised)
 
     def replace(self, **changes: Callable) -> "ForwardOps":
         """A copy with some operations replaced; composite operations built from parts follow the new parts."""
@@ -68,6 +70,18 @@ REFERENCE_OPS = ForwardOps(
 )
 
 
+def _check_names(fn: Callable) -> Callable:
+    """``fn``; a partial whose keywords its function does not take (a misspelled kernel parameter) raises
+    TypeError now rather than in the first forward pass."""
+    if isinstance(fn, functools.partial):
+        sig = inspect.signature(fn.func).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.values()):
+            unknown = set(fn.keywords) - set(sig)
+            if unknown:
+                raise TypeError(f"unknown parameters {', '.join(sorted(unknown))}")
+    return fn
+
+
 def _builtin(op: str, impl: str, params: dict) -> Callable:
     """Imports Triton kernels only when a variant asks for them."""
     try:
@@ -88,7 +102,9 @@ def _builtin(op: str, impl: str, params: dict) -> Callable:
 
             return make_moe(**params)
         elif op == "prefetch":
-            from kernels import prefetch_triton as m
+            from kernels.prefetch_triton import make_prefetch
+
+            return make_prefetch(**params)
         elif op in ("linear", "norm_linear", "act_linear"):
             from kernels import linear_triton as m
         elif op == "attention":
@@ -170,5 +186,8 @@ def build_ops(spec) -> ForwardOps:
                 raise VariantError(f"{op}={impl}: expected generated:<module>.<function>")
             table[op] = prepare_generated(op, module, function, sources[module])
         else:
-            table[op] = _builtin(op, impl, params)
+            try:
+                table[op] = _check_names(_builtin(op, impl, params))
+            except (TypeError, ValueError) as e:  # a kernel's parameters: unknown, out of range, or not combinable
+                raise VariantError(f"{op}={impl}: bad kernel_params: {e}") from None
     return ForwardOps(name=spec.variant_id, **table)

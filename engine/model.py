@@ -148,10 +148,14 @@ class CausalLM(nn.Module):
         """Returns the final hidden states, (T, hidden)."""
         x, residual = self.embed_tokens(input_ids), None
         layers = list(self.layers)
-        for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
-            nxt = layers[i + 1].self_attn.qkv_proj.weight if i + 1 < len(layers) else None
-            x, residual = layer(x, residual, positions, cos_sin, kv, attn, ops, nxt)
-        x, _ = ops.fused_add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)
+        try:
+            for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
+                nxt = layers[i + 1].self_attn.qkv_proj.weight if i + 1 < len(layers) else None
+                x, residual = layer(x, residual, positions, cos_sin, kv, attn, ops, nxt)
+            x, _ = ops.fused_add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)
+        except BaseException:
+            ops.prefetch((), x.shape[0], "abort")()  # the side stream's deferred reads forgotten, not waited for
+            raise
         ops.prefetch((), x.shape[0], "end")()  # the side stream's deferred reads joined before the step ends
         return x
 

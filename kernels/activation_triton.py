@@ -7,15 +7,21 @@ import triton.language as tl
 
 
 @triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up in the reference's rounding (kernels.activation): gate and up in the activations' dtype,
+    the sigmoid in float32, silu rounded to that dtype before the product; the result in that dtype."""
+    g = gate.to(tl.float32)
+    return (g / (1.0 + tl.exp(-g))).to(gate.dtype) * up
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, I, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
     gate = tl.load(x_ptr + row * 2 * I + offs, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * 2 * I + I + offs, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    tl.store(out_ptr + row * I + offs, silu * up, mask=mask)
+    tl.store(out_ptr + row * I + offs, silu_mul(gate, up), mask=mask)
 
 
 def silu_and_mul_triton(x: torch.Tensor, block: int = 1024) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.activation_triton import silu_mul
 from kernels.pdl import launch_options, pdl_enter
 
 NONE, SILU_MUL, ADD_RMS_NORM = 0, 1, 2  # input prologues
@@ -45,8 +46,7 @@ def _gemv_chunk(acc, acc1, w, k0, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, st
     if PROLOGUE == 1:  # x holds [gate | up], each K wide
         g = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0)
         u = tl.load(x_ptr + rm[:, None] * stride_x + K + rk[None, :], mask=mk, other=0.0)
-        gf = g.to(tl.float32)
-        a = (gf / (1.0 + tl.exp(-gf))).to(g.dtype) * u
+        a = silu_mul(g, u)
     elif PROLOGUE == 2:
         s = tl.load(r_ptr + rm[:, None] * stride_r + rk[None, :], mask=mk, other=0.0) + tl.load(
             x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0)

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.activation import silu_and_mul_ref
+from kernels.activation_triton import silu_mul
 from kernels.moe import moe_route_ref
 from kernels.counters import ArrivalCounters, fresh_counters
 from kernels.linear_triton import _add_rms_rstd, _gemv_rows
@@ -247,8 +248,7 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, cnt_ptr, n_cnt, N, TOP_
             up += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
     dtype = out_ptr.dtype.element_ty
     if ACT:
-        gf = acc.to(dtype).to(tl.float32)
-        acc = (gf / (1.0 + tl.exp(-gf))).to(dtype) * up.to(dtype)
+        acc = silu_mul(acc.to(dtype), up.to(dtype))
     tl.store(out_ptr + pair * N + offs_n, acc.to(dtype), mask=mask_n)
 
 
@@ -263,8 +263,7 @@ def _act_dot(acc, w, gu_ptr, pair, k0, I, BLOCK_K: tl.constexpr, ACT: tl.constex
                                                        other=0.0).to(tl.float32)[None, :], axis=1)
     g = tl.load(gu_ptr + pair * 2 * I + offs_k, mask=mask_k, other=0.0)
     u = tl.load(gu_ptr + pair * 2 * I + I + offs_k, mask=mask_k, other=0.0)
-    gf = g.to(tl.float32)
-    act = ((gf / (1.0 + tl.exp(-gf))).to(g.dtype) * u).to(tl.float32)
+    act = silu_mul(g, u).to(tl.float32)
     return acc + tl.sum(w.to(tl.float32) * act[None, :], axis=1)
 
 
@@ -391,8 +390,7 @@ def _fused_experts_kernel(x_ptr, logits_ptr, w13_ptr, w2_ptr, acc_ptr, out_ptr, 
         up += tl.sum(tl.load(w_up + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * a, axis=1)
     # the activation in the reference's rounding (gate and up in the activations' dtype, kernels.activation)
     dtype = out_ptr.dtype.element_ty
-    gf = gate.to(dtype).to(tl.float32)
-    act = ((gf / (1.0 + tl.exp(-gf))).to(dtype) * up.to(dtype)).to(tl.float32)
+    act = silu_mul(gate.to(dtype), up.to(dtype)).to(tl.float32)
     act = tl.where(mask_c, act, 0.0) * weight
     w_down = w2_ptr + e.to(tl.int64) * stride_2e + rows[None, :]
     for n0 in range(0, H, BLOCK_N):
@@ -548,9 +546,40 @@ _MOE_PARAMS = {k: p.default for k, p in inspect.signature(moe_triton).parameters
                if p.default is not inspect.Parameter.empty and k not in ("pdl", "scratch")}
 
 
+# the choices of moe_triton's switch-like parameters; every other one is a positive tile size or count
+_MOE_CHOICES = {"decode_split_down": (0, 1, 2, 3), "decode_down_early": (0, 1), "decode_route_rank": (0, 1),
+                "decode_evict": (0, 1), "decode_act": (0, 1), "pdl": (0, 1, 2), "route_by_last": (0, 1)}
+_POW2 = ("block_m", "block_n", "block_k", "decode_block_n", "decode_block_k", "decode_down_block_n", "decode_warps",
+         "decode_down_block_k", "router_block_n", "router_block_k", "router_warps")
+
+
+def check_moe_params(params: dict, known: dict) -> None:
+    """A variant's moe (or norm_moe) parameters checked when it is built: ``ValueError`` names an unknown one, one
+    out of its range, or a combination the kernels do not have (the activation in gate/up with the one-launch
+    experts); ``known``: the accepted names and their defaults."""
+    unknown = set(params) - set(known)
+    if unknown:
+        raise ValueError(f"unknown moe parameters {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
+    p = {**known, **params}
+    for k, v in params.items():
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ValueError(f"moe parameter {k} must be an integer, got {v!r}")
+        if k in _MOE_CHOICES:
+            if v not in _MOE_CHOICES[k]:
+                raise ValueError(f"moe parameter {k} must be one of {', '.join(map(str, _MOE_CHOICES[k]))}, got {v}")
+        elif v < (0 if k == "decode_down_block_k" else 1):
+            raise ValueError(f"moe parameter {k} must be positive, got {v}")
+        if k in _POW2 and v & (v - 1):
+            raise ValueError(f"moe parameter {k} must be a power of two, got {v}")
+    if p["decode_act"] and p["decode_split_down"] == 3:
+        raise ValueError("moe decode_act needs decode_split_down 0, 1 or 2 (the one-launch experts apply the "
+                         "activation themselves)")
+
+
 def make_moe(**params):
-    """The moe callable for a variant: ``moe_triton`` with its parameters and this table's own zeroed sum and
-    counter for the one-launch form."""
+    """The moe callable for a variant: ``moe_triton`` with its parameters (checked here) and this table's own
+    zeroed sum and counter for the one-launch form."""
+    check_moe_params(params, {**_MOE_PARAMS, "pdl": 0})
     return functools.partial(moe_triton, **params, scratch=ArrivalCounters())
 
 
@@ -607,6 +636,12 @@ def norm_moe_triton(
 
 
 def make_norm_moe(**params):
-    """The norm_moe callable for a variant: ``norm_moe_triton`` with its parameters and this table's own routing
-    arrival counter."""
+    """The norm_moe callable for a variant: ``norm_moe_triton`` with its parameters (checked here) and this table's
+    own routing arrival counter."""
+    check_moe_params(params, {**_MOE_PARAMS, **_NORM_MOE_PARAMS})
     return functools.partial(norm_moe_triton, **params, counters=ArrivalCounters())
+
+
+# norm_moe_triton's own tunable parameters (beside moe_triton's) and their defaults
+_NORM_MOE_PARAMS = {k: p.default for k, p in inspect.signature(norm_moe_triton).parameters.items()
+                    if p.default is not inspect.Parameter.empty and k != "counters"}

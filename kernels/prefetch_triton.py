@@ -13,6 +13,8 @@ Same contract as ``kernels.prefetch.prefetch_ref``.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import threading
 from typing import Callable, Sequence
@@ -40,16 +42,50 @@ def _l2_prefetch_kernel(w_ptr, sink_ptr, N, PER_PROGRAM, BLOCK: tl.constexpr):
     tl.store(sink_ptr + pid, tl.sum(acc, axis=0))
 
 
-_SIDE: dict[torch.device, torch.cuda.Stream] = {}
 _SINK: dict[tuple[torch.device, int], torch.Tensor] = {}
-_LOCAL = threading.local()  # per thread (a variant may warm up beside a serving engine): .deferred, the devices
-# whose side stream holds reads that no join of this thread's step has waited for yet
+_LOCAL = threading.local()  # per thread (a variant may warm up and capture its graphs beside a serving engine):
+# .side, each device's side stream; .deferred, the devices whose side stream holds reads that no join of this
+# thread's step has waited for yet
+
+
+def _side(dev: torch.device) -> torch.cuda.Stream:
+    """This thread's side stream on ``dev`` (a capture on one thread never takes in another thread's reads)."""
+    if not hasattr(_LOCAL, "side"):
+        _LOCAL.side = {}
+    if dev not in _LOCAL.side:
+        _LOCAL.side[dev] = torch.cuda.Stream(dev)
+    return _LOCAL.side[dev]
 
 
 def _deferred() -> set[torch.device]:
     if not hasattr(_LOCAL, "deferred"):
         _LOCAL.deferred = set()
     return _LOCAL.deferred
+
+
+def check_params(*, max_rows: int = 4, programs: int = 528, block: int = 4096, num_warps: int = 4, o_proj: int = 1,
+                 next_qkv: int = 0, defer_join: int = 0) -> dict:
+    """A variant's prefetch parameters, checked (``ValueError`` names the bad one); returns them."""
+    p = dict(max_rows=max_rows, programs=programs, block=block, num_warps=num_warps, o_proj=o_proj,
+             next_qkv=next_qkv, defer_join=defer_join)
+    for k in ("max_rows", "programs", "block", "num_warps"):
+        if not isinstance(p[k], int) or isinstance(p[k], bool) or p[k] < 1:
+            raise ValueError(f"prefetch {k} must be a positive integer, got {p[k]!r}")
+    if block & (block - 1) or num_warps & (num_warps - 1):
+        raise ValueError(f"prefetch block and num_warps must be powers of two, got {block} and {num_warps}")
+    for k, choices in (("o_proj", (0, 1)), ("next_qkv", (0, 1, 2)), ("defer_join", (0, 1))):
+        if p[k] not in choices or isinstance(p[k], bool):
+            raise ValueError(f"prefetch {k} must be one of {', '.join(map(str, choices))}, got {p[k]!r}")
+    return p
+
+
+def make_prefetch(**params) -> Callable:
+    """The prefetch callable for a variant: ``prefetch_triton`` with its parameters, checked when the variant is
+    built (a misspelled or out-of-range one fails there, not in the first forward pass)."""
+    unknown = set(params) - set(inspect.signature(check_params).parameters)
+    if unknown:
+        raise TypeError(f"prefetch_triton: unknown parameters {', '.join(sorted(unknown))}")
+    return functools.partial(prefetch_triton, **check_params(**params))
 
 
 def _launch(w: torch.Tensor, sink: torch.Tensor, programs: int, block: int, num_warps: int) -> None:
@@ -73,12 +109,15 @@ def prefetch_triton(weights: Sequence[torch.Tensor | None], rows: int, site: str
     rows (decode: the weights' bytes are the kernel's time) and the call's ``site`` is switched on (``o_proj``:
     1 or 0; ``next_qkv``: 0 off, 1 at "next_qkv", 2 at "next_qkv_early"); returns ``join()``, which makes the
     current stream wait for those reads, or with ``defer_join`` (and always at "next_qkv_early") nothing: site
-    "end" (no weights) returns the join of every deferred read. On a CPU (or under the interpreter) nothing is
+    "end" (no weights) returns the join of every deferred read; "abort" (a step that raised) forgets them (a later
+    capture on this thread must not wait for work recorded outside it). On a CPU (or under the interpreter) nothing is
     started: no L2 to fill."""
     if site not in SITES:
         raise ValueError(f"unknown prefetch site {site!r}")
     if site == "end":
         return _join_deferred
+    if site == "abort":
+        return _deferred().clear
     ws = [w for w in weights if w is not None]
     on = {"o_proj": o_proj, "next_qkv": next_qkv == 1, "next_qkv_early": next_qkv == 2}[site]
     if not ws or rows > max_rows or not on or not ws[0].is_cuda or (
@@ -86,9 +125,7 @@ def prefetch_triton(weights: Sequence[torch.Tensor | None], rows: int, site: str
         return no_join
     dev = ws[0].device
     main = torch.cuda.current_stream(dev)
-    if dev not in _SIDE:
-        _SIDE[dev] = torch.cuda.Stream(dev)
-    side = _SIDE[dev]
+    side = _side(dev)
     if (dev, programs) not in _SINK:  # one per device, allocated once: the sums are never read
         _SINK[(dev, programs)] = torch.empty(programs, device=dev, dtype=torch.float32)
     sink = _SINK[(dev, programs)]
@@ -101,9 +138,11 @@ def prefetch_triton(weights: Sequence[torch.Tensor | None], rows: int, site: str
     if defer_join or site == "next_qkv_early":  # the early site's caller leaves its join to the step's end
         _deferred().add(dev)
         return no_join
+    done = torch.cuda.Event()
+    done.record(side)  # these reads only: a later site's reads queued behind them are not waited for
 
     def join() -> None:
-        main.wait_stream(side)
+        main.wait_event(done)
 
     return join
 
@@ -113,4 +152,5 @@ def _join_deferred() -> None:
     pending = _deferred()
     while pending:
         dev = pending.pop()
-        torch.cuda.current_stream(dev).wait_stream(_SIDE[dev])
+        torch.cuda.current_stream(dev).wait_stream(_side(dev))
+

@@ -84,7 +84,8 @@ def test_all_triton_variant_equals_reference_on_a_tiny_model():
         spec = VariantSpec(block_size=4, kernels={**ALL_TRITON, "norm_moe": norm_moe},
                            kernel_params=with_pdl({"attention": {"block_n": 8}, "moe": own, "norm_moe": own,
                                                    "linear": {"evict": 1}, "norm_linear": {"evict": 1},
-                                                   "act_linear": {"evict": 1}, "prefetch": {"next_qkv": 1, "defer_join": 1}}, 2))
+                                                   "act_linear": {"evict": 1},
+                                                   "prefetch": {"next_qkv": 1, "defer_join": 1}}, 2))
         assert [o.token_ids for o in _tiny(spec).generate(prompts, params)] == ref, norm_moe
     # each Triton kernel alone among the references
     for op in ("rotary", "store_kv", "rotary_store_kv", "norm_rotary_store_kv", "rotary_attention", "moe", "linear",
@@ -140,6 +141,38 @@ def test_parallel_change_is_refused_and_nothing_changes():
     with pytest.raises(VariantError, match="restart"):
         eng.apply_variant(VariantSpec(**{**_knobs(before), "tp": 2}))
     assert eng.variant == before
+
+
+BAD_PARAMS = {
+    "activation with the one-launch experts": ({"moe": {"decode_act": 1, "decode_split_down": 3}}, "decode_act needs"),
+    "switch out of range": ({"moe": {"decode_act": 2}}, "decode_act must be one of 0, 1"),
+    "tile not a power of two": ({"norm_moe": {"decode_block_n": 3}}, "power of two"),
+    "misspelled moe parameter": ({"moe": {"decode_actt": 1}}, "unknown moe parameters decode_actt"),
+    "prefetch site out of range": ({"prefetch": {"next_qkv": 3}}, "next_qkv must be one of 0, 1, 2"),
+    "prefetch switch as text": ({"prefetch": {"defer_join": "1"}}, "defer_join must be one of 0, 1"),
+    "misspelled prefetch parameter": ({"prefetch": {"defer": 1}}, "unknown parameters defer"),
+    "misspelled attention parameter": ({"attention": {"blok_n": 8}}, "unknown parameters blok_n"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PARAMS))
+def test_bad_kernel_params_are_refused_when_built_and_engine_keeps_serving(case):
+    """A kernel's parameters are checked when the variant's table is built (not in its first forward pass):
+    VariantError names the bad one and the active variant goes on serving."""
+    kernel_params, reason = BAD_PARAMS[case]
+    eng = _tiny()
+    before_ops, before = eng.ops, eng.variant
+    rid = eng.add_request([3, 1, 4, 1, 5], SamplingParams(max_tokens=4, ignore_eos=True))
+    eng.step()
+    spec = VariantSpec(**_knobs(before), kernels={"moe": "triton", "norm_moe": "triton", "prefetch": "triton",
+                                                  "attention": "triton_paged"}, kernel_params=kernel_params)
+    with pytest.raises(VariantError, match=reason):
+        eng.apply_variant(spec)
+    assert eng.variant == before and eng.ops is before_ops
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    assert len(done[rid]) == 4
 
 
 BROKEN = {

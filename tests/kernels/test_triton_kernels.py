@@ -245,17 +245,17 @@ def test_norm_moe(t, h, e, k, i, renorm):
     # router_block_n 16 > e for the smaller cases: one program
     # route_by_last 0: the routing kernel after the norm + router launch
     counters = ArrivalCounters()
-    # split 3: the experts in one launch that routes for itself (route_by_last has no effect); rank 1: the
-    # routing kernel after it by rank, the experts evict-first; 2: the activation applied by the gate/up kernel
-    for split, router_block_n, router_block_k, route_by_last, rank in (
-            (1, 2, 32, 1, 0), (2, 4, 64, 1, 0), (0, 16, 32, 1, 0), (2, 4, 64, 0, 0), (2, 2, 32, 0, 0),
-            (3, 4, 64, 1, 0), (2, 4, 64, 0, 1), (2, 4, 64, 1, 2)):
+    # split 3: the experts in one launch that routes for itself (route_by_last has no effect); "rank": the
+    # routing kernel after it by rank, the experts evict-first; "act": the activation applied by the gate/up kernel
+    for split, router_block_n, router_block_k, route_by_last, form in (
+            (1, 2, 32, 1, ""), (2, 4, 64, 1, ""), (0, 16, 32, 1, ""), (2, 4, 64, 0, ""), (2, 2, 32, 0, ""),
+            (3, 4, 64, 1, ""), (2, 4, 64, 0, "rank"), (2, 4, 64, 1, "act")):
         for _ in range(2):  # twice: the routing's counter, kept by ``counters``, is reset by the kernel
             out, summed = norm_moe_triton(x, r, nw, 1e-6, gw, w13, w2, k, renorm, router_block_n=router_block_n,
                                           router_block_k=router_block_k, route_by_last=route_by_last,
                                           decode_block_n=16, decode_block_k=16, decode_down_block_n=8,
-                                          decode_split_down=split, decode_route_rank=rank == 1,
-                                          decode_evict=rank == 1, decode_act=rank == 2,
+                                          decode_split_down=split, decode_route_rank=int(form == "rank"),
+                                          decode_evict=int(form == "rank"), decode_act=int(form == "act"),
                                           pdl=1, block_m=16, block_n=16, block_k=16,
                                           counters=counters)
             torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
@@ -348,6 +348,123 @@ def test_l2_prefetch_reads_every_element(n, programs, block):
     assert prefetch_ref((), 1, "end") is no_join and prefetch_ref((w,), 1, "next_qkv") is no_join
     with pytest.raises(ValueError, match="unknown prefetch site"):
         prefetch_ref((w,), 1, "gate_up")
+
+
+class _Stream:
+    """A stand-in CUDA stream that logs what is queued on it and what it waits for (no GPU here)."""
+
+    def __init__(self, log, name):
+        self.log, self.name, self.queued = log, name, 0
+
+    def wait_stream(self, other):
+        self.log.append((self.name, "waits for all of", other.name, other.queued))
+
+    def wait_event(self, event):
+        self.log.append((self.name, "waits for", event.stream.name, event.queued))
+
+
+class _Event:
+    def record(self, stream):
+        self.stream, self.queued = stream, stream.queued
+
+
+class _Weight:
+    """A weight that says it lives on a GPU (the prefetch reads nothing of it here: its launch is logged)."""
+    is_cuda, device = True, torch.device("cpu")
+
+    def __init__(self, name):
+        self.name = name
+
+    def is_contiguous(self):
+        return True
+
+    def view(self, *shape):
+        return self
+
+
+@pytest.fixture
+def fake_streams(monkeypatch):
+    """kernels.prefetch_triton's stream logic on a CPU: streams, events and the kernel's launch logged."""
+    import contextlib
+    import threading
+
+    from kernels import prefetch_triton as pt
+
+    log, current, made = [], threading.local(), []
+    main = _Stream(log, "main")
+
+    def stream(dev=None):
+        s = _Stream(log, f"side{len(made)}")
+        made.append(s)
+        return s
+
+    @contextlib.contextmanager
+    def on(s):
+        current.s = s
+        yield
+        current.s = None
+
+    def launch(w, sink, programs, block, num_warps):
+        current.s.queued += 1
+        log.append((current.s.name, "reads", w.name))
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: main)
+    monkeypatch.setattr(torch.cuda, "Stream", stream)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(pt, "_launch", launch)
+    monkeypatch.setattr(pt, "_LOCAL", threading.local())
+    return pt, log
+
+
+def test_prefetch_joins_wait_for_their_own_reads_and_deferred_ones_at_the_end(fake_streams):
+    """A join waits for its own site's reads only (not the next QKV's queued after them); deferred reads (the
+    early next-QKV site, or every site with defer_join) are joined once by "end", forgotten by "abort"; each
+    thread has its own side stream and its own deferred reads; batches over max_rows start nothing."""
+    import threading
+
+    from kernels.prefetch import no_join
+
+    pt, log = fake_streams
+    wo, wqkv = _Weight("o_proj"), _Weight("qkv")
+    pre = pt.make_prefetch(next_qkv=2)
+    join = pre((wo,), 1, "o_proj")
+    assert pre((wqkv,), 1, "next_qkv_early") is no_join  # always deferred
+    join()
+    pre((), 1, "end")()
+    pre((), 1, "end")()  # nothing left to join
+    assert [e for e in log if e[0] == "main" and "waits" in e[1]] == [
+        ("main", "waits for", "side0", 1),  # the output projection's read only: the next QKV's is queued second
+        ("main", "waits for all of", "side0", 2)]
+    assert ("side0", "reads", "o_proj") in log and ("side0", "reads", "qkv") in log
+
+    log.clear()
+    pre = pt.make_prefetch(defer_join=1)
+    assert pre((wo,), 1, "o_proj") is no_join
+    assert pre((wo,), 5, "o_proj") is no_join and pre((wqkv,), 1, "next_qkv") is no_join  # 5 > max_rows; off
+    pre((), 1, "abort")()  # a step that raised: forgotten without a wait
+    pre((), 1, "end")()
+    assert [e[1] for e in log] == ["waits for all of", "reads"]  # the side stream's fork from main, one read
+
+    log.clear()
+    other = threading.Thread(target=lambda: pre((wo,), 1, "o_proj"))  # a variant warming up beside the engine
+    other.start()
+    other.join()
+    pre((), 1, "end")()  # this thread deferred nothing: no wait
+    assert log == [("side1", "waits for all of", "main", 0), ("side1", "reads", "o_proj")]  # its own side stream
+
+
+def test_prefetch_params_are_checked_when_built():
+    from kernels.prefetch_triton import make_prefetch
+
+    make_prefetch(next_qkv=2, defer_join=1, programs=264)
+    for bad, reason in (({"next_qkv": 3}, "next_qkv"), ({"o_proj": True}, "o_proj"), ({"programs": 0}, "programs"),
+                        ({"block": 1000}, "powers of two")):
+        with pytest.raises(ValueError, match=reason):
+            make_prefetch(**bad)
+    with pytest.raises(TypeError, match="unknown parameters defer"):
+        make_prefetch(defer=1)
 
 
 @pytest.mark.parametrize("norm", [False, True])
