@@ -86,13 +86,16 @@ class AsyncEngine:
                 pending, self._pending = self._pending, []
                 aborts, self._aborts = self._aborts, []
             for rid, ids, params in pending:
-                eng.add_request(ids, params, request_id=rid)
-            for rid in aborts:
-                eng.abort(rid)
-                self._tracked.pop(rid, None)
+                try:
+                    eng.add_request(ids, params, request_id=rid)
+                except Exception as e:  # this request alone fails; the loop goes on serving the others
+                    self._deliver(rid, e)
             try:
+                for rid in aborts:
+                    eng.abort(rid)
+                    self._tracked.pop(rid, None)
                 outputs = eng.step()
-            except BaseException as e:  # keep serving the ones that can be; fail the batch that broke
+            except Exception as e:  # keep serving the ones that can be; fail the batch that broke
                 self.error = e
                 for rid in list(self._tracked):
                     eng.abort(rid)
@@ -100,7 +103,11 @@ class AsyncEngine:
                 continue
             now = time.time()
             for out in outputs:
-                self._on_output(out, now)
+                try:
+                    self._on_output(out, now)
+                except Exception as e:  # e.g. the capture's disk is full: the request is answered, the loop lives
+                    self.error = e
+                    self._deliver(out.request_id, out)
             self._update_gauges()
 
     def _on_output(self, out: RequestOutput, now: float) -> None:

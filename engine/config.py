@@ -182,10 +182,10 @@ class ModelConfig:
             )
         except KeyError as e:
             raise ConfigError(f"config is missing required field {e.args[0]!r}") from None
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, AttributeError, ArithmeticError) as e:  # e.g. rope_scaling "linear", 0 heads
             if isinstance(e, ConfigError):
                 raise
-            raise ConfigError(f"config has a field of the wrong type: {e}") from None
+            raise ConfigError(f"config has a field of the wrong type or value: {type(e).__name__}: {e}") from None
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":

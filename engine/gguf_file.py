@@ -80,7 +80,11 @@ class GGUFModel:
         heads = _field(r, f"{arch}.attention.head_count")
         if hidden is None or heads is None:
             raise WeightsError(f"{self.path}: GGUF metadata lacks {arch}.embedding_length or head_count")
-        vocab = _field(r, f"{arch}.vocab_size") or len(r.fields["tokenizer.ggml.tokens"].data)
+        tokens = r.fields.get("tokenizer.ggml.tokens")
+        vocab = _field(r, f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
+        if vocab is None:
+            raise WeightsError(f"{self.path}: GGUF metadata gives no vocabulary size ({arch}.vocab_size) and no "
+                               "tokenizer.ggml.tokens")
         raw: dict[str, Any] = {
             "model_type": _ARCHS[arch],
             "vocab_size": vocab,

@@ -25,7 +25,9 @@ def sample(
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    x = logits / p.temperature
+    # the largest logit subtracted first: a tiny temperature then gives 0 for the best and -inf for the rest
+    # (a draw of the argmax), never inf / inf
+    x = (logits - logits.max()) / p.temperature
     if p.top_k and p.top_k < x.shape[-1]:
         kth = torch.topk(x, p.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))

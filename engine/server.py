@@ -134,13 +134,31 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
             return engine.encode_prompt(prompt), prompt
         return list(prompt), None
 
-    async def _collect(rid: str, queue: asyncio.Queue) -> RequestOutput:
-        while True:
-            item = await queue.get()
-            if isinstance(item, BaseException):
-                raise APIError(500, f"engine error: {item}", "server_error")
-            if item.finished:
-                return item
+    async def _collect(rid: str, queue: asyncio.Queue, request: Request) -> RequestOutput:
+        """The request's final output; a client that went away has its request aborted (not run to the end)."""
+        try:
+            checked = time.monotonic()
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    item = None
+                if time.monotonic() - checked >= 1.0:  # tokens may arrive faster than the timeout: check by the clock
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        aengine.abort(rid)
+                        raise APIError(499, "the client closed the request", "invalid_request_error")
+                if item is None:
+                    continue
+                if isinstance(item, RequestError):
+                    raise APIError(400, str(item))
+                if isinstance(item, BaseException):
+                    raise APIError(500, f"engine error: {item}", "server_error")
+                if item.finished:
+                    return item
+        except asyncio.CancelledError:
+            aengine.abort(rid)
+            raise
 
     async def _stream(rid: str, queue: asyncio.Queue, request: Request, make_chunk, first_chunk=None,
                       usage_fn=None):
@@ -212,6 +230,8 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         _check_model(req.model)
+        if req.echo:
+            raise APIError(400, "echo is not supported: the response holds the completion only", param="echo")
         params = _params(req, req.max_tokens)
         ids, text = _prompt_ids(req.prompt)
         rid, queue = _submit(ids, params, text)
@@ -227,7 +247,7 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
                 usage = lambda o: {**chunk("", None), "choices": [], "usage": _usage(o)}  # noqa: E731
             return StreamingResponse(_stream(rid, queue, request, chunk, usage_fn=usage),
                                      media_type="text/event-stream")
-        out = await _collect(rid, queue)
+        out = await _collect(rid, queue, request)
         return {**chunk(out.text, out.finish_reason), "usage": _usage(out)}
 
     @app.post("/v1/chat/completions")
@@ -242,6 +262,9 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
             ids = engine.tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in req.messages])
         except EngineError as e:
             raise APIError(400, str(e), param="messages") from None
+        except Exception as e:  # the model's template refused the conversation (jinja2's raise_exception)
+            raise APIError(400, f"the chat template refused the messages: {type(e).__name__}: {e}",
+                           param="messages") from None
         rid, queue = _submit(ids, params, None)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -259,7 +282,7 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
                 usage = lambda o: {**chunk("", None), "choices": [], "usage": _usage(o)}  # noqa: E731
             return StreamingResponse(_stream(rid, queue, request, chunk, first_chunk=first, usage_fn=usage),
                                      media_type="text/event-stream")
-        out = await _collect(rid, queue)
+        out = await _collect(rid, queue, request)
         return {"id": cid, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
                              "logprobs": None, "finish_reason": out.finish_reason}],

@@ -129,19 +129,37 @@ class VariantSpec:
 
     def __post_init__(self) -> None:
         # accept dicts and lists (JSON) and normalize to sorted tuples, so equal specs hash equal
-        kernels = dict(self.kernels)
-        params = {op: tuple(sorted(dict(p).items())) for op, p in dict(self.kernel_params).items()}
-        source = dict(self.generated_source)
+        try:
+            kernels = dict(self.kernels)
+            params = {op: tuple(sorted(dict(p).items())) for op, p in dict(self.kernel_params).items()}
+            source = dict(self.generated_source)
+            graphs = tuple(sorted(set(self.cuda_graph_batch_sizes)))
+        except (TypeError, ValueError) as e:
+            raise ConfigError("variant fields kernels, kernel_params (op -> {param: value}) and generated_source "
+                              f"must be objects, cuda_graph_batch_sizes a list of integers: {e}") from None
+        for what, mapping in (("kernels", kernels), ("generated_source", source)):
+            if not all(isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
+                raise ConfigError(f"variant field {what} must map names to strings")
+        if not all(isinstance(k, str) for p in params.values() for k, _ in p):
+            raise ConfigError("kernel_params' parameter names must be strings")
+        if not all(isinstance(b, int) and not isinstance(b, bool) for b in graphs):
+            raise ConfigError(f"cuda_graph_batch_sizes must be integers, got {list(graphs)}")
         object.__setattr__(self, "kernels", tuple(sorted(kernels.items())))
         object.__setattr__(self, "kernel_params", tuple(sorted(params.items())))
         object.__setattr__(self, "generated_source", tuple(sorted(source.items())))
-        object.__setattr__(self, "cuda_graph_batch_sizes", tuple(sorted(set(self.cuda_graph_batch_sizes))))
+        object.__setattr__(self, "cuda_graph_batch_sizes", graphs)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tp", "dp"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"variant field {name} must be a positive integer, got {v!r}")
-        if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
-            raise ConfigError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
+        if self.prefill_chunk_size is not None and (not isinstance(self.prefill_chunk_size, int)
+                                                    or isinstance(self.prefill_chunk_size, bool)
+                                                    or self.prefill_chunk_size < 1):
+            raise ConfigError(f"prefill_chunk_size must be an integer >= 1 or null, got {self.prefill_chunk_size!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        if not isinstance(self.name, str):
+            raise ConfigError(f"variant name must be a string, got {self.name!r}")
         if self.compile_mode not in COMPILE_MODES:
             raise ConfigError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
         if any(b < 1 for b in self.cuda_graph_batch_sizes):
@@ -179,11 +197,13 @@ class VariantSpec:
         unknown = set(data) - known
         if unknown:
             raise ConfigError(f"unknown variant fields: {', '.join(sorted(unknown))}")
-        if "cuda_graph_batch_sizes" in data:
-            data["cuda_graph_batch_sizes"] = tuple(data["cuda_graph_batch_sizes"])
         try:
+            if "cuda_graph_batch_sizes" in data:
+                data["cuda_graph_batch_sizes"] = tuple(data["cuda_graph_batch_sizes"])
             spec = cls(**data)
-        except TypeError as e:
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ConfigError):
+                raise
             raise ConfigError(f"bad variant: {e}") from None
         if claimed is not None and claimed != spec.variant_id:
             raise ConfigError(f"variant_id {claimed} does not match the content (expected {spec.variant_id})")

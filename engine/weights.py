@@ -117,7 +117,11 @@ def assemble(
         if target.param not in params:
             params[target.param] = torch.empty(shapes[target.param], device=device, dtype=dtype)
             filled[target.param] = set()
-        dest = params[target.param][target.index] if target.index else params[target.param]
+        try:
+            dest = params[target.param][target.index] if target.index else params[target.param]
+        except IndexError:  # e.g. expert 130 in a model the config gives 128 experts
+            raise WeightsError(f"checkpoint tensor {name!r} is outside {target.param} "
+                               f"{tuple(shapes[target.param])} for this config") from None
         if tuple(dest.shape) != tuple(tensor.shape):
             raise WeightsError(
                 f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)} for this config"

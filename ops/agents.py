@@ -371,6 +371,18 @@ def parse_reply(text: str | None, base: VariantSpec, agent: str = "llm") -> list
     return out
 
 
+def _reply_text(reply) -> str:
+    """The first choice's message text of a chat-completion reply; InvalidReply when the server's answer has no
+    such text (no choices, a choice without a message, content that is not a string)."""
+    try:
+        text = reply.choices[0].message.content
+    except (AttributeError, IndexError, KeyError, TypeError):
+        raise InvalidReply("the server's reply has no choices[0].message.content") from None
+    if not isinstance(text, str):
+        raise InvalidReply(f"the reply's content is {type(text).__name__}, not text")
+    return text
+
+
 @dataclass
 class LLMAgent(Agent):
     """Asks an OpenAI-compatible server (``base_url``, ``model``, ``api_key`` from configuration) for
@@ -423,7 +435,7 @@ class LLMAgent(Agent):
                 response_format={"type": "json_schema",
                                  "json_schema": {"name": "variant_proposals", "schema": REPLY_SCHEMA}})
             self.replies += 1
-            text = reply.choices[0].message.content if reply.choices else None
+            text = _reply_text(reply)
             proposals = parse_reply(text, state.baseline, self.name)
         except InvalidReply as e:
             self.invalid += 1

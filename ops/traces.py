@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 from dataclasses import asdict, dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator
 
@@ -30,12 +31,14 @@ def detect_format(path: Path) -> str:
     if path.suffix == ".csv":
         return "azure"
     with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if line.strip():
+        # the first row that parses says which (a broken row before it is the reader's to report)
+        for line in itertools.islice(f, 1000):
+            try:
                 obj = json.loads(line) if line.strip().startswith("{") else None
-                if isinstance(obj, dict) and "hash_ids" in obj:
-                    return "mooncake"
-                return "capture"
+            except json.JSONDecodeError:
+                continue
+            if isinstance(obj, dict):
+                return "mooncake" if "hash_ids" in obj else "capture"
     return "capture"
 
 
@@ -93,18 +96,24 @@ def _azure(path: Path) -> Iterator[tuple[int, TraceRecord | Exception]]:
             yield 1, ValueError(f"Azure trace header must name {', '.join(need)}, got {header}")
             return
         idx = [header.index(h) for h in need]
-        start = None
+        good = []  # (line, timestamp, input, output): arrivals count from the earliest row, not the first
         for lineno, row in enumerate(rows, 2):
             if not row:
                 continue
             try:
                 ts = datetime.fromisoformat(row[idx[0]].strip()[:26])
-                start = start or ts
-                yield lineno, TraceRecord(arrival_s=max(0.0, (ts - start).total_seconds()),
-                                          input_tokens=_int(row[idx[1]]), output_tokens=_int(row[idx[2]]),
-                                          source="azure")
+                if ts.tzinfo is not None:  # one clock for every row: UTC without a zone
+                    ts = ts.astimezone(timezone.utc).replace(tzinfo=None)
+                good.append((lineno, ts, _int(row[idx[1]]), _int(row[idx[2]])))
             except (IndexError, ValueError) as e:
                 yield lineno, ValueError(f"bad Azure row {row!r} ({e})")
+    start = min((ts for _, ts, _, _ in good), default=None)
+    for lineno, ts, n_in, n_out in good:
+        try:
+            yield lineno, TraceRecord(arrival_s=(ts - start).total_seconds(), input_tokens=n_in,
+                                      output_tokens=n_out, source="azure")
+        except (TypeError, ValueError) as e:
+            yield lineno, ValueError(f"bad Azure row at line {lineno} ({e})")
 
 
 def _capture(path: Path) -> Iterator[tuple[int, TraceRecord | Exception]]:

@@ -161,7 +161,13 @@ class Search:
     def propose(self, agent: Agent, n: int) -> int:
         """Queues the agent's proposals on the fast tier; returns how many were new."""
         queued = 0
-        for prop in agent.propose(self.state(), n):
+        try:
+            proposals = agent.propose(self.state(), n)
+        except Exception as e:  # an agent that breaks loses its turn, not the search
+            self.board.post(agent.name, "note", {"search": self.search,
+                                                 "error": f"proposing failed: {type(e).__name__}: {str(e)[:500]}"})
+            return 0
+        for prop in proposals:
             _, fresh = self.board.enqueue(self.search, prop.variant, FAST, agent.name, prop.rationale,
                                           list(prop.refs))
             queued += fresh

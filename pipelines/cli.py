@@ -12,22 +12,49 @@ import time
 from pathlib import Path
 
 
+def _positive(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def _seconds(text: str, allow_zero: bool = False) -> float:
+    """argparse type: a finite number > 0 (>= 0 with ``allow_zero``)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (v >= 0 if allow_zero else v > 0) or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number {'>= 0' if allow_zero else '> 0'}, got {text}")
+    return v
+
+
+def _scale(text: str) -> float:
+    """argparse type: a time scale, a finite number >= 0."""
+    return _seconds(text, allow_zero=True)
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="alias (smollm2), a .gguf file, a Hugging Face model folder (config.json + safetensors), "
                         "or a preset name for synthetic weights (llama-3.1-8b, qwen3-30b-a3b)")
     p.add_argument("--synthetic", action="store_true", help="random weights from the model's config (fixed seed)")
     p.add_argument("--seed", type=int, default=0, help="seed for synthetic weights")
-    p.add_argument("--layers", type=int, default=None, help="load only the first N decoder layers")
+    p.add_argument("--layers", type=_positive, default=None, help="load only the first N decoder layers")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (default: fill --kv-cache-mb)")
-    p.add_argument("--kv-cache-mb", type=int, default=512, help="KV-cache memory when --num-kv-blocks is not set")
+    p.add_argument("--block-size", type=_positive, default=16, help="tokens per KV-cache block")
+    p.add_argument("--num-kv-blocks", type=_positive, default=None, help="KV-cache blocks (default: fill --kv-cache-mb)")
+    p.add_argument("--kv-cache-mb", type=_positive, default=512, help="KV-cache memory when --num-kv-blocks is not set")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=_positive, default=64)
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=2048)
+    p.add_argument("--max-model-len", type=_positive, default=None)
     p.add_argument("--variant", default=None,
                    help="a VariantSpec JSON file (see 'polyinf variants show'); its knobs override the flags above")
 
@@ -61,7 +88,12 @@ def _generate(rank: int, config, prompt: str, params, chat: bool) -> dict:
     engine = LLMEngine(dataclasses.replace(config, device=rank_device(config.device, rank)))
     ids = prompt
     if engine.tokenizer is None:
-        ids = [int(t) for t in prompt.replace(",", " ").split()] if prompt.strip() else []
+        try:
+            ids = [int(t) for t in prompt.replace(",", " ").split()] if prompt.strip() else []
+        except ValueError:
+            from engine.errors import RequestError
+
+            raise RequestError("this model has no tokenizer: give --prompt as token ids, e.g. \"1 5 9\"") from None
     t0 = time.perf_counter()
     out = engine.generate([ids], params, chat=chat)[0]
     secs = time.perf_counter() - t0
@@ -378,13 +410,13 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
     """The model, trace slice and tiers a search (optimize, tune) measures."""
     p.add_argument("--model", default="smollm2")
     p.add_argument("--trace", required=True, help="the traffic to tune for (Azure CSV, Mooncake JSONL, capture)")
-    p.add_argument("--requests", type=int, default=16, help="requests from the start of the trace")
-    p.add_argument("--max-input", type=int, default=128, help="clip prompt lengths (a CPU-sized slice)")
-    p.add_argument("--max-output", type=int, default=16, help="clip output lengths")
-    p.add_argument("--time-scale", type=float, default=0.02, help="compress the trace's arrival times")
+    p.add_argument("--requests", type=_positive, default=16, help="requests from the start of the trace")
+    p.add_argument("--max-input", type=_positive, default=128, help="clip prompt lengths (a CPU-sized slice)")
+    p.add_argument("--max-output", type=_positive, default=16, help="clip output lengths")
+    p.add_argument("--time-scale", type=_scale, default=0.02, help="compress the trace's arrival times")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--fast-layers", type=int, default=4, help="layers of the fast tier's engine")
+    p.add_argument("--fast-layers", type=_positive, default=4, help="layers of the fast tier's engine")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -397,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     g.add_argument("--prompt", required=True, help="prompt text (token ids, space separated, for synthetic models)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--max-tokens", type=_positive, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -430,16 +462,16 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
     rp.add_argument("--model", required=True, help="the served model name")
     rp.add_argument("--tokenizer", default=None, help="local model whose vocabulary prompts are drawn from")
-    rp.add_argument("--vocab-size", type=int, default=None)
+    rp.add_argument("--vocab-size", type=_positive, default=None)
     rp.add_argument("--format", choices=["mooncake", "azure", "capture"], default=None)
     rp.add_argument("--lenient", action="store_true")
-    rp.add_argument("--max-requests", type=int, default=None)
-    rp.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (0 sends all at once)")
-    rp.add_argument("--max-input", type=int, default=None, help="clip prompt lengths")
-    rp.add_argument("--max-output", type=int, default=None, help="clip output lengths")
-    rp.add_argument("--max-concurrency", type=int, default=None)
-    rp.add_argument("--slo-ttft-ms", type=float, default=None)
-    rp.add_argument("--slo-tpot-ms", type=float, default=None)
+    rp.add_argument("--max-requests", type=_positive, default=None)
+    rp.add_argument("--time-scale", type=_scale, default=1.0, help="multiply arrival times (0 sends all at once)")
+    rp.add_argument("--max-input", type=_positive, default=None, help="clip prompt lengths")
+    rp.add_argument("--max-output", type=_positive, default=None, help="clip output lengths")
+    rp.add_argument("--max-concurrency", type=_positive, default=None)
+    rp.add_argument("--slo-ttft-ms", type=_seconds, default=None)
+    rp.add_argument("--slo-tpot-ms", type=_seconds, default=None)
     rp.add_argument("--seed", type=int, default=0)
     rp.add_argument("--json", default=None, help="also write the report as JSON here")
     rp.set_defaults(func=cmd_replay)
@@ -447,10 +479,10 @@ def build_parser() -> argparse.ArgumentParser:
     ck = sub.add_parser("check", help="run the quality and KV-cache contamination gates on a variant")
     _add_model_args(ck)
     ck.add_argument("--trace", default=None, help="add prompts shaped like this trace's requests")
-    ck.add_argument("--trace-prompts", type=int, default=4, help="how many trace-shaped prompts")
-    ck.add_argument("--max-input", type=int, default=256, help="clip trace-shaped prompts to this length")
+    ck.add_argument("--trace-prompts", type=_positive, default=4, help="how many trace-shaped prompts")
+    ck.add_argument("--max-input", type=_positive, default=256, help="clip trace-shaped prompts to this length")
     ck.add_argument("--lenient", action="store_true")
-    ck.add_argument("--max-tokens", type=int, default=12, help="tokens generated per prompt")
+    ck.add_argument("--max-tokens", type=_positive, default=12, help="tokens generated per prompt")
     ck.add_argument("--exact", action="store_true", help="the variant claims bit-identical results")
     ck.add_argument("--min-agreement", type=float, default=None, help="override the dtype's greedy-agreement floor")
     ck.add_argument("--max-logit-delta", type=float, default=None, help="override the dtype's max |delta logit|")
@@ -463,21 +495,21 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--tier", choices=["fast", "slow"], default="slow")
     bn.add_argument("--trace", default=None, help="slow tier: the trace whose slice is replayed")
     bn.add_argument("--lenient", action="store_true")
-    bn.add_argument("--requests", type=int, default=16, help="slow tier: requests from the start of the trace")
-    bn.add_argument("--time-scale", type=float, default=1.0, help="slow tier: multiply arrival times")
-    bn.add_argument("--max-input", type=int, default=None, help="slow tier: clip prompt lengths")
-    bn.add_argument("--max-output", type=int, default=None, help="slow tier: clip output lengths")
-    bn.add_argument("--slo-ttft-ms", type=float, default=2000.0)
-    bn.add_argument("--slo-tpot-ms", type=float, default=200.0)
-    bn.add_argument("--prefill-lengths", type=int, nargs="+", default=[128, 512], help="fast tier")
-    bn.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8, 32], help="fast tier")
-    bn.add_argument("--context", type=int, default=256, help="fast tier: decode context length")
-    bn.add_argument("--repeats", type=int, default=3)
+    bn.add_argument("--requests", type=_positive, default=16, help="slow tier: requests from the start of the trace")
+    bn.add_argument("--time-scale", type=_scale, default=1.0, help="slow tier: multiply arrival times")
+    bn.add_argument("--max-input", type=_positive, default=None, help="slow tier: clip prompt lengths")
+    bn.add_argument("--max-output", type=_positive, default=None, help="slow tier: clip output lengths")
+    bn.add_argument("--slo-ttft-ms", type=_seconds, default=2000.0)
+    bn.add_argument("--slo-tpot-ms", type=_seconds, default=200.0)
+    bn.add_argument("--prefill-lengths", type=_positive, nargs="+", default=[128, 512], help="fast tier")
+    bn.add_argument("--decode-batches", type=_positive, nargs="+", default=[1, 8, 32], help="fast tier")
+    bn.add_argument("--context", type=_positive, default=256, help="fast tier: decode context length")
+    bn.add_argument("--repeats", type=_positive, default=3)
     bn.set_defaults(func=cmd_bench)
 
     op = sub.add_parser("optimize", help="materialize the whole optimization graph in-process (embedded defaults)")
     _add_search_args(op)
-    op.add_argument("--candidates", type=int, default=4, help="variants proposed besides the baseline")
+    op.add_argument("--candidates", type=_positive, default=4, help="variants proposed besides the baseline")
     op.add_argument("--artifacts", default=".polyinf/artifacts")
     op.add_argument("--endpoint-url", default="", help="deploy to this server (default: start one on loopback)")
     op.add_argument("--admin-token", default=None, help="the endpoint's admin token")
@@ -489,22 +521,22 @@ def build_parser() -> argparse.ArgumentParser:
     tn = sub.add_parser("tune", help="search for a better variant outside Dagster: agents propose, the fast and "
                                      "slow tiers measure, the decision and its reasons are printed")
     _add_search_args(tn)
-    tn.add_argument("--budget", type=int, default=12, help="most experiments (fast and slow tier together)")
-    tn.add_argument("--budget-seconds", type=float, default=900.0, help="most wall time for the search")
+    tn.add_argument("--budget", type=_positive, default=12, help="most experiments (fast and slow tier together)")
+    tn.add_argument("--budget-seconds", type=_seconds, default=900.0, help="most wall time for the search")
     tn.add_argument("--board", default=".polyinf/board.sqlite", help="the SQLite message board and queue")
-    tn.add_argument("--slow-layers", type=int, default=None, help="layers of the slow tier's engine (default: all)")
-    tn.add_argument("--slow-top", type=int, default=2, help="best fast-tier variants measured on the slow tier")
-    tn.add_argument("--repeats", type=int, default=3, help="slow-tier replays per variant")
-    tn.add_argument("--num-kv-blocks", type=int, default=512)
-    tn.add_argument("--slo-ttft-ms", type=float, default=2000.0)
-    tn.add_argument("--slo-tpot-ms", type=float, default=200.0)
+    tn.add_argument("--slow-layers", type=_positive, default=None, help="layers of the slow tier's engine (default: all)")
+    tn.add_argument("--slow-top", type=_positive, default=2, help="best fast-tier variants measured on the slow tier")
+    tn.add_argument("--repeats", type=_positive, default=3, help="slow-tier replays per variant")
+    tn.add_argument("--num-kv-blocks", type=_positive, default=512)
+    tn.add_argument("--slo-ttft-ms", type=_seconds, default=2000.0)
+    tn.add_argument("--slo-tpot-ms", type=_seconds, default=200.0)
     tn.add_argument("--lenient", action="store_true", help="skip malformed trace rows")
     tn.add_argument("--gate", action="store_true", help="run the quality and contamination gates on the choice")
     tn.add_argument("--llm-base-url", default="", help="an OpenAI-compatible server for the LLM agent (off if empty)")
     tn.add_argument("--llm-model", default="polyinf", help="the model name on that server")
     tn.add_argument("--llm-api-key-env", default="OPENAI_API_KEY", help="environment variable holding the key")
-    tn.add_argument("--llm-timeout", type=float, default=120.0)
-    tn.add_argument("--llm-max-tokens", type=int, default=512)
+    tn.add_argument("--llm-timeout", type=_seconds, default=120.0)
+    tn.add_argument("--llm-max-tokens", type=_positive, default=512)
     tn.add_argument("--json", default=None, help="also write the report as JSON here")
     tn.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     tn.set_defaults(func=cmd_tune)
@@ -513,8 +545,8 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--board", required=True)
     wk.add_argument("--search", required=True, help="the search id (printed by 'polyinf tune')")
     wk.add_argument("--tier", choices=["fast", "slow"], default=None, help="only this tier's experiments")
-    wk.add_argument("--max-experiments", type=int, default=None)
-    wk.add_argument("--lease-s", type=float, default=60.0, help="a claim lapses this long after the last heartbeat")
+    wk.add_argument("--max-experiments", type=_positive, default=None)
+    wk.add_argument("--lease-s", type=_seconds, default=60.0, help="a claim lapses this long after the last heartbeat")
     wk.set_defaults(func=cmd_worker)
 
     v = sub.add_parser("variants", help="engine variants (VariantSpec JSON)")

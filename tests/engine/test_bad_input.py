@@ -42,6 +42,23 @@ def test_config_errors():
         ModelConfig.from_hf_dict({**TINY, "num_key_value_heads": 3})
     with pytest.raises(ConfigError, match="rope scaling"):
         ModelConfig.from_hf_dict({**TINY, "rope_scaling": {"rope_type": "yarn-unknown", "factor": 2.0}})
+    with pytest.raises(ConfigError, match="wrong type or value: ZeroDivisionError"):
+        ModelConfig.from_hf_dict({**TINY, "num_attention_heads": 0})
+    with pytest.raises(ConfigError, match="wrong type or value: AttributeError"):
+        ModelConfig.from_hf_dict({**TINY, "rope_scaling": "linear"})
+
+
+def test_expert_outside_the_config():
+    """A checkpoint's expert index beyond the config's expert count is a WeightsError naming the tensor."""
+    from pathlib import Path
+
+    from engine.weights import assemble
+
+    cfg = ModelConfig.from_file(Path(__file__).parent / "tiny_moe" / "config.json")
+    name = f"model.layers.0.mlp.experts.{cfg.num_experts}.down_proj.weight"
+    with pytest.raises(WeightsError, match=f"{name}' is outside"):
+        assemble(cfg, [(name, torch.zeros(cfg.hidden_size, cfg.moe_intermediate_size))], torch.device("cpu"),
+                 torch.float32)
 
 
 def test_missing_weights_file(tmp_path):
@@ -99,7 +116,8 @@ def test_request_errors(tmp_path):
     with pytest.raises(RequestError, match="no tokenizer"):
         eng.add_request("text without a tokenizer")
     for bad in (dict(max_tokens=0), dict(temperature=-1.0), dict(temperature=float("nan")), dict(top_p=0.0),
-                dict(top_p=1.5), dict(top_k=-2), dict(stop=("",))):
+                dict(top_p=1.5), dict(top_k=-2), dict(stop=("",)), dict(seed=2**64), dict(seed=-1),
+                dict(seed=1.5)):
         with pytest.raises(RequestError):
             SamplingParams(**bad)
     assert not eng.has_unfinished()  # nothing half-added
@@ -115,11 +133,24 @@ def test_cli_errors_are_one_line(tmp_path):
     (tmp_path / "unknown").mkdir()
     (tmp_path / "unknown" / "config.json").write_text(json.dumps({**TINY, "model_type": "bloom"}))
     cases.append((["--model", str(tmp_path / "unknown"), "--prompt", "1 2"], "unknown architecture"))
+    cases.append((["--model", "llama-3.1-8b", "--synthetic", "--layers", "1", "--prompt", "hello"],
+                  "give --prompt as token ids"))
     for args, message in cases:
         r = _cli("generate", *args)
         assert r.returncode == 2, r.stderr
         assert message in r.stderr
         assert "Traceback" not in r.stderr
+    bad_variant = tmp_path / "v.json"
+    for text, message in (('{"kernels": "abc"}', "must be objects"), ('{"cuda_graph_batch_sizes": 5}', "bad variant"),
+                          ('{"kernels": {"attention": 5}}', "map names to strings")):
+        bad_variant.write_text(text)
+        r = _cli("variants", "show", "--variant", str(bad_variant))
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    for args, message in ((["--max-concurrency", "-1"], "--max-concurrency: must be at least 1"),
+                          (["--vocab-size", "0"], "--vocab-size: must be at least 1"),
+                          (["--time-scale", "-2"], "--time-scale: must be a finite number >= 0")):
+        r = _cli("replay", "--trace", "t.csv", "--base-url", "http://127.0.0.1:1/v1", "--model", "m", *args)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_cli_generate_json_matches_engine(smollm2_engine_factory):
@@ -132,3 +163,38 @@ def test_cli_generate_json_matches_engine(smollm2_engine_factory):
     assert out["token_ids"] == ref.token_ids
     assert out["prompt_token_ids"] == ref.prompt_token_ids
     assert out["text"] == "The capital of France is Paris."
+
+
+def test_engine_loop_survives_a_request_that_fails_to_add(tmp_path):
+    """The serving loop: a request whose add fails (an injected fault) gets its error; the loop and the other
+    requests go on."""
+    import asyncio
+
+    from engine.async_engine import AsyncEngine
+
+    eng = LLMEngine(EngineConfig(source=resolve(str(_write_model(tmp_path))), num_kv_blocks=16))
+    real = eng.add_request
+
+    def add_request(ids, params=None, request_id=None, **kw):
+        if ids == [7, 7]:
+            raise RuntimeError("injected add failure")
+        return real(ids, params, request_id=request_id, **kw)
+
+    eng.add_request = add_request
+    aeng = AsyncEngine(eng)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    async def serve():
+        _, bad = aeng.submit([7, 7], params)
+        _, good = aeng.submit([1, 2, 3], params)
+        failed = await asyncio.wait_for(bad.get(), 60)
+        while not (out := await asyncio.wait_for(good.get(), 60)).finished:
+            pass
+        return failed, out
+
+    try:
+        failed, out = asyncio.run(serve())
+        assert isinstance(failed, RuntimeError) and "injected" in str(failed)
+        assert len(out.token_ids) == 4 and aeng._thread.is_alive()
+    finally:
+        aeng.shutdown()

@@ -120,7 +120,29 @@ def test_bad_requests_get_openai_errors_and_nothing_is_captured(server):
     assert r.status_code == 400
     r = httpx.post(url + "/v1/completions", json={"model": "smollm2", "prompt": "hi", "temperature": -2})
     assert r.status_code == 400 and "temperature" in _err(r)["message"]
+    r = httpx.post(url + "/v1/completions", json={"model": "smollm2", "prompt": "hi", "seed": 2**64})
+    assert r.status_code == 400 and "seed" in _err(r)["message"]
+    r = httpx.post(url + "/v1/completions", json={"model": "smollm2", "prompt": "hi", "echo": True})
+    assert r.status_code == 400 and _err(r)["param"] == "echo"
+    r = httpx.post(url + "/v1/completions", json={"model": "smollm2", "prompt": "hi", "n": 2})
+    assert r.status_code == 400 and _err(r)["param"] == "n"
+    r = httpx.post(url + "/v1/completions", json={"model": "smollm2", "prompt": "hi", "stop": ""})
+    assert r.status_code == 400 and "stop" in _err(r)["message"]
+    for empty in ("", []):
+        r = httpx.post(url + "/v1/completions", json={"model": "smollm2", "prompt": empty})
+        assert r.status_code == 400, empty
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "smollm2", "messages": []})
+    assert r.status_code == 400 and _err(r)["param"] == "messages"
+    r = httpx.post(url + "/v1/completions", json={"model": "smollm2", "prompt": [1, 2, 10**9]})
+    assert r.status_code == 400
     assert _captured(server) == before
+    # a temperature so small that logits / temperature overflow samples the argmax, and the server goes on
+    body = {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 6}
+    tiny = httpx.post(url + "/v1/completions", json={**body, "temperature": 1e-40, "seed": 3}, timeout=60)
+    greedy = httpx.post(url + "/v1/completions", json={**body, "temperature": 0}, timeout=60)
+    assert tiny.status_code == greedy.status_code == 200
+    assert tiny.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+    assert _captured(server) == before + 2
     assert httpx.get(url + "/health").json() == {"status": "ok"}
 
 
@@ -139,6 +161,21 @@ def test_client_disconnect_mid_stream_is_not_captured(server, client):
     c = client.completions.create(model="smollm2", prompt="Hello", max_tokens=3, temperature=0)
     assert c.choices[0].text
     assert _captured(server) == before + 1  # only the finished request
+
+
+def test_client_gone_before_a_whole_response_is_aborted_and_not_captured(server, client):
+    """A client that stops waiting for a non-streamed response: the engine stops working on its request."""
+    before = _captured(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server["url"] + "/v1/completions", timeout=1.5,
+                   json={"model": "smollm2", "prompt": "Count to one thousand:", "max_tokens": 2000,
+                         "ignore_eos": True})
+    deadline = time.time() + 30
+    while time.time() < deadline and _metric(server["url"], "vllm:num_requests_running") > 0:
+        time.sleep(0.3)
+    assert _metric(server["url"], "vllm:num_requests_running") == 0
+    assert client.completions.create(model="smollm2", prompt="Hello", max_tokens=3, temperature=0).choices[0].text
+    assert _captured(server) == before + 1
 
 
 def test_bounded_load_every_request_answered_and_captured_once(server):

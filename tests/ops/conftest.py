@@ -28,6 +28,8 @@ class _Scripted(BaseHTTPRequestHandler):
                  "choices": [{"index": 0, "finish_reason": "stop",
                               "message": {"role": "assistant", "content": content}}],
                  "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+        if isinstance(content, dict):  # a whole reply body, as a broken server might send it
+            reply = content
         data = json.dumps(reply).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")

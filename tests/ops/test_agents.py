@@ -75,7 +75,9 @@ def test_llm_agent_against_a_scripted_server(tmp_path, scripted_server):
     url, handler = scripted_server
     board = Board(tmp_path / "b.db")
     handler.script = [json.dumps(VALID), "I think you should raise max_num_seqs.", 500,
-                      '{"proposals": [{"rationale": "x", "changes": {"block_size": 12}}]}']
+                      '{"proposals": [{"rationale": "x", "changes": {"block_size": 12}}]}',
+                      {"id": "c2", "object": "chat.completion", "created": 0, "model": "m", "choices": [{}]},
+                      {"id": "c3", "object": "chat.completion", "created": 0, "model": "m", "choices": []}]
     agent = LLMAgent(base_url=url, model="scripted-model", api_key="sk-test", board=board)
     state = _state(board, "s")
     props = agent.propose(state, 4)
@@ -85,13 +87,16 @@ def test_llm_agent_against_a_scripted_server(tmp_path, scripted_server):
     assert req["body"]["model"] == "scripted-model" and req["body"]["response_format"]["type"] == "json_schema"
     context = json.loads(req["body"]["messages"][1]["content"].split("\n", 1)[1])
     assert context["traffic"]["requests"] == 20 and "ranges" not in context and context["cost_model_ranges"]
-    for _ in range(3):  # prose, an HTTP 500 and a schema violation: recorded, never fatal
+    # prose, an HTTP 500, a schema violation, a choice without a message, no choices: recorded, never fatal
+    for _ in range(5):
         assert agent.propose(state, 4) == []
     invalid = board.messages("invalid_reply")
-    assert [m["body"]["reason"].split(":")[0] for m in invalid] == ["not JSON", "does not match the schema at proposals/0/changes/block_size"]
+    assert [m["body"]["reason"].split(":")[0] for m in invalid] == [
+        "not JSON", "does not match the schema at proposals/0/changes/block_size",
+        "the server's reply has no choices[0].message.content", "the server's reply has no choices[0].message.content"]
     assert invalid[0]["body"]["reply"].startswith("I think") and invalid[0]["body"]["search"] == "s"
     assert any("failed" in m["body"].get("error", "") for m in board.messages("note"))
-    assert agent.invalid == 2
+    assert agent.invalid == 4
 
 
 def test_llm_agent_against_our_own_server_serving_smollm2(tmp_path):

@@ -67,6 +67,26 @@ def test_malformed_rows_name_file_and_line(tmp_path):
         load_trace(tmp_path / "missing.jsonl")
 
 
+def test_broken_first_line_unsorted_and_zoned_timestamps(tmp_path):
+    """A broken first row does not hide the format (the rows after it say Mooncake); Azure arrivals count from
+    the earliest row, whatever the order, with zoned and unzoned times on one clock; empty traces are empty."""
+    m = tmp_path / "m.jsonl"
+    m.write_text('{"timestamp": 0, "input_le\n'
+                 '{"timestamp": 1000, "input_length": 10, "output_length": 2, "hash_ids": [1]}\n')
+    with pytest.raises(TraceError, match=r"m.jsonl:1: bad Mooncake row"):
+        load_trace(m)
+    stats = ImportStats()
+    assert [(r.arrival_s, r.source) for r in load_trace(m, lenient=True, stats=stats)] == [(1.0, "mooncake")]
+    assert stats.skipped == 1
+    az = tmp_path / "a.csv"
+    az.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:50,10,1\n"
+                  "2023-11-16 18:15:40,20,2\n2023-11-16T19:15:45+01:00,30,3\n")
+    assert [(r.arrival_s, r.input_tokens) for r in load_trace(az)] == [(0.0, 20), (5.0, 30), (10.0, 10)]
+    (tmp_path / "e.jsonl").write_text("")
+    (tmp_path / "e.csv").write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
+    assert load_trace(tmp_path / "e.jsonl") == [] and load_trace(tmp_path / "e.csv") == []
+
+
 def test_capture_rotation_torn_lines_and_restart(tmp_path):
     w = CaptureWriter(tmp_path, max_bytes=600)
     recs = [TraceRecord(arrival_s=float(i), input_tokens=i + 1, output_tokens=2, source="capture", ttft_s=0.1,
