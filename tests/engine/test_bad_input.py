@@ -74,6 +74,17 @@ def test_corrupt_safetensors(tmp_path):
     (model / "model.safetensors").write_bytes(data[:8] + b"{garbage" + data[16:200])
     with pytest.raises(WeightsError, match="not a valid safetensors file"):
         LLMEngine(EngineConfig(source=resolve(str(model))))
+    (model / "model.safetensors").write_bytes(data[:-100])  # a whole header, the data cut short
+    with pytest.raises(WeightsError, match="not a valid safetensors file"):
+        LLMEngine(EngineConfig(source=resolve(str(model))))
+    # a sharded checkpoint whose index names a shard that is not there
+    (model / "model.safetensors").write_bytes(data)
+    (model / "model.safetensors").rename(model / "model-00001-of-00002.safetensors")
+    (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+        "model.norm.weight": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(WeightsError, match="model-00002-of-00002.safetensors named by the index is missing"):
+        LLMEngine(EngineConfig(source=resolve(str(model))))
 
 
 def test_weights_that_do_not_fit_the_config(tmp_path):
