@@ -200,7 +200,9 @@ def test_bf16_contamination_tolerates_rounding_but_not_contamination(base_bf16):
                       reference_id="reference", candidate_id="reference", dtype="bfloat16")
     print(clean.summary())
     assert clean.verdict == "pass", clean.reasons
-    assert clean.greedy_agreement == 1.0 and clean.excused_ties == 0 and clean.tie_margin > 0
+    # the batch noise is measured (0 where the CPU's bf16 matmuls do not depend on the batch, as on an AVX2-only
+    # host; positive with AVX-512 bf16 kernels)
+    assert clean.greedy_agreement == 1.0 and clean.excused_ties == 0 and clean.tie_margin >= 0
     stale = run_gates(factory_for(base_bf16, REFERENCE_VARIANT), _with_block_manager(base_bf16, StaleReuse),
                       reference_id="reference", candidate_id="stale", dtype="bfloat16")
     print(stale.summary())
@@ -224,4 +226,4 @@ def test_bf16_greedy_agreement_rejects_decided_flips(base_bf16, fault):
                    DEFAULT_THRESHOLDS["bfloat16"], False, report)
     print(report.summary())
     assert any(r.startswith("greedy agreement") for r in report.reasons), report.reasons
-    assert report.decided_positions + report.excused_ties == 96 and report.tie_margin > 0
+    assert report.decided_positions + report.excused_ties == 96 and report.tie_margin >= 0
