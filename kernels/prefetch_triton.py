@@ -63,31 +63,6 @@ def _deferred() -> set[torch.device]:
     return _LOCAL.deferred
 
 
-def check_params(*, max_rows: int = 4, programs: int = 528, block: int = 4096, num_warps: int = 4, o_proj: int = 1,
-                 next_qkv: int = 0, defer_join: int = 0) -> dict:
-    """A variant's prefetch parameters, checked (``ValueError`` names the bad one); returns them."""
-    p = dict(max_rows=max_rows, programs=programs, block=block, num_warps=num_warps, o_proj=o_proj,
-             next_qkv=next_qkv, defer_join=defer_join)
-    for k in ("max_rows", "programs", "block", "num_warps"):
-        if not isinstance(p[k], int) or isinstance(p[k], bool) or p[k] < 1:
-            raise ValueError(f"prefetch {k} must be a positive integer, got {p[k]!r}")
-    if block & (block - 1) or num_warps & (num_warps - 1):
-        raise ValueError(f"prefetch block and num_warps must be powers of two, got {block} and {num_warps}")
-    for k, choices in (("o_proj", (0, 1)), ("next_qkv", (0, 1, 2)), ("defer_join", (0, 1))):
-        if p[k] not in choices or isinstance(p[k], bool):
-            raise ValueError(f"prefetch {k} must be one of {', '.join(map(str, choices))}, got {p[k]!r}")
-    return p
-
-
-def make_prefetch(**params) -> Callable:
-    """The prefetch callable for a variant: ``prefetch_triton`` with its parameters, checked when the variant is
-    built (a misspelled or out-of-range one fails there, not in the first forward pass)."""
-    unknown = set(params) - set(inspect.signature(check_params).parameters)
-    if unknown:
-        raise TypeError(f"prefetch_triton: unknown parameters {', '.join(sorted(unknown))}")
-    return functools.partial(prefetch_triton, **check_params(**params))
-
-
 def _launch(w: torch.Tensor, sink: torch.Tensor, programs: int, block: int, num_warps: int) -> None:
     n = w.numel()
     per = -(-n // programs)
@@ -145,6 +120,27 @@ def prefetch_triton(weights: Sequence[torch.Tensor | None], rows: int, site: str
         main.wait_event(done)
 
     return join
+
+
+def make_prefetch(**params) -> Callable:
+    """The prefetch callable for a variant: ``prefetch_triton`` with its parameters, checked when the variant is
+    built (a misspelled or out-of-range one fails there, not in the first forward pass; ``ValueError`` or
+    ``TypeError`` names it)."""
+    known = {k: p.default for k, p in inspect.signature(prefetch_triton).parameters.items()
+             if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    unknown = set(params) - set(known)
+    if unknown:
+        raise TypeError(f"prefetch_triton: unknown parameters {', '.join(sorted(unknown))}")
+    p = {**known, **params}
+    for k in ("max_rows", "programs", "block", "num_warps"):
+        if not isinstance(p[k], int) or isinstance(p[k], bool) or p[k] < 1:
+            raise ValueError(f"prefetch {k} must be a positive integer, got {p[k]!r}")
+    if p["block"] & (p["block"] - 1) or p["num_warps"] & (p["num_warps"] - 1):
+        raise ValueError(f"prefetch block and num_warps must be powers of two, got {p['block']} and {p['num_warps']}")
+    for k, choices in (("o_proj", (0, 1)), ("next_qkv", (0, 1, 2)), ("defer_join", (0, 1))):
+        if p[k] not in choices or isinstance(p[k], bool):
+            raise ValueError(f"prefetch {k} must be one of {', '.join(map(str, choices))}, got {p[k]!r}")
+    return functools.partial(prefetch_triton, **params)
 
 
 def _join_deferred() -> None:
