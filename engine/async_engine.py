@@ -8,9 +8,9 @@ scheduler. Finished requests are counted in the metrics and appended to the capt
 from __future__ import annotations
 
 import asyncio
-import itertools
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 
 from engine.block_manager import chain_hash
@@ -40,7 +40,6 @@ class AsyncEngine:
         self.metrics = metrics or EngineMetrics()
         self.capture = capture
         self.start_time = time.time()
-        self._ids = itertools.count()
         self._cond = threading.Condition()
         self._pending: list[tuple[str, list[int], SamplingParams]] = []
         self._aborts: list[str] = []
@@ -51,10 +50,12 @@ class AsyncEngine:
         self._thread.start()
 
     # ---- called from request handlers -----------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams, prompt_text: str | None = None) -> tuple[str, asyncio.Queue]:
-        """Validates and queues a request; raises RequestError at once if it cannot be served."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, prompt_text: str | None = None,
+               request_id: str | None = None) -> tuple[str, asyncio.Queue]:
+        """Validates and queues a request; raises RequestError at once if it cannot be served. ``request_id``
+        (unique, e.g. the response's id) is what the capture records; default a fresh one."""
         self.engine.validate(prompt_ids, params)
-        rid = f"req-{next(self._ids)}"
+        rid = request_id or f"req-{uuid.uuid4().hex}"
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         with self._cond:
@@ -142,7 +143,7 @@ class AsyncEngine:
                 output_tokens=n, prefix_block_hashes=prefix_hashes(out.prompt_token_ids, self.engine.kv.block_size),
                 block_tokens=self.engine.kv.block_size, ttft_s=ttft,
                 tpot_s=((now - t.first_token) / (n - 1)) if t.first_token and n > 1 else None,
-                e2e_s=now - t.arrival, source="capture", prompt_text=t.prompt_text,
+                e2e_s=now - t.arrival, source="capture", prompt_text=t.prompt_text, request_id=out.request_id,
             ))
 
     def _deliver(self, rid: str, item, t: _Tracked | None = None) -> None:

@@ -110,6 +110,15 @@ class ModelConfig:
     def layer_is_moe(self, layer: int) -> bool:
         return self.is_moe and layer not in self.dense_layers
 
+    def kernel_dims(self) -> dict:
+        """The shapes the forward pass hands its operations: the hidden and MLP widths, and each projection's
+        (output rows N, input columns K), lm_head's included. Generated kernels are smoke-run at these."""
+        h, hd = self.hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
+        return {"hidden": h, "intermediate": self.intermediate_size,
+                "projections": [(q + 2 * kv, h), (h, q), (2 * self.intermediate_size, h),
+                                (h, self.intermediate_size), (self.vocab_size, h)]}
+
     def with_layers(self, layers: int | None) -> "ModelConfig":
         """The same model truncated to its first ``layers`` decoder layers (the fast benchmark tier)."""
         if layers is None or layers == self.num_hidden_layers:

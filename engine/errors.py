@@ -15,3 +15,7 @@ class WeightsError(EngineError):
 
 class RequestError(EngineError, ValueError):
     """A request that cannot be served: prompt too long, invalid sampling parameters."""
+
+
+class VariantError(EngineError):
+    """A variant that cannot be applied; the previous variant stays active."""

@@ -7,6 +7,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable
 
+from engine.errors import VariantError
 from engine.variant import OP_NAMES
 from kernels.activation import silu_and_mul_ref
 from kernels.attention import compose_rotary_attention, paged_attention_ref, rotary_attention_ref
@@ -118,8 +119,6 @@ def _builtin(op: str, impl: str, params: dict) -> Callable:
         else:
             raise KeyError(op)
     except ImportError as e:
-        from engine.generated_source import VariantError
-
         raise VariantError(f"{op}={impl} needs Triton, which is not importable here: {e}") from None
     fn = getattr(m, f"{op}_triton")
     return functools.partial(fn, **params) if params else fn
@@ -164,12 +163,13 @@ _COMPOSED = {
 }
 
 
-def build_ops(spec) -> ForwardOps:
-    """The ForwardOps table a VariantSpec describes; generated source is checked and smoke-run first.
+def build_ops(spec, dims: dict | None = None, device: str = "cpu") -> ForwardOps:
+    """The ForwardOps table a VariantSpec describes. Generated kernels are checked and smoke-run first, on
+    ``device`` at the model's served shapes (``dims``: engine.generated_source, kernels/generated.py).
 
     Raises VariantError (nothing is changed) when any operation cannot be built.
     """
-    from engine.generated_source import VariantError, prepare_generated
+    from engine.generated_source import prepare_generated
 
     sources = dict(spec.generated_source)
     table = {}
@@ -184,7 +184,7 @@ def build_ops(spec) -> ForwardOps:
             module, _, function = impl.split(":", 1)[1].rpartition(".")
             if not module:
                 raise VariantError(f"{op}={impl}: expected generated:<module>.<function>")
-            table[op] = prepare_generated(op, module, function, sources[module])
+            table[op] = prepare_generated(op, module, function, sources[module], params, dims, device)
         else:
             try:
                 table[op] = _check_names(_builtin(op, impl, params))

@@ -22,9 +22,8 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
-from engine.errors import RequestError
+from engine.errors import RequestError, VariantError
 from engine.forward_ops import ForwardOps, build_ops
-from engine.generated_source import VariantError
 from engine.loader import load_model
 from engine.parallel import current_group, shard_model
 from engine.model_runner import KVCache, ModelRunner
@@ -131,7 +130,7 @@ class LLMEngine:
         self.variant: VariantSpec = config.initial_variant()
         self.previous_variant: VariantSpec | None = None
         self.notes: list[str] = []  # what the engine skipped or could not honour, for the operator
-        self.ops: ForwardOps = build_ops(self.variant)
+        self.ops: ForwardOps = self._build_ops(self.variant)
         self.runner.forward_fn = self._forward_fn(self.variant)
         self.runner.graphs = self._graphs_for(self.variant, self.ops, self.kv)
         self._lock = threading.RLock()  # a swap happens between two steps, never inside one
@@ -377,7 +376,7 @@ class LLMEngine:
         """
         t0 = time.perf_counter()
         kv = kv or self.kv
-        ops = build_ops(spec) if FORWARD in spec.changed_scopes(self.variant) else self.ops
+        ops = self._build_ops(spec) if FORWARD in spec.changed_scopes(self.variant) else self.ops
         try:
             forward_fn = self._forward_fn(spec)
             self.runner.warm_up(ops, kv, forward_fn)
@@ -432,6 +431,9 @@ class LLMEngine:
         if FORWARD in scopes and not scopes & {KV_LAYOUT, PARALLEL}:
             prepared = self.prepare_variant(spec)
         return self.apply_variant(spec, prepared)
+
+    def _build_ops(self, spec: VariantSpec) -> ForwardOps:
+        return build_ops(spec, self.model_config.kernel_dims(), str(self.device))
 
     def _forward_fn(self, spec: VariantSpec):
         """The eager forward for ``spec``: the model, or torch.compile of it (GPU only)."""

@@ -8,6 +8,7 @@ events ending with ``[DONE]``), /health, /metrics (Prometheus), and admin endpoi
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import os
 import time
@@ -22,8 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import AsyncEngine
-from engine.errors import EngineError, RequestError
-from engine.generated_source import VariantError
+from engine.errors import EngineError, RequestError, VariantError
 from engine.llm_engine import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.variant import VariantSpec
@@ -117,9 +117,9 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
         except RequestError as e:
             raise APIError(400, str(e)) from None
 
-    def _submit(ids: list[int], params: SamplingParams, text: str | None):
+    def _submit(ids: list[int], params: SamplingParams, text: str | None, rid: str):
         try:
-            return aengine.submit(ids, params, prompt_text=text)
+            return aengine.submit(ids, params, prompt_text=text, request_id=rid)
         except RequestError as e:
             raise APIError(400, str(e), code="context_length_exceeded" if "context" in str(e) else None) from None
 
@@ -234,8 +234,8 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
             raise APIError(400, "echo is not supported: the response holds the completion only", param="echo")
         params = _params(req, req.max_tokens)
         ids, text = _prompt_ids(req.prompt)
-        rid, queue = _submit(ids, params, text)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, queue = _submit(ids, params, text, cid)  # the capture records the response's id
 
         def chunk(delta, finish):
             return {"id": cid, "object": "text_completion", "created": created, "model": model_name,
@@ -265,8 +265,8 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
         except Exception as e:  # the model's template refused the conversation (jinja2's raise_exception)
             raise APIError(400, f"the chat template refused the messages: {type(e).__name__}: {e}",
                            param="messages") from None
-        rid, queue = _submit(ids, params, None)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, queue = _submit(ids, params, None, cid)
 
         def chunk(delta, finish):
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_name,
@@ -293,7 +293,7 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
         if not admin_token:
             raise APIError(403, "admin endpoints are disabled: no admin token is configured", "permission_error")
         header = request.headers.get("authorization", "")
-        if header != f"Bearer {admin_token}":
+        if not hmac.compare_digest(header.encode(), f"Bearer {admin_token}".encode()):  # constant time
             raise APIError(401, "missing or wrong bearer token", "authentication_error")
 
     @app.get("/admin/variant")

@@ -19,6 +19,7 @@ class TraceRecord:
     e2e_s: float | None = None
     source: str = ""
     prompt_text: str | None = None  # only when the operator opts in to capturing text
+    request_id: str | None = None  # the server's id for the request (its response's "id"), in captured traces
 
     def __post_init__(self) -> None:
         if self.input_tokens < 0 or self.output_tokens < 0:
@@ -32,8 +33,9 @@ class TraceRecord:
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["prefix_block_hashes"] = list(self.prefix_block_hashes)
-        if d["prompt_text"] is None:
-            del d["prompt_text"]
+        for optional in ("prompt_text", "request_id"):
+            if d[optional] is None:
+                del d[optional]
         return d
 
     @classmethod

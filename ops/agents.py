@@ -14,10 +14,13 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from engine.errors import ConfigError
-from engine.generated_source import VariantError, check_source
+from engine.errors import ConfigError, VariantError
 from engine.variant import (COMPILE_MODES, OP_NAMES, TRITON_ALL, TRITON_GEMV, TRITON_MOE_DECODE, VariantSpec,
                             moe_decode_params, with_pdl)
+from engine.isolation import redact
+from engine.kernel_grammar import check_kernel
+from kernels.generated import GENERATED_OPS, SIGNATURES
+from ops import kernel_templates
 from ops.board import Board, Result
 from ops.cost_model import Calibration, CostModelPlan, StepShape, step_time
 from ops.hardware import HardwareProfile
@@ -280,6 +283,47 @@ class KernelChoices(Agent):
         return [Proposal(c, why, refs) for c, why in cands if state.fresh(c)][:n]
 
 
+@dataclass
+class KernelTemplates(Agent):
+    """Generated kernels written from templates (ops/kernel_templates.py), with no LLM: one per operation
+    over the best variant so far, then mutations of the best measured variant holding templated kernels
+    (a tile doubled or halved, another loop order, the activation fused or not). They go through the same
+    grammar, smoke run and gates as an LLM's kernels. On a CPU they run in Triton's interpreter, far
+    slower than torch, so it proposes there only when ``on_cpu`` is set."""
+
+    on_cpu: bool = False
+    ops: tuple[str, ...] = GENERATED_OPS
+    name: str = "kernel-templates"
+
+    def propose(self, state: SearchState, n: int) -> list[Proposal]:
+        if not state.device.startswith("cuda") and not self.on_cpu:
+            return []
+        cands: list[tuple[VariantSpec, str, tuple[int, ...]]] = []
+        templated = [(r, v) for r, v in state.fast if kernel_templates.choices_in(v)]
+        if templated:
+            r, v = max(templated, key=lambda rv: fast_score(rv[0].bench))
+            why = f"mutation of the best templated variant ({v.variant_id}, result {r.id})"
+            for choice in kernel_templates.choices_in(v):
+                for mutated, change in kernel_templates.mutations(choice):
+                    cands.append((mutated.apply(v), f"{why}: {change}", (r.id,)))
+            for toggled, change in kernel_templates.fusion_toggles(v):
+                cands.append((toggled, f"{why}: {change}", (r.id,)))
+        best = state.best()
+        base, refs = (best[1], (best[0].id,)) if best else (state.baseline, ())
+        for choice in kernel_templates.initial_choices():
+            if choice.op in self.ops:
+                cands.append((choice.apply(base), f"templated kernel {choice.describe()} over "
+                                                  f"{'the best so far' if best else 'the baseline'}", refs))
+        out, seen = [], set()
+        for v, why, r in cands:
+            if len(out) >= n:
+                break
+            if state.fresh(v) and v.variant_id not in seen:
+                seen.add(v.variant_id)
+                out.append(Proposal(dataclasses.replace(v, name=f"tpl: {why.rsplit(': ', 1)[-1][:60]}"), why, r))
+        return out
+
+
 # ---- the LLM agent --------------------------------------------------------------------------------
 _CHANGE_PROPS = {
     "max_num_seqs": {"type": "integer", "minimum": 1, "maximum": 1024},
@@ -304,7 +348,7 @@ REPLY_SCHEMA = {
             "changes": {"type": "object", "additionalProperties": False, "properties": _CHANGE_PROPS},
             "kernel_source": {"type": "object", "additionalProperties": False,
                               "required": ["op", "module", "function", "source"],
-                              "properties": {"op": {"enum": list(OP_NAMES)},
+                              "properties": {"op": {"enum": list(GENERATED_OPS)},
                                              "module": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
                                              "function": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
                                              "source": {"type": "string", "minLength": 1, "maxLength": 20000}}},
@@ -357,7 +401,7 @@ def parse_reply(text: str | None, base: VariantSpec, agent: str = "llm") -> list
         src = p.get("kernel_source")
         if src:
             try:
-                check_source(src["module"], src["source"])
+                check_kernel(src["op"], src["module"], src["function"], src["source"])
             except VariantError as e:
                 raise InvalidReply(f"proposal {i}: kernel source refused: {e}") from None
             changes["generated_source"] = {**dict(base.generated_source), src["module"]: src["source"]}
@@ -383,6 +427,18 @@ def _reply_text(reply) -> str:
     return text
 
 
+def kernel_grammar_brief() -> str:
+    """What an LLM needs to write a generated kernel: the grammar's rules and each operation's signature."""
+    from engine import kernel_grammar
+
+    rules = kernel_grammar.__doc__.split("\n\n")[1]
+    sigs = "\n".join(
+        f"- {op}: def <function>({', '.join(p + (': tl.constexpr' if p in s.constexprs else '') for p in s.params)})"
+        f"; grid {s.grid}; {s.doc}; tiles {', '.join(s.tiles)} (powers of two) and num_warps"
+        for op, s in SIGNATURES.items())
+    return f"{rules}\nOperations and their kernel signatures:\n{sigs}"
+
+
 @dataclass
 class LLMAgent(Agent):
     """Asks an OpenAI-compatible server (``base_url``, ``model``, ``api_key`` from configuration) for
@@ -390,7 +446,7 @@ class LLMAgent(Agent):
 
     base_url: str
     model: str
-    api_key: str = "none"
+    api_key: str = field(default="none", repr=False)
     board: Board | None = None
     timeout_s: float = 120.0
     max_tokens: int = 512
@@ -417,9 +473,9 @@ class LLMAgent(Agent):
         }
         system = ("You tune an LLM inference engine for the traffic it serves. Reply with one JSON object and "
                   "nothing else, matching this JSON schema:\n" + json.dumps(REPLY_SCHEMA) +
-                  "\n'changes' lists only the fields to change from the baseline. kernel_source is optional "
-                  "Python (imports limited to torch, triton, math) defining the named function with the same "
-                  "signature as the reference kernel of that op.")
+                  "\n'changes' lists only the fields to change from the baseline. kernel_source is optional: "
+                  "one Triton kernel for one operation, in the grammar below, launched by the engine's own "
+                  "wrapper; its tiles go in kernel_params[op].\n" + kernel_grammar_brief())
         user = f"Propose up to {n} variants likely to raise goodput, then output tokens/s.\n" + json.dumps(context)
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
@@ -448,6 +504,8 @@ class LLMAgent(Agent):
         return [p for p in proposals if state.fresh(p.variant)][:n]
 
     def _record(self, kind: str, body: dict) -> None:
+        """Posts to the board, the API key redacted from everything posted (a server's error may quote it)."""
         if self.board is not None:
+            body = {k: redact(v, [self.api_key]) if isinstance(v, str) else v for k, v in body.items()}
             self.board.post(self.name, kind, {"search": getattr(self, "_search", None), "model": self.model,
                                               "base_url": self.base_url, **body})

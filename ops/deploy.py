@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from engine.isolation import without_secrets
 from engine.variant import VariantSpec
 
 
@@ -37,11 +38,14 @@ class ServerProcess:
         self.token = secrets.token_hex(16)
         self.name = served_name
         args = [sys.executable, "-m", "pipelines.cli", "serve", *model_args, "--port", str(self.port),
-                "--served-model-name", served_name, "--admin-token", self.token]
+                "--served-model-name", served_name]
         if capture_dir is not None:
             args += ["--capture-dir", str(capture_dir)]
         root = str(Path(__file__).resolve().parents[1])
-        env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        # the server gets its own token and none of this process's secrets (LLM keys, cloud credentials);
+        # the token goes in its environment, not on its command line (which any local user can read)
+        env = {**without_secrets(), "POLYINF_ADMIN_TOKEN": self.token,
+               "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
                                      cwd=root)
         deadline = time.time() + startup_s

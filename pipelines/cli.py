@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -206,16 +207,19 @@ def run_optimize(model: str, trace: str, requests: int, max_input: int, max_outp
     import dagster as dg
 
     from assets import pipeline
-    from pipelines.resources import ArtifactStore, Endpoint, EngineRunner, TrafficSource, VariantSource
+    from pipelines.resources import ArtifactStore, Endpoint, EngineRunner, TrafficSource, VariantSource, env_secret
 
+    if admin_token:
+        os.environ["POLYINF_ADMIN_TOKEN"] = admin_token  # resources read it through dg.EnvVar
     resources = {
         "runner": EngineRunner(model=model, device=device, dtype=dtype, fast_layers=fast_layers),
         "traffic": TrafficSource(trace=trace, max_requests=requests, max_input=max_input, max_output=max_output,
                                  time_scale=time_scale),
         "source": VariantSource(candidates=candidates, board=str(Path(artifacts) / "board.sqlite"),
-                                llm_base_url=llm_base_url, llm_model=llm_model),
+                                llm_base_url=llm_base_url, llm_model=llm_model,
+                                llm_api_key=env_secret("OPENAI_API_KEY")),
         "artifacts": ArtifactStore(root=artifacts),
-        "endpoint": Endpoint(url=endpoint_url, admin_token=admin_token),
+        "endpoint": Endpoint(url=endpoint_url, admin_token=env_secret("POLYINF_ADMIN_TOKEN")),
     }
     definitions = [*dg.load_assets_from_modules([pipeline]), *dg.load_asset_checks_from_modules([pipeline])]
     instance = dg.DagsterInstance.ephemeral()
@@ -559,6 +563,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not str(getattr(args, "device", "cpu")).startswith("cuda"):
+        # Triton kernels (built-in and generated) run on a CPU in Triton's interpreter, which must be chosen
+        # before triton is first imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
         from engine.errors import EngineError
     except ImportError as e:  # pragma: no cover

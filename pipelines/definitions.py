@@ -6,7 +6,7 @@ import os
 import dagster as dg
 
 from assets import pipeline
-from pipelines.resources import ArtifactStore, Endpoint, EngineRunner, TrafficSource, VariantSource
+from pipelines.resources import ArtifactStore, Endpoint, EngineRunner, TrafficSource, VariantSource, env_secret
 from pipelines.sensors import OPTIMIZE_JOB, DriftConfig, model_drift_sensor, nightly, traffic_drift_sensor
 
 DEFAULT_TRACE = os.environ.get("POLYINF_TRACE", "../shared/traces/AzureLLMInferenceTrace_conv.csv")
@@ -29,6 +29,7 @@ defs = dg.Definitions(
     executor=_executor(),
     schedules=[nightly],
     sensors=[traffic_drift_sensor, model_drift_sensor],
-    resources={"runner": EngineRunner(), "traffic": TrafficSource(trace=DEFAULT_TRACE), "source": VariantSource(),
-               "artifacts": ArtifactStore(), "endpoint": Endpoint(), "drift": DriftConfig()},
+    resources={"runner": EngineRunner(), "traffic": TrafficSource(trace=DEFAULT_TRACE),
+               "source": VariantSource(llm_api_key=env_secret("OPENAI_API_KEY")), "artifacts": ArtifactStore(),
+               "endpoint": Endpoint(admin_token=env_secret("POLYINF_ADMIN_TOKEN")), "drift": DriftConfig()},
 )

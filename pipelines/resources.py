@@ -1,6 +1,7 @@
 """Dagster resources: the outside systems the assets use, each behind a small interface."""
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -9,6 +10,12 @@ import dagster as dg
 _LOCK = threading.Lock()
 _LOADED: dict[tuple, object] = {}  # weights loaded once per process, shared by every engine the run builds
 _SERVERS: dict[str, object] = {}  # embedded endpoints started by this process
+
+
+def env_secret(name: str):
+    """A secret for a resource field: ``dg.EnvVar(name)`` when the variable is set, so its value never enters
+    run config, logs or the UI (they show the variable's name); "" when it is not (what needs it stays off)."""
+    return dg.EnvVar(name) if os.environ.get(name) else ""
 
 
 class EngineRunner(dg.ConfigurableResource):
@@ -60,7 +67,7 @@ class VariantSource(dg.ConfigurableResource):
     slow_top: int = 2  # best fast-tier variants replayed on the slow tier
     llm_base_url: str = ""
     llm_model: str = "polyinf"
-    llm_api_key: str = ""  # e.g. dg.EnvVar("OPENAI_API_KEY")
+    llm_api_key: str = ""  # env_secret("OPENAI_API_KEY")
 
     def agents(self, board):
         from ops.agents import CostModelSeeder, LLMAgent, TrafficRules
@@ -125,7 +132,7 @@ class Endpoint(dg.ConfigurableResource):
     `polyinf serve` this process starts on loopback."""
 
     url: str = ""
-    admin_token: str = ""
+    admin_token: str = ""  # env_secret("POLYINF_ADMIN_TOKEN")
     capture_dir: str = ""  # where an existing endpoint captures its traffic (for the drift sensor)
     served_model_name: str = "polyinf"
     watch_requests: int = 8

@@ -13,9 +13,9 @@ from engine.block_manager import BlockManager
 from engine.variant import REFERENCE_VARIANT, VariantSpec
 from kernels.activation import silu_and_mul_ref
 from kernels.attention import paged_attention_ref
+from ops.kernel_templates import KernelChoice
 
-GEN_SILU = ("import torch.nn.functional as F\n\ndef silu_and_mul(x):\n"
-            "    half = x.shape[-1] // 2\n    return F.silu(x[..., :half]) * x[..., half:]\n")
+GEN_SILU = KernelChoice("silu_and_mul", "silu_tile", (("BLOCK_D", 1024),))  # a templated Triton kernel
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +136,7 @@ def test_planted_fault_is_rejected_with_a_reason(base, fault):
 
 @pytest.mark.parametrize("spec", [
     VariantSpec(name="generated silu", kernels={"silu_and_mul": "generated:gate_silu.silu_and_mul"},
-                generated_source={"gate_silu": GEN_SILU}),
+                generated_source={"gate_silu": GEN_SILU.source()}, kernel_params={"silu_and_mul": dict(GEN_SILU.tiles)}),
     VariantSpec(name="chunked prefill", max_num_batched_tokens=24, max_num_seqs=3),
 ])
 def test_clean_variants_pass(base, spec):
@@ -165,11 +165,10 @@ def test_check_cli_passes_clean_and_fails_drift(tmp_path):
     from pathlib import Path
 
     tiny = Path(__file__).resolve().parents[1] / "engine" / "tiny_moe"
-    drift = ("import torch\n\ndef rms_norm(x, weight, eps):\n    h = x.float()\n"
-             "    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)\n"
-             "    return weight * h.to(x.dtype) * 1.01\n")
+    drift = GEN_SILU.source().replace("g * tl.sigmoid(g) * u", "g * tl.sigmoid(g) * u + 0.04")
     cases = {"clean": (VariantSpec(max_num_batched_tokens=16), 0),
-             "drift": (VariantSpec(kernels={"rms_norm": "generated:drift.rms_norm"},
+             "drift": (VariantSpec(kernels={"silu_and_mul": "generated:drift.silu_and_mul"},
+                                   kernel_params={"silu_and_mul": {"BLOCK_D": 64}},
                                    generated_source={"drift": drift}), 1)}
     for name, (spec, rc) in cases.items():
         path = tmp_path / f"{name}.json"

@@ -8,20 +8,25 @@ from pathlib import Path
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.errors import ConfigError
-from engine.generated_source import VariantError, check_source
+from engine.errors import ConfigError, VariantError
+from engine.kernel_grammar import check_kernel
 from engine.loader import ModelSource
 from engine.variant import REFERENCE_VARIANT, TRITON_ALL, TRITON_GEMV, VariantSpec, with_pdl
 
 TINY = Path(__file__).parent / "tiny_moe" / "config.json"
 
-GOOD_SILU = '''
-import torch.nn.functional as F
+GOOD_SILU = """import triton
+import triton.language as tl
 
-def silu_and_mul(x):
-    half = x.shape[-1] // 2
-    return F.silu(x[..., :half]) * x[..., half:]
-'''
+
+@triton.jit
+def silu_and_mul(x_ptr, out_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    g = tl.load(x_ptr + row * 2 * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * 2 * D + D + cols, mask=cols < D, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * D + cols, g * tl.sigmoid(g) * u, mask=cols < D)
+"""
 ALL_TRITON = {**TRITON_ALL, **TRITON_GEMV, "norm_moe": "triton", "prefetch": "triton", "rotary_attention": "triton"}
 
 
@@ -120,7 +125,7 @@ def test_hot_swaps_mid_generation_match_the_reference(smollm2_engine_factory):
     run(3)
     fwd_spec = VariantSpec(**{**_knobs(base), "block_size": 8},
                            kernels={"rms_norm": "triton", "silu_and_mul": "generated:gen_act.silu_and_mul"},
-                           generated_source={"gen_act": GOOD_SILU})
+                           kernel_params={"silu_and_mul": {"BLOCK_D": 1024}}, generated_source={"gen_act": GOOD_SILU})
     fwd = eng.apply_variant(fwd_spec)
     assert fwd.scopes == ["forward"] and eng.variant.variant_id == fwd_spec.variant_id
     run(2)
@@ -175,16 +180,17 @@ def test_bad_kernel_params_are_refused_when_built_and_engine_keeps_serving(case)
     assert len(done[rid]) == 4
 
 
+_SIG = "def silu_and_mul(x_ptr, out_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr):\n"
+_HEAD = "import triton\nimport triton.language as tl\n\n@triton.jit\n"
 BROKEN = {
-    "syntax error": ("def silu_and_mul(x):\n    return x[:, :\n", "syntax error"),
-    "forbidden import": ("import os\ndef silu_and_mul(x):\n    os.system('true')\n    return x\n", "import of 'os'"),
-    "forbidden builtin": ("def silu_and_mul(x):\n    return eval('x')\n", "'eval'"),
-    "file access through torch": ("import torch\ndef silu_and_mul(x):\n    torch.save(x, 'f')\n    return x\n",
-                                  "'save'"),
-    "dunder escape": ("def silu_and_mul(x):\n    return x.__class__.__bases__\n", "__"),
-    "wrong output shape": ("def silu_and_mul(x):\n    return x\n", "wrong output shape"),
-    "exception at run time": ("def silu_and_mul(x):\n    raise RuntimeError('boom')\n", "boom"),
-    "missing function": ("def something_else(x):\n    return x\n", "no function"),
+    "syntax error": ("def silu_and_mul(x):\n    return x[:, :\n", "not valid Python"),
+    "forbidden import": ("import os\n" + _HEAD + _SIG + "    pass\n", "import 'os' is not allowed"),
+    "forbidden builtin": (_HEAD + _SIG + "    y = eval(D)\n", "call of 'eval' is not allowed"),
+    "file access through torch": ("import torch\n" + _HEAD + _SIG + "    pass\n", "import 'torch' is not allowed"),
+    "dunder escape": (_HEAD + _SIG + "    y = D.__class__\n", "attribute 'D.__class__' is not allowed"),
+    "wrong result": (GOOD_SILU.replace("g * tl.sigmoid(g) * u", "g * u"), "differs from the reference"),
+    "exception at run time": (GOOD_SILU.replace("tl.arange(0, BLOCK_D)", "tl.arange(0, 3)"), "raised on case 0"),
+    "missing function": (_HEAD + _SIG.replace("silu_and_mul", "something_else") + "    pass\n", "is named"),
 }
 
 
@@ -215,7 +221,7 @@ def test_generated_source_lands_on_a_content_addressed_path(tmp_path, monkeypatc
     p2 = materialize("gen_act", GOOD_SILU)
     p3 = materialize("gen_act", GOOD_SILU + "\n# changed\n")
     assert p1 == p2 != p3 and p1.read_text() == GOOD_SILU
-    check_source("gen_act", GOOD_SILU)  # the good module passes the static check
+    check_kernel("silu_and_mul", "gen_act", "silu_and_mul", GOOD_SILU)  # the good module passes the grammar
 
 
 def _knobs(spec: VariantSpec) -> dict:

@@ -10,6 +10,7 @@ from engine.trace_record import TraceRecord
 from engine.variant import PDL_OPS, VariantSpec
 from ops.agents import InvalidReply, LLMAgent, LocalSearch, SearchState, TrafficRules, fast_score, parse_reply
 from ops.board import Board
+from ops.kernel_templates import KernelChoice
 from ops.cost_model import plan
 from ops.hardware import HardwareProfile
 from ops.model_spec import ModelSpec
@@ -26,8 +27,7 @@ VALID = {"proposals": [
     {"rationale": "smaller batches for lower TPOT", "changes": {"max_num_seqs": 8, "prefill_chunk_size": 64}},
     {"rationale": "a faster norm", "changes": {"kernels": {"rms_norm": "triton"}},
      "kernel_source": {"op": "silu_and_mul", "module": "my_act", "function": "silu_and_mul",
-                       "source": "import torch\n\ndef silu_and_mul(x):\n"
-                                 "    d = x.shape[-1] // 2\n    return torch.nn.functional.silu(x[..., :d]) * x[..., d:]\n"}},
+                       "source": KernelChoice("silu_and_mul", "silu_tile", ()).source()}},
 ]}
 
 
@@ -64,7 +64,7 @@ def test_parse_reply_accepts_valid_and_fenced_json():
      "kernel source refused"),
     (json.dumps({"proposals": [{"rationale": "x", "changes": {}, "kernel_source": {
         "op": "rms_norm", "module": "broken", "function": "f", "source": "def f(x, w, eps) return x"}}]}),
-     "syntax error"),
+     "not valid Python"),
 ])
 def test_parse_reply_refuses_what_was_not_asked(reply, reason):
     with pytest.raises(InvalidReply, match=reason):
@@ -211,3 +211,35 @@ def test_kernel_choices_follow_device_and_concurrency(tmp_path):
     VariantSpec.from_json(moe_forms[0].to_json())
     ampere = dataclasses.replace(gpu, hardware=dataclasses.replace(gpu.hardware, compute_capability="8.0"))
     assert not any(p.variant.params("linear").get("pdl") for p in KernelChoices().propose(ampere, 8))
+
+
+def test_kernel_templates_write_checked_kernels_and_mutate_the_best(tmp_path):
+    """The offline producer of generated code: nothing on a CPU unless asked; every proposal passes the
+    grammar; after a templated variant is measured, its mutations (tiles, loop order, fusion) follow it."""
+    from engine.kernel_grammar import check_kernel
+    from ops.agents import KernelTemplates
+    from ops.kernel_templates import choices_in
+
+    board = Board(tmp_path / "b.sqlite")
+    state = _state(board, "tpl")
+    assert KernelTemplates().propose(state, 8) == []
+    props = KernelTemplates(on_cpu=True).propose(state, 8)
+    assert {c.op for p in props for c in choices_in(p.variant)} == {"rms_norm", "fused_add_rms_norm",
+                                                                    "silu_and_mul", "linear", "act_linear"}
+    for p in props:
+        for c in choices_in(p.variant):
+            check_kernel(c.op, c.module, c.op, dict(p.variant.generated_source)[c.module])
+        VariantSpec.from_json(p.variant.to_json())
+    lin = next(p.variant for p in props if any(c.op == "linear" for c in choices_in(p.variant)))
+    board.enqueue("tpl", lin, "fast", "kernel-templates", "r")
+    exp = board.claim("w", "tpl")
+    rid = board.complete(exp, "w", {"output_tok_s": 10.0, "predicted": {"goodput": 3.0, "output_tok_s": 10.0}})
+    state = _state(board, "tpl")
+    muts = KernelTemplates(on_cpu=True).propose(state, 40)
+    assert muts and all(p.refs == (rid,) for p in muts if "mutation" in p.rationale)
+    tiles = [p for p in muts if "BLOCK_K 32 -> 64" in p.rationale]
+    assert tiles and tiles[0].variant.params("linear")["BLOCK_K"] == 64
+    assert any("matmul_dot -> matmul_rows" in p.rationale for p in muts)  # another loop order
+    fused = [p.variant for p in muts if "act_linear fused" in p.rationale]
+    assert fused and fused[0].impl("act_linear").startswith("generated:tpl_act_linear_")
+    assert all(state.fresh(p.variant) for p in muts)

@@ -6,6 +6,7 @@ from pathlib import Path
 import httpx
 
 from engine.variant import VariantSpec
+from ops.kernel_templates import KernelChoice
 
 ROOT = Path(__file__).resolve().parents[2]
 AZURE = ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
@@ -66,8 +67,8 @@ def test_materialize_the_whole_graph(tmp_path):
         stop_embedded_servers()
 
 
-SLOW_NORM = ("import torch\n\ndef rms_norm(x, weight, eps):\n    for _ in range(300):\n        h = x.float()\n"
-             "        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)\n    return weight * h.to(x.dtype)\n")
+# a generated norm kernel: on a CPU it runs in Triton's interpreter, far slower than the torch reference
+SLOW_NORM = KernelChoice("rms_norm", "norm_two_pass", (("BLOCK_D", 8),))
 
 
 def test_a_regressing_deployment_is_rolled_back():
@@ -81,7 +82,8 @@ def test_a_regressing_deployment_is_rolled_back():
         slow = VariantSpec(**{k: before[k] for k in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                                                      "enable_prefix_caching")},
                            kernels={"rms_norm": "generated:slow_norm.rms_norm"},
-                           generated_source={"slow_norm": SLOW_NORM})
+                           kernel_params={"rms_norm": dict(SLOW_NORM.tiles)},
+                           generated_source={"slow_norm": SLOW_NORM.source()})
         dep = deploy(server.url, server.token, "tiny", slow, probes, max_tokens=8, concurrency=2)
         assert dep.status == "rolled back" and "regressed" in dep.reason
         assert httpx.get(server.url + "/admin/variant", headers=auth).json()["active"]["variant_id"] == \
