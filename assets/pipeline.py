@@ -1,12 +1,11 @@
 """The continuous-compilation graph: thin assets over ops/ and checks/ (design section 1)."""
 
-import dataclasses
 import json
 import re
 
 import dagster as dg
 
-from pipelines.resources import ArtifactStore, Endpoint, EngineRunner, TrafficSource, VariantSource
+from assets.resources import ArtifactStore, Endpoint, EngineRunner, TrafficSource, VariantSource
 
 
 # One partition per deployment: served model x hardware x endpoint.

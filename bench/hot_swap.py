@@ -20,8 +20,9 @@ import time
 
 import torch
 
-GEN_SILU = "import torch\nimport torch.nn.functional as F\n\ndef silu_and_mul(x):\n" \
-           "    half = x.shape[-1] // 2\n    return F.silu(x[..., :half]) * x[..., half:]\n"
+from ops.kernel_templates import KernelChoice
+
+GEN_SILU = KernelChoice("silu_and_mul", "silu_tile", (("BLOCK_D", 1024),))  # a generated Triton kernel
 
 
 def _sync(device: str) -> None:
@@ -64,7 +65,7 @@ def main() -> None:
             base, kernels={"silu_and_mul": "triton", "rms_norm": "triton", "fused_add_rms_norm": "triton"}),
         "generated source (checked + child smoke run)": dataclasses.replace(
             base, kernels={"silu_and_mul": "generated:bench_act.silu_and_mul"},
-            generated_source={"bench_act": GEN_SILU}),
+            kernel_params={"silu_and_mul": dict(GEN_SILU.tiles)}, generated_source={"bench_act": GEN_SILU.source()}),
     }
     rows = []
     for label, spec in targets.items():

@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.variant import VariantSpec
-from ops.agents import Agent, CostModelSeeder, KernelChoices, LocalSearch, SearchState, TrafficRules, fast_score
+from ops.agents import (Agent, CostModelSeeder, KernelChoices, KernelTemplates, LocalSearch, SearchState, TrafficRules,
+                        fast_score)
 from ops.board import Board, Result
 from ops.bench import BenchResult, fast_tier
 from ops.cost_model import (ROOFLINE, Calibration, CostModelPlan, calibrate, mape, plan, shapes_from_fast, simulate,
@@ -77,8 +78,12 @@ class TuneReport:
         return "\n".join(lines)
 
 
-def default_agents() -> list[Agent]:
-    return [KernelChoices(), CostModelSeeder(), TrafficRules(), LocalSearch()]
+def default_agents(llm: Agent | None = None) -> list[Agent]:
+    """The agents every search runs (the CLI's and the pipeline's alike), with ``llm`` among them when given."""
+    agents = [KernelChoices(), CostModelSeeder(), TrafficRules(), LocalSearch(), KernelTemplates()]
+    if llm is not None:
+        agents.insert(2, llm)
+    return agents
 
 
 def new_search_id() -> str:

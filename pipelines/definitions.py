@@ -1,4 +1,5 @@
-"""The Dagster code location: assets, checks and resources of the continuous-compilation graph."""
+"""The Dagster code location: assets, checks, jobs, schedules, sensors and the resources of the
+continuous-compilation graph (pipelines/wiring.py builds them, as it does for the CLI)."""
 from __future__ import annotations
 
 import os
@@ -6,10 +7,8 @@ import os
 import dagster as dg
 
 from assets import pipeline
-from pipelines.resources import ArtifactStore, Endpoint, EngineRunner, TrafficSource, VariantSource, env_secret
-from pipelines.sensors import OPTIMIZE_JOB, DriftConfig, model_drift_sensor, nightly, traffic_drift_sensor
-
-DEFAULT_TRACE = os.environ.get("POLYINF_TRACE", "../shared/traces/AzureLLMInferenceTrace_conv.csv")
+from pipelines.sensors import OPTIMIZE_JOB, model_drift_sensor, nightly, traffic_drift_sensor
+from pipelines.wiring import resources
 
 
 def _executor():
@@ -23,13 +22,7 @@ def _executor():
 
 
 defs = dg.Definitions(
-    assets=dg.load_assets_from_modules([pipeline]),
-    asset_checks=dg.load_asset_checks_from_modules([pipeline]),
-    jobs=[OPTIMIZE_JOB],
-    executor=_executor(),
-    schedules=[nightly],
-    sensors=[traffic_drift_sensor, model_drift_sensor],
-    resources={"runner": EngineRunner(), "traffic": TrafficSource(trace=DEFAULT_TRACE),
-               "source": VariantSource(llm_api_key=env_secret("OPENAI_API_KEY")), "artifacts": ArtifactStore(),
-               "endpoint": Endpoint(admin_token=env_secret("POLYINF_ADMIN_TOKEN")), "drift": DriftConfig()},
+    assets=dg.load_assets_from_modules([pipeline]), asset_checks=dg.load_asset_checks_from_modules([pipeline]),
+    jobs=[OPTIMIZE_JOB], executor=_executor(), schedules=[nightly],
+    sensors=[traffic_drift_sensor, model_drift_sensor], resources=resources(),
 )

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path

@@ -72,3 +72,17 @@ def test_worker_cli_unknown_search(tmp_path):
     out = subprocess.run([sys.executable, "-m", "pipelines.cli", "worker", "--board", str(tmp_path / "b.db"),
                           "--search", "nope"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 2 and "no search 'nope'" in out.stderr
+
+
+def test_tune_measures_templated_kernels_like_any_variant(tmp_path):
+    """The offline producer of generated code in a real search: its kernel is checked, smoke-run in an isolated
+    child and measured by the workers on both tiers like any other proposal."""
+    from ops.agents import CostModelSeeder, KernelTemplates
+
+    cfg = SearchConfig(trace=str(TRACE), requests=4, max_input=24, max_output=3, time_scale=0.0, fast_layers=1,
+                       slow_layers=1, fast_repeats=1, slow_repeats=1)
+    agents = [KernelTemplates(on_cpu=True, ops=("silu_and_mul",)), CostModelSeeder()]
+    report = tune(cfg, tmp_path / "board.db", agents, Budget(experiments=5, seconds=900), slow_top=1, per_agent=1)
+    tpl = [r for r in report.rows if r["proposer"] == "kernel-templates"]
+    assert tpl and all(r["status"] == DONE and r["result_id"] for r in tpl), report.rows
+    assert "silu_and_mul: silu_tile" in tpl[0]["rationale"]

@@ -11,7 +11,7 @@ import httpx
 from ops.deploy import free_port
 import pytest
 
-from pipelines.resources import ArtifactStore
+from assets.resources import ArtifactStore
 
 
 def test_local_store(tmp_path):

@@ -27,8 +27,8 @@ def test_definitions_load():
 
 
 def test_materialize_the_whole_graph(tmp_path):
-    from pipelines.cli import run_optimize
-    from pipelines.resources import stop_embedded_servers
+    from pipelines.wiring import run_optimize
+    from assets.resources import stop_embedded_servers
 
     try:
         result = run_optimize("smollm2", str(AZURE), requests=8, max_input=128, max_output=8, time_scale=0.02,
@@ -55,7 +55,7 @@ def test_materialize_the_whole_graph(tmp_path):
             ("traffic_traces_expectations", True)]
         dep = result.output_for_node("deployed_endpoint")
         assert dep.status in ("deployed", "rolled back")
-        from pipelines.resources import _SERVERS
+        from assets.resources import _SERVERS
 
         server = _SERVERS["smollm2"]
         active = httpx.get(dep.endpoint + "/admin/variant", headers={"Authorization": f"Bearer {server.token}"}

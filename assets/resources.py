@@ -56,6 +56,7 @@ class TrafficSource(dg.ConfigurableResource):
     max_input: int = 128  # clip prompt lengths to what the machine can replay in time
     max_output: int = 16
     time_scale: float = 0.02
+    lenient: bool = False  # count and skip malformed rows instead of failing on the first
 
 
 class VariantSource(dg.ConfigurableResource):
@@ -70,24 +71,33 @@ class VariantSource(dg.ConfigurableResource):
     llm_api_key: str = ""  # env_secret("OPENAI_API_KEY")
 
     def agents(self, board):
-        from ops.agents import CostModelSeeder, LLMAgent, TrafficRules
+        """The default agents (ops.tune.default_agents), with the LLM agent when ``llm_base_url`` is set."""
+        from ops.agents import LLMAgent
+        from ops.tune import default_agents
 
-        agents = [CostModelSeeder(), TrafficRules()]
+        llm = None
         if self.llm_base_url:
-            agents.append(LLMAgent(base_url=self.llm_base_url, model=self.llm_model,
-                                   api_key=self.llm_api_key or "none", board=board))
-        return agents
+            llm = LLMAgent(base_url=self.llm_base_url, model=self.llm_model, api_key=self.llm_api_key or "none",
+                           board=board)
+        return default_agents(llm)
 
     def search(self, context, runner: "EngineRunner", traffic: "TrafficSource", hardware=None, cost_plan=None):
         """The run's search on the board (one per Dagster run, so every asset step finds the same one)."""
         from ops.tune import Search
-        from ops.worker import SearchConfig
 
-        cfg = SearchConfig(model=runner.model, trace=traffic.trace, device=runner.device, dtype=runner.dtype,
-                           requests=traffic.max_requests, max_input=traffic.max_input, max_output=traffic.max_output,
-                           time_scale=traffic.time_scale, fast_layers=runner.fast_layers, slow_repeats=2,
-                           num_kv_blocks=runner.num_kv_blocks)
-        return Search.start(cfg, self.board, f"run-{context.run.run_id}", hardware=hardware, cost_plan=cost_plan)
+        return Search.start(search_config(runner, traffic, slow_repeats=2), self.board, f"run-{context.run.run_id}",
+                            hardware=hardware, cost_plan=cost_plan)
+
+
+def search_config(runner: EngineRunner, traffic: TrafficSource, **tiers):
+    """What a search measures, from the model and traffic resources; ``tiers``: SearchConfig's tier and SLO
+    fields (slow_layers, slow_repeats, slo_ttft_s, ...). The CLI's ``tune`` and the assets both build it here."""
+    from ops.worker import SearchConfig
+
+    return SearchConfig(model=runner.model, trace=traffic.trace, device=runner.device, dtype=runner.dtype,
+                        requests=traffic.max_requests, max_input=traffic.max_input, max_output=traffic.max_output,
+                        time_scale=traffic.time_scale, fast_layers=runner.fast_layers,
+                        num_kv_blocks=runner.num_kv_blocks, lenient=traffic.lenient, **tiers)
 
 
 class ArtifactStore(dg.ConfigurableResource):

@@ -1,0 +1,5 @@
+import sys
+
+from pipelines.cli import main
+
+sys.exit(main())

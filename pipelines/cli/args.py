@@ -1,0 +1,82 @@
+"""Argument types and the argument groups several commands share (the model, the engine, a search)."""
+from __future__ import annotations
+
+import argparse
+
+def positive(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def seconds(text: str, allow_zero: bool = False) -> float:
+    """argparse type: a finite number > 0 (>= 0 with ``allow_zero``)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (v >= 0 if allow_zero else v > 0) or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number {'>= 0' if allow_zero else '> 0'}, got {text}")
+    return v
+
+
+def scale(text: str) -> float:
+    """argparse type: a time scale, a finite number >= 0."""
+    return seconds(text, allow_zero=True)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True,
+                   help="alias (smollm2), a .gguf file, a Hugging Face model folder (config.json + safetensors), "
+                        "or a preset name for synthetic weights (llama-3.1-8b, qwen3-30b-a3b)")
+    p.add_argument("--synthetic", action="store_true", help="random weights from the model's config (fixed seed)")
+    p.add_argument("--seed", type=int, default=0, help="seed for synthetic weights")
+    p.add_argument("--layers", type=positive, default=None, help="load only the first N decoder layers")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=positive, default=16, help="tokens per KV-cache block")
+    p.add_argument("--num-kv-blocks", type=positive, default=None, help="KV-cache blocks (default: fill --kv-cache-mb)")
+    p.add_argument("--kv-cache-mb", type=positive, default=512, help="KV-cache memory when --num-kv-blocks is not set")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--max-num-seqs", type=positive, default=64)
+    p.add_argument("--max-num-batched-tokens", type=positive, default=2048)
+    p.add_argument("--max-model-len", type=positive, default=None)
+    p.add_argument("--variant", default=None,
+                   help="a VariantSpec JSON file (see 'polyinf variants show'); its knobs override the flags above")
+
+
+def engine_config(args: argparse.Namespace):
+    from engine import EngineConfig, SchedulerConfig, resolve
+    from engine.variant import VariantSpec
+
+    return EngineConfig(
+        source=resolve(args.model, synthetic=args.synthetic, seed=args.seed),
+        device=args.device,
+        dtype=args.dtype,
+        layers=args.layers,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_bytes=args.kv_cache_mb * 1024**2,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_model_len=args.max_model_len,
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+        variant=VariantSpec.load(args.variant) if args.variant else None,
+    )
+
+
+def add_search_args(p: argparse.ArgumentParser) -> None:
+    """The model, trace slice and tiers a search (optimize, tune) measures."""
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--trace", required=True, help="the traffic to tune for (Azure CSV, Mooncake JSONL, capture)")
+    p.add_argument("--requests", type=positive, default=16, help="requests from the start of the trace")
+    p.add_argument("--max-input", type=positive, default=128, help="clip prompt lengths (a CPU-sized slice)")
+    p.add_argument("--max-output", type=positive, default=16, help="clip output lengths")
+    p.add_argument("--time-scale", type=scale, default=0.02, help="compress the trace's arrival times")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--fast-layers", type=positive, default=4, help="layers of the fast tier's engine")

@@ -1,0 +1,75 @@
+"""Traffic commands: profile a trace, replay it against an endpoint."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from pipelines.cli.args import positive, scale, seconds
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from ops.traces import ImportStats, load_trace, profile
+
+    stats = ImportStats()
+    records = load_trace(args.trace, fmt=args.format, lenient=args.lenient, stats=stats)
+    prof = profile(records)
+    out = {"trace": str(args.trace), "skipped_rows": stats.skipped, **prof.to_json()}
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from engine.errors import ConfigError
+    from ops.replay import replay_async, report_json, synthesize_prompts
+    from ops.traces import load_trace
+
+    records = load_trace(args.trace, fmt=args.format, lenient=args.lenient)
+    records = records[: args.max_requests] if args.max_requests else records
+    if not records:
+        raise ConfigError("the trace has no requests")
+    vocab = args.vocab_size
+    if vocab is None:
+        try:
+            from engine.loader import load_config, resolve
+
+            vocab = load_config(resolve(args.tokenizer or args.model)).vocab_size
+        except Exception:
+            vocab = 32000
+    prompts = synthesize_prompts(records, vocab, max_input=args.max_input, seed=args.seed)
+    report = asyncio.run(replay_async(records, prompts, args.base_url, args.model, time_scale=args.time_scale,
+                                      max_output=args.max_output, max_concurrency=args.max_concurrency,
+                                      slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms))
+    print(report.table())
+    if args.json:
+        Path(args.json).write_text(report_json(report))
+    return 0 if report.completed else 1
+
+
+def add_parsers(sub) -> None:
+    pr = sub.add_parser("profile", help="print a trace's TrafficProfile as JSON")
+    pr.add_argument("--trace", required=True, help="Mooncake JSONL, Azure CSV, or a capture file")
+    pr.add_argument("--format", choices=["mooncake", "azure", "capture"], default=None, help="default: detected")
+    pr.add_argument("--lenient", action="store_true", help="count and skip malformed rows instead of failing")
+    pr.set_defaults(func=cmd_profile)
+
+    rp = sub.add_parser("replay", help="replay a trace against an OpenAI-compatible endpoint and report latencies")
+    rp.add_argument("--trace", required=True)
+    rp.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
+    rp.add_argument("--model", required=True, help="the served model name")
+    rp.add_argument("--tokenizer", default=None, help="local model whose vocabulary prompts are drawn from")
+    rp.add_argument("--vocab-size", type=positive, default=None)
+    rp.add_argument("--format", choices=["mooncake", "azure", "capture"], default=None)
+    rp.add_argument("--lenient", action="store_true")
+    rp.add_argument("--max-requests", type=positive, default=None)
+    rp.add_argument("--time-scale", type=scale, default=1.0, help="multiply arrival times (0 sends all at once)")
+    rp.add_argument("--max-input", type=positive, default=None, help="clip prompt lengths")
+    rp.add_argument("--max-output", type=positive, default=None, help="clip output lengths")
+    rp.add_argument("--max-concurrency", type=positive, default=None)
+    rp.add_argument("--slo-ttft-ms", type=seconds, default=None)
+    rp.add_argument("--slo-tpot-ms", type=seconds, default=None)
+    rp.add_argument("--seed", type=int, default=0)
+    rp.add_argument("--json", default=None, help="also write the report as JSON here")
+    rp.set_defaults(func=cmd_replay)

@@ -1,0 +1,156 @@
+"""Tuning commands: optimize (the whole Dagster graph in-process), tune (a search without Dagster), worker."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from pipelines.cli.args import add_search_args, positive, seconds
+
+
+def cmd_optimize(args: argparse.Namespace) -> int:
+    from assets.resources import stop_embedded_servers
+    from pipelines.wiring import run_optimize
+
+    t0 = time.perf_counter()
+    try:
+        result = run_optimize(args.model, args.trace, args.requests, args.max_input, args.max_output, args.time_scale,
+                              args.candidates, args.device, args.dtype, args.fast_layers, args.artifacts,
+                              args.endpoint_url, args.admin_token or "", args.llm_base_url, args.llm_model)
+        if not result.success:
+            failed = [e.message for e in result.all_events if e.is_failure][:3]
+            print("polyinf: error: the optimization run failed: " + " | ".join(failed), file=sys.stderr)
+            return 1
+        print_optimize_report(result)
+        print(f"[optimization run took {time.perf_counter() - t0:.0f} s]")
+        return 0
+    finally:
+        if not args.keep_serving:
+            stop_embedded_servers()
+
+
+def print_optimize_report(result) -> None:
+    """The baseline against the chosen variant, why, the gates and the deployment, from a run's outputs."""
+    build = result.output_for_node("engine_build")
+    dep = result.output_for_node("deployed_endpoint")
+    checks = {e.asset_check_key.name: e.passed for e in result.get_asset_check_evaluations()}
+    base, best = build.baseline_bench, build.bench
+    print(f"{'':28}{'baseline (default)':>22}{'chosen ' + build.variant.variant_id:>26}")
+    for label, key, scale, fmt in (("output tokens/s", "output_tok_s", 1, ".1f"),
+                                   ("goodput (req/s)", "goodput", 1, ".2f"),
+                                   ("TTFT p50 / p99 (ms)", ("ttft_p50", "ttft_p99"), 1e3, ".0f"),
+                                   ("TPOT p50 / p99 (ms)", ("tpot_p50", "tpot_p99"), 1e3, ".1f")):
+        def cell(b):
+            if isinstance(key, tuple):
+                return " / ".join(format(b[k] * scale, fmt) for k in key)
+            return format(b[key] * scale, fmt)
+        print(f"{label:28}{cell(base):>22}{cell(best):>26}")
+    print(f"spread (output tok/s)       {base['spread']:>22.2f}{best['spread']:>26.2f}")
+    print(f"why: {build.reason}")
+    prov = build.provenance
+    print(f"board: {prov.get('board')}, search {prov.get('search')}, decision message {prov.get('decision_message')} "
+          f"resting on results {prov.get('result_ids')}")
+    print("gates: " + ", ".join(f"{k} {'passed' if v else 'FAILED'}" for k, v in checks.items()))
+    if build.quality:
+        print(f"quality: {build.quality['verdict']} (greedy agreement {build.quality['greedy_agreement']}, "
+              f"max |dlogit| {build.quality['max_abs_logit_delta']})")
+    print(f"deployment: {dep.status} at {dep.endpoint}: {dep.reason}")
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    import os
+
+    from assets.resources import EngineRunner, TrafficSource, search_config
+    from engine.errors import ConfigError
+    from ops.agents import LLMAgent
+    from ops.board import Board
+    from ops.tune import Budget, default_agents, tune
+
+    if args.budget < 2:
+        raise ConfigError("--budget must allow at least 2 experiments (the baseline on both tiers)")
+    if not Path(args.trace).is_file():
+        raise ConfigError(f"trace not found: {args.trace}")
+    runner = EngineRunner(model=args.model, device=args.device, dtype=args.dtype, fast_layers=args.fast_layers,
+                          num_kv_blocks=args.num_kv_blocks)
+    traffic = TrafficSource(trace=args.trace, max_requests=args.requests, max_input=args.max_input,
+                            max_output=args.max_output, time_scale=args.time_scale, lenient=args.lenient)
+    cfg = search_config(runner, traffic, slow_layers=args.slow_layers, slow_repeats=args.repeats,
+                        slo_ttft_s=args.slo_ttft_ms / 1e3, slo_tpot_s=args.slo_tpot_ms / 1e3)
+    board = Board(args.board)
+    llm = None
+    if args.llm_base_url:
+        key = os.environ.get(args.llm_api_key_env, "") if args.llm_api_key_env else ""
+        llm = LLMAgent(base_url=args.llm_base_url, model=args.llm_model, api_key=key or "none", board=board,
+                       timeout_s=args.llm_timeout, max_tokens=args.llm_max_tokens)
+    log = (lambda m: print(m, file=sys.stderr, flush=True)) if not args.quiet else (lambda m: None)
+    report = tune(cfg, args.board, default_agents(llm), Budget(args.budget, args.budget_seconds),
+                  slow_top=args.slow_top, gate=args.gate, log=log)
+    board.close()
+    print(report.text())
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_json(), indent=2, default=str))
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from engine.errors import ConfigError
+    from ops.board import Board
+    from ops.hardware import probe
+    from ops.worker import SearchConfig, Workbench, work
+
+    board = Board(args.board, lease_s=args.lease_s)
+    try:
+        cfg = SearchConfig.from_json(board.search_config(args.search))
+    except KeyError as e:
+        raise ConfigError(e.args[0]) from None
+    bench = Workbench(cfg, probe(cfg.device, size_mb=64))
+    stats = work(board, args.search, bench, args.tier, max_experiments=args.max_experiments)
+    print(json.dumps({"evaluated": stats.evaluated, "failed": stats.failed, "lost": stats.lost,
+                      "result_ids": stats.result_ids, "seconds": round(stats.seconds, 2)}))
+    return 0
+
+
+def add_parsers(sub) -> None:
+    op = sub.add_parser("optimize", help="materialize the whole optimization graph in-process (embedded defaults)")
+    add_search_args(op)
+    op.add_argument("--candidates", type=positive, default=4, help="variants proposed besides the baseline")
+    op.add_argument("--artifacts", default=".polyinf/artifacts")
+    op.add_argument("--endpoint-url", default="", help="deploy to this server (default: start one on loopback)")
+    op.add_argument("--admin-token", default=None, help="the endpoint's admin token")
+    op.add_argument("--keep-serving", action="store_true", help="leave the embedded server running")
+    op.add_argument("--llm-base-url", default="", help="an OpenAI-compatible server for the LLM agent (off if empty)")
+    op.add_argument("--llm-model", default="polyinf", help="the model name on that server")
+    op.set_defaults(func=cmd_optimize)
+
+    tn = sub.add_parser("tune", help="search for a better variant outside Dagster: agents propose, the fast and "
+                                     "slow tiers measure, the decision and its reasons are printed")
+    add_search_args(tn)
+    tn.add_argument("--budget", type=positive, default=12, help="most experiments (fast and slow tier together)")
+    tn.add_argument("--budget-seconds", type=seconds, default=900.0, help="most wall time for the search")
+    tn.add_argument("--board", default=".polyinf/board.sqlite", help="the SQLite message board and queue")
+    tn.add_argument("--slow-layers", type=positive, default=None, help="layers of the slow tier's engine (default: all)")
+    tn.add_argument("--slow-top", type=positive, default=2, help="best fast-tier variants measured on the slow tier")
+    tn.add_argument("--repeats", type=positive, default=3, help="slow-tier replays per variant")
+    tn.add_argument("--num-kv-blocks", type=positive, default=512)
+    tn.add_argument("--slo-ttft-ms", type=seconds, default=2000.0)
+    tn.add_argument("--slo-tpot-ms", type=seconds, default=200.0)
+    tn.add_argument("--lenient", action="store_true", help="skip malformed trace rows")
+    tn.add_argument("--gate", action="store_true", help="run the quality and contamination gates on the choice")
+    tn.add_argument("--llm-base-url", default="", help="an OpenAI-compatible server for the LLM agent (off if empty)")
+    tn.add_argument("--llm-model", default="polyinf", help="the model name on that server")
+    tn.add_argument("--llm-api-key-env", default="OPENAI_API_KEY", help="environment variable holding the key")
+    tn.add_argument("--llm-timeout", type=seconds, default=120.0)
+    tn.add_argument("--llm-max-tokens", type=positive, default=512)
+    tn.add_argument("--json", default=None, help="also write the report as JSON here")
+    tn.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    tn.set_defaults(func=cmd_tune)
+
+    wk = sub.add_parser("worker", help="a benchmark worker: drain a search's experiment queue from the board")
+    wk.add_argument("--board", required=True)
+    wk.add_argument("--search", required=True, help="the search id (printed by 'polyinf tune')")
+    wk.add_argument("--tier", choices=["fast", "slow"], default=None, help="only this tier's experiments")
+    wk.add_argument("--max-experiments", type=positive, default=None)
+    wk.add_argument("--lease-s", type=seconds, default=60.0, help="a claim lapses this long after the last heartbeat")
+    wk.set_defaults(func=cmd_worker)
