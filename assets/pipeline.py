@@ -133,10 +133,10 @@ def variant_candidates(context: dg.AssetExecutionContext, cost_model_plan, hardw
         room = source.candidates + 1 - search.n_experiments()
         if room > 0:
             search.propose(agent, room)
-    exps = search.board.experiments(search.search)
+    exps = search.board.experiments(search.id)
     variants = [search.baseline] + [v for v in (_variant_of(e) for e in exps)
                                     if v.variant_id != search.baseline.variant_id]
-    context.add_output_metadata({"board": source.board, "search": search.search, "variants": _md_table([
+    context.add_output_metadata({"board": source.board, "search": search.id, "variants": _md_table([
         {"name": json.loads(e["variant"])["name"], "id": e["variant_id"], "proposer": e["proposer"],
          "why": e["rationale"]} for e in exps])})
     return variants
@@ -178,7 +178,7 @@ def slow_bench_results(context: dg.AssetExecutionContext, fast_bench_results: li
     chosen = search.queue_slow(source.slow_top)
     search.measure(SLOW)
     results = search.benches(SLOW, chosen)
-    cost = search.cost_model_error()
+    cost = search.cost_model_error(search.known_calibration() or search.calibration())
     letters = "BABCDEFGH"
     plot = _scatter([(r.output_tok_s, 1e3 * r.tpot_p50, letters[i]) for i, (_, r) in enumerate(results)])
     context.add_output_metadata({
@@ -208,7 +208,7 @@ def engine_build(context: dg.AssetExecutionContext, slow_bench_results: list, tr
                         bench=choice.result.to_json(), baseline_bench=choice.baseline.to_json(), reason=choice.reason,
                         traffic_profile=traffic_profile.to_json(), model_weights_hash=model_spec.weights_hash,
                         provenance={"run_id": context.run.run_id, "variant_source": "agents on the board",
-                                    "board": source.board, "search": search.search,
+                                    "board": source.board, "search": search.id,
                                     "decision_message": decision.get("message_id"),
                                     "result_ids": decision.get("refs", [])})
     path = artifacts.put(f"builds/{build.source_hash}.json", json.dumps(build.to_json(), indent=2))

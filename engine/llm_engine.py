@@ -22,17 +22,19 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
-from engine.errors import RequestError, VariantError
-from engine.forward_ops import ForwardOps, build_ops
+from engine import variant_swap
+from engine.errors import RequestError
+from engine.forward_ops import ForwardOps
 from engine.loader import load_model
 from engine.parallel import current_group, shard_model
 from engine.model_runner import KVCache, ModelRunner
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.tokenizer import Tokenizer
-from engine.variant import FORWARD, KV_LAYOUT, PARALLEL, SCHEDULER, VariantSpec
+from engine.variant import VariantSpec
+from engine.variant_swap import PreparedVariant, SwapReport
 
 
 @dataclass
@@ -47,13 +49,6 @@ class RequestOutput:
     num_tokens_run: int  # tokens of this request run through the model (recompute included)
 
 
-@dataclass(frozen=True)
-class SwapReport:
-    variant_id: str
-    scopes: list[str]  # the scopes the swap touched
-    seconds: float
-
-
 @dataclass
 class _Launched:
     """A step whose forward pass is queued on the device; its tokens are read when it is collected."""
@@ -63,17 +58,6 @@ class _Launched:
     tokens: list[int] | None  # sampled on the host at launch (sampling params, forced tokens, a logits sink)
     host_tokens: torch.Tensor | None  # (N,) int64 greedy tokens, filled by a copy queued behind the step
     ready: torch.cuda.Event | None  # recorded after that copy (GPU only)
-
-
-@dataclass(frozen=True)
-class PreparedVariant:
-    """A variant's forward pass built, compiled, warmed up and captured, not yet active."""
-
-    spec: VariantSpec
-    ops: ForwardOps
-    forward_fn: object  # the model, or its torch.compile'd wrapper
-    graphs: object  # DecodeGraphs, or None
-    seconds: float
 
 
 @dataclass
@@ -130,10 +114,10 @@ class LLMEngine:
         self.variant: VariantSpec = config.initial_variant()
         self.previous_variant: VariantSpec | None = None
         self.notes: list[str] = []  # what the engine skipped or could not honour, for the operator
-        self.ops: ForwardOps = self._build_ops(self.variant)
-        self.runner.forward_fn = self._forward_fn(self.variant)
-        self.runner.graphs = self._graphs_for(self.variant, self.ops, self.kv)
-        self._lock = threading.RLock()  # a swap happens between two steps, never inside one
+        self.ops: ForwardOps = variant_swap.build_ops_for(self, self.variant)
+        self.runner.forward_fn = variant_swap.forward_fn(self, self.variant)
+        self.runner.graphs = variant_swap.graphs_for(self, self.variant, self.ops, self.kv)
+        self.lock = threading.RLock()  # a swap happens between two steps, never inside one
         self._inflight: _Launched | None = None  # a step launched ahead, not yet collected
         self._drained: list[RequestOutput] = []  # outputs of an ahead step collected by a swap, for the next step
         # Observer of every step's logits: (request ids, (N, vocab) float32). Used by the quality gates.
@@ -227,7 +211,7 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        with self._lock:
+        with self.lock:
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
@@ -304,7 +288,7 @@ class LLMEngine:
             batch = SchedulerOutput([item for item, ok in zip(batch.scheduled, live) if ok], batch.preempted)
         return self._postprocess(batch, new_tokens)
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """Collects a step launched ahead, keeping its outputs for the next ``step``."""
         launched, self._inflight = self._inflight, None
         if launched is not None:
@@ -314,21 +298,16 @@ class LLMEngine:
     def _postprocess(self, batch: SchedulerOutput, new_tokens: dict[str, int]) -> list[RequestOutput]:
         self.stats.steps += 1
         self.stats.preemptions += len(batch.preempted)
+        self.scheduler.update(batch, new_tokens, self._check_stop)
         outputs = []
         for item in batch.scheduled:
             seq = item.seq
             self.stats.tokens_computed += item.num_new_tokens
-            seq.num_tokens_run += item.num_new_tokens
-            seq.num_computed_tokens += item.num_new_tokens
             if item.samples:
-                seq.output_token_ids.append(new_tokens[seq.request_id])
                 self.stats.generation_tokens += 1
                 if seq.first_token_time is None:
                     seq.first_token_time = time.perf_counter()
-                self._check_stop(seq)
-            self.block_manager.commit(seq)
             if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
                 self._seqs.pop(seq.request_id, None)
                 self._generators.pop(seq.request_id, None)
             outputs.append(self._output(seq))
@@ -367,110 +346,18 @@ class LLMEngine:
             num_tokens_run=seq.num_tokens_run,
         )
 
-    # ---- variants -------------------------------------------------------------------------
+    # ---- variants (engine/variant_swap.py) --------------------------------------------------------
     def prepare_variant(self, spec: VariantSpec, kv: KVCache | None = None) -> PreparedVariant:
-        """Builds, compiles, warms up and captures ``spec``'s forward pass without touching the active one.
+        return variant_swap.prepare(self, spec, kv)
 
-        Safe to call from another thread while the engine serves: it reads the weights and writes only
-        the KV pool's scratch block. Raises VariantError when any part fails.
-        """
-        t0 = time.perf_counter()
-        kv = kv or self.kv
-        ops = self._build_ops(spec) if FORWARD in spec.changed_scopes(self.variant) else self.ops
-        try:
-            forward_fn = self._forward_fn(spec)
-            self.runner.warm_up(ops, kv, forward_fn)
-        except VariantError:
-            raise
-        except Exception as e:
-            raise VariantError(f"variant {spec.variant_id} failed its warm-up: {type(e).__name__}: {e}") from None
-        graphs = self._graphs_for(spec, ops, kv)
-        return PreparedVariant(spec, ops, forward_fn, graphs, time.perf_counter() - t0)
+    def apply_variant(self, spec: VariantSpec, prepared: PreparedVariant | None = None) -> SwapReport:
+        return variant_swap.apply(self, spec, prepared)
 
-    def apply_variant(self, spec: VariantSpec, prepared: PreparedVariant | None = None) -> "SwapReport":
-        """Makes ``spec`` the active variant with the least work its changed scopes need, between two steps.
+    def swap_variant(self, spec: VariantSpec) -> SwapReport:
+        return variant_swap.swap(self, spec)
 
-        Requests in flight continue. On any failure the previous variant stays active and
-        VariantError says why. Weights are never reloaded. With ``prepared`` (from ``prepare_variant``,
-        possibly run while serving) a forward swap only switches tables: serving pauses for one step's drain.
-        """
-        with self._lock:
-            t0 = time.perf_counter()
-            scopes = spec.changed_scopes(self.variant)
-            if PARALLEL in scopes:
-                raise VariantError(f"variant {spec.variant_id} changes tp/dp: that needs a restart (re-shard)")
-            if prepared is not None and prepared.spec != spec:
-                raise VariantError(f"the prepared variant is {prepared.spec.variant_id}, not {spec.variant_id}")
-            self._drain()
-            rebuilt = self._build_kv(spec) if KV_LAYOUT in scopes else None
-            if scopes & {FORWARD, KV_LAYOUT} and (prepared is None or rebuilt is not None):
-                prepared = self.prepare_variant(spec, rebuilt[0] if rebuilt else None)
-            # Everything that can fail has run; commit.
-            if rebuilt is not None:
-                self.scheduler.preempt_all()  # running sequences are recomputed under the new layout
-                self.kv, self.block_manager = rebuilt
-                self.scheduler.block_manager = self.block_manager
-                self.runner.set_kv(self.kv)
-            if SCHEDULER in scopes:
-                self.scheduler.config = SchedulerConfig(max_num_seqs=spec.max_num_seqs,
-                                                        max_num_batched_tokens=spec.max_num_batched_tokens,
-                                                        prefill_chunk_size=spec.prefill_chunk_size)
-            if FORWARD in scopes and rebuilt is None:
-                self.block_manager.reset_prefix_cache()  # cached KV came from the previous kernels
-            if scopes & {FORWARD, KV_LAYOUT}:
-                self.ops, self.runner.forward_fn, self.runner.graphs = prepared.ops, prepared.forward_fn, prepared.graphs
-            self.previous_variant, self.variant = self.variant, spec
-            return SwapReport(spec.variant_id, sorted(scopes), time.perf_counter() - t0)
-
-    def swap_variant(self, spec: VariantSpec) -> "SwapReport":
-        """The serving path's swap: a ``forward`` change is prepared first, without holding the engine, so
-        steps from other threads go on meanwhile; then it is switched in between two steps (the pause is
-        one step's drain). Changes with a ``kv_layout`` scope drain and rebuild as ``apply_variant`` does."""
-        scopes = spec.changed_scopes(self.variant)
-        prepared = None
-        if FORWARD in scopes and not scopes & {KV_LAYOUT, PARALLEL}:
-            prepared = self.prepare_variant(spec)
-        return self.apply_variant(spec, prepared)
-
-    def _build_ops(self, spec: VariantSpec) -> ForwardOps:
-        return build_ops(spec, self.model_config.kernel_dims(), str(self.device))
-
-    def _forward_fn(self, spec: VariantSpec):
-        """The eager forward for ``spec``: the model, or torch.compile of it (GPU only)."""
-        if spec.compile_mode == "none" or self.device.type != "cuda":
-            return self.model
-        return torch.compile(self.model, mode=spec.compile_mode, dynamic=True)
-
-    def _graphs_for(self, spec: VariantSpec, ops: ForwardOps, kv: KVCache):
-        """Captured decode graphs for the spec, or None. On a CPU, graphs and compile modes are skipped with a note."""
-        if not (spec.cuda_graph_batch_sizes or spec.compile_mode != "none"):
-            return None
-        if self.device.type != "cuda":
-            self.notes.append(f"variant {spec.variant_id}: CUDA graphs and compile mode skipped on {self.device.type}")
-            return None
-        if not spec.cuda_graph_batch_sizes:
-            return None
-        if not spec.impl("attention").startswith("triton"):
-            raise VariantError("CUDA graphs need a Triton attention kernel (the reference loops over host values)")
-        try:
-            return self.runner.capture_graphs(ops, spec.cuda_graph_batch_sizes, kv)
-        except Exception as e:
-            raise VariantError(f"CUDA graph capture failed: {type(e).__name__}: {e}") from None
-
-    def rollback(self) -> "SwapReport":
-        if self.previous_variant is None:
-            raise VariantError("no previous variant to roll back to")
-        return self.swap_variant(self.previous_variant)
-
-    def _build_kv(self, spec: VariantSpec) -> tuple[KVCache, BlockManager]:
-        """A new KV pool of the same memory under the new block size, and its block manager."""
-        total = self.kv.num_blocks * KVCache.bytes_per_block(self.model_config, self.kv.block_size, self.dtype)
-        num_blocks = max(1, total // KVCache.bytes_per_block(self.model_config, spec.block_size, self.dtype))
-        try:
-            kv = KVCache(self.model_config, num_blocks, spec.block_size, self.device, self.dtype)
-        except (RuntimeError, MemoryError) as e:
-            raise VariantError(f"cannot allocate the new KV pool: {e}") from None
-        return kv, BlockManager(num_blocks, spec.block_size, spec.enable_prefix_caching)
+    def rollback(self) -> SwapReport:
+        return variant_swap.rollback(self)
 
     def generate(
         self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,

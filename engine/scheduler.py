@@ -128,6 +128,22 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: -s.arrival):
             self._preempt(seq, out)
 
+    def update(self, batch: SchedulerOutput, new_tokens: dict[str, int], check_stop) -> None:
+        """Takes a step's results: each scheduled sequence advances by its tokens; where the step sampled, its
+        token is appended and ``check_stop(seq)`` sets the finish reason; full blocks are committed to the
+        prefix cache; finished sequences release their blocks. The engine and the cost model's simulation
+        both advance sequences here."""
+        for item in batch.scheduled:
+            seq = item.seq
+            seq.num_tokens_run += item.num_new_tokens
+            seq.num_computed_tokens += item.num_new_tokens
+            if item.samples:
+                seq.output_token_ids.append(new_tokens[seq.request_id])
+                check_stop(seq)
+            self.block_manager.commit(seq)
+            if seq.finish_reason is not None:
+                self.finish(seq)
+
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)

@@ -23,11 +23,18 @@ from itertools import combinations
 
 import numpy as np
 
+from engine.block_manager import BlockManager
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import FinishReason, Sequence
 from engine.trace_record import TraceRecord
 from engine.variant import VariantSpec
 from ops.hardware import HardwareProfile
 from ops.model_spec import ModelSpec
+from ops.replay import synthesize_prompts
 from ops.traces import TrafficProfile, percentile
+
+_SIM_VOCAB = 32000  # token ids of the simulated prompts: only their sharing (prefix hashes) matters
 
 KERNELS_PER_LAYER = 12
 ALLREDUCE_LATENCY_S = 10e-6
@@ -170,119 +177,69 @@ class Prediction:
     steps: int = 0
 
 
-@dataclass
-class _Seq:
-    arrival: float
-    prompt: int
-    out: int
-    keys: list  # prefix-cache keys of the prompt's full blocks (None: not shareable)
-    computed: int = 0
-    generated: int = 0
-    first: float | None = None
-
-
-def _block_keys(r: TraceRecord, n: int, block_size: int) -> list:
-    """Cache keys of the full blocks of a prompt of n tokens built like ops.replay.synthesize_prompts:
-    the tokens under a trace hash block are shared by every request naming the same hash chain."""
-    keys = []
-    covered = len(r.prefix_block_hashes) * r.block_tokens
-    for j in range(n // block_size):
-        end = (j + 1) * block_size
-        if end > covered or not r.block_tokens:
-            keys.append(None)
-            continue
-        seg = (end - 1) // r.block_tokens + 1
-        keys.append((tuple(r.prefix_block_hashes[:seg]), j))
-    return keys
-
-
 def simulate(spec: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], v: VariantSpec,
              cal: Calibration = ROOFLINE, *, time_scale: float = 1.0, max_input: int | None = None,
              max_output: int | None = None, num_kv_blocks: int = 512, slo_ttft_s: float = 2.0,
              slo_tpot_s: float = 0.2, steps_out: list | None = None) -> Prediction:
-    """Replays the records through the scheduler's policy with modelled step times; ``steps_out``,
-    when given, receives every step's StepShape."""
+    """Replays the records through the engine's own Scheduler and BlockManager (continuous batching, chunked
+    prefill, prefix caching over prompts built as the slow tier builds them, preemption by recompute) on a
+    simulated clock that advances by each step's modelled time. ``steps_out``, when given, receives every
+    step's StepShape. A request larger than the whole KV pool is left out, as the engine refuses it."""
     if not records:
         raise ValueError("simulate needs at least one request")
     t0 = records[0].arrival_s
-    pending = deque()
-    for r in records:
-        n = max(1, r.input_tokens if max_input is None else min(r.input_tokens, max_input))
+    bm = BlockManager(num_kv_blocks, v.block_size, v.enable_prefix_caching)
+    sched = Scheduler(v, bm)
+    pending: deque[tuple[float, Sequence]] = deque()
+    capacity = num_kv_blocks * v.block_size
+    for i, (r, prompt) in enumerate(zip(records, synthesize_prompts(records, _SIM_VOCAB, max_input=max_input))):
         o = max(1, r.output_tokens if max_output is None else min(r.output_tokens, max_output))
-        keys = _block_keys(r, n, v.block_size) if v.enable_prefix_caching else []
-        pending.append(_Seq((r.arrival_s - t0) * time_scale, n, o, keys))
-    waiting: deque[_Seq] = deque()
-    running: list[_Seq] = []
-    cached: set = set()
-    used_blocks = 0
-    chunk_cap = v.prefill_chunk_size
+        if len(prompt) + o <= capacity:
+            seq = Sequence(str(i), prompt, SamplingParams(max_tokens=o, ignore_eos=True), i)
+            pending.append(((r.arrival_s - t0) * time_scale, seq))
+    arrival = {seq.request_id: a for a, seq in pending}
+    in_tokens = sum(len(seq.prompt_token_ids) for _, seq in pending)
+    first: dict[str, float] = {}
+    done: list[tuple[Sequence, float]] = []
     t, steps = 0.0, 0
-    done: list[tuple[_Seq, float]] = []
-    in_tokens = sum(s.prompt for s in pending)
 
-    def blocks(tokens: int) -> int:
-        return -(-tokens // v.block_size)
+    def stop_at_length(seq: Sequence) -> None:
+        if len(seq.output_token_ids) >= seq.params.max_tokens:
+            seq.finish_reason = FinishReason.LENGTH
 
-    def chunk(s: _Seq, budget: int) -> int:
-        remaining = s.prompt + s.generated - s.computed
-        limit = budget if remaining <= 1 or chunk_cap is None else min(budget, chunk_cap)
-        return min(remaining, limit)
-
-    while pending or waiting or running:
-        while pending and pending[0].arrival <= t:
-            waiting.append(pending.popleft())
-        if not waiting and not running:
-            t = pending[0].arrival
+    while pending or sched.has_unfinished():
+        while pending and pending[0][0] <= t:
+            sched.add(pending.popleft()[1])
+        batch = sched.schedule() if sched.has_unfinished() else None
+        if batch is None or batch.is_empty:
+            if not pending:
+                break  # nothing can run (cannot happen for requests that fit the pool)
+            t = max(t, pending[0][0])
             continue
-        budget = v.max_num_batched_tokens
-        step: list[tuple[_Seq, int]] = []
-        for s in running:
-            if budget <= 0:
-                break
-            n = chunk(s, budget)
-            step.append((s, n))
-            budget -= n
-        while waiting and budget > 0 and len(running) < v.max_num_seqs:
-            s = waiting[0]
-            hit = 0
-            for key in s.keys:
-                if key is None or key not in cached:
-                    break
-                hit += v.block_size
-            s.computed = min(hit, s.prompt - 1)
-            n = chunk(s, budget)
-            need = blocks(s.prompt + s.out)  # what the request will hold at its end
-            if used_blocks + need > num_kv_blocks and running:
-                break
-            used_blocks += need
-            waiting.popleft()
-            running.append(s)
-            step.append((s, n))
-            budget -= n
-        shape = StepShape(sum(n for _, n in step), sum(s.computed + n for s, n in step), len(step),
-                          sum(n * (s.computed + (n + 1) // 2) for s, n in step))
+        shape = StepShape(batch.num_batched_tokens,
+                          sum(item.seq.num_computed_tokens + item.num_new_tokens for item in batch.scheduled),
+                          len(batch.scheduled),
+                          sum(item.num_new_tokens * (item.seq.num_computed_tokens + (item.num_new_tokens + 1) // 2)
+                              for item in batch.scheduled))
         t += step_time(spec, hw, shape, cal, v.tp)
         steps += 1
         if steps_out is not None:
             steps_out.append(shape)
-        for s, n in step:
-            s.computed += n
-            if s.computed == s.prompt + s.generated:  # reached the end of its tokens: a token is sampled
-                if s.first is None:
-                    s.first = t
-                    if v.enable_prefix_caching:
-                        cached.update(k for k in s.keys if k is not None)
-                s.generated += 1
-                if s.generated == s.out:
-                    running.remove(s)
-                    used_blocks -= blocks(s.prompt + s.out)
-                    done.append((s, t))
+        sched.update(batch, {item.seq.request_id: 1 for item in batch.scheduled}, stop_at_length)
+        for item in batch.scheduled:
+            seq = item.seq
+            if item.samples and seq.request_id not in first:
+                first[seq.request_id] = t
+            if seq.finish_reason is not None:
+                done.append((seq, t))
     wall = max(t, 1e-9)
-    ttft = [s.first - s.arrival for s, _ in done]
-    tpot = [(end - s.first) / (s.out - 1) for s, end in done if s.out > 1]
-    out_tokens = sum(s.out for s, _ in done)
-    good = sum(1 for s, end in done if s.first - s.arrival <= slo_ttft_s
-               and (s.out <= 1 or (end - s.first) / (s.out - 1) <= slo_tpot_s))
+    ttft = [first[s.request_id] - arrival[s.request_id] for s, _ in done]
+    tpot = [(end - first[s.request_id]) / (len(s.output_token_ids) - 1) for s, end in done
+            if len(s.output_token_ids) > 1]
+    out_tokens = sum(len(s.output_token_ids) for s, _ in done)
+    good = sum(1 for s, end in done if first[s.request_id] - arrival[s.request_id] <= slo_ttft_s
+               and (len(s.output_token_ids) <= 1
+                    or (end - first[s.request_id]) / (len(s.output_token_ids) - 1) <= slo_tpot_s))
     return Prediction(output_tok_s=out_tokens / wall, ttft_s=percentile(ttft, .5), tpot_s=percentile(tpot, .5),
                       total_tok_s=(out_tokens + in_tokens) / wall, ttft_p99=percentile(ttft, .99),
                       tpot_p99=percentile(tpot, .99), goodput=good / wall, wall_s=wall, steps=steps)

@@ -1,7 +1,8 @@
 """Drift: is the live traffic (or the model) different enough from what the deployed build was tuned on?
 
-Thresholds are configuration. Hysteresis: a drift must be seen on ``confirmations`` consecutive
-evaluations before it fires; a minimum interval separates re-optimizations.
+Thresholds are configuration. This module measures and compares; the hysteresis (a drift seen on
+``confirmations`` consecutive evaluations before it fires) and the minimum interval between
+re-optimizations are the traffic-drift sensor's (pipelines/sensors.py), which keeps them in its cursor.
 """
 from __future__ import annotations
 

@@ -96,7 +96,7 @@ class Search:
 
     cfg: SearchConfig
     board: Board
-    search: str
+    id: str  # the search's id on the board
     hardware: HardwareProfile
     bench: Workbench
     baseline: VariantSpec
@@ -125,13 +125,13 @@ class Search:
         return self
 
     @property
-    def spec(self):
+    def model_spec(self):
         return self.bench.spec_for(SLOW)
 
     @property
     def plan(self) -> CostModelPlan:
         if self._plan is None:
-            self._plan = plan(self.spec, self.hardware, self.bench.traffic, self.baseline, self.cal or ROOFLINE,
+            self._plan = plan(self.model_spec, self.hardware, self.bench.traffic, self.baseline, self.cal or ROOFLINE,
                               records=self.bench.records, **self.cfg.sim)
         return self._plan
 
@@ -141,7 +141,7 @@ class Search:
         return [(v, bench_from(by_id[v.variant_id].bench)) for v in variants if v.variant_id in by_id]
 
     def state(self) -> SearchState:
-        st = SearchState.read(self.board, self.search, spec=self.spec, hardware=self.hardware,
+        st = SearchState.read(self.board, self.id, spec=self.model_spec, hardware=self.hardware,
                               traffic=self.bench.traffic, plan=self.plan, baseline=self.baseline,
                               device=self.cfg.device, max_input=self.cfg.max_input, calibration=self.cal,
                               slo_tpot_s=self.cfg.slo_tpot_s, max_output=self.cfg.max_output)
@@ -155,13 +155,13 @@ class Search:
         if self.cal is not None:
             for r, v in fast:
                 if "step_time_ratio" not in r.bench:
-                    r.bench["predicted"] = asdict(simulate(self.spec, self.hardware, self.bench.records, v, self.cal,
+                    r.bench["predicted"] = asdict(simulate(self.model_spec, self.hardware, self.bench.records, v, self.cal,
                                                            **self.cfg.sim))
                     r.bench["step_time_ratio"] = 1.0
         return fast
 
     def n_experiments(self, tier: str | None = None) -> int:
-        return sum(1 for e in self.board.experiments(self.search) if tier is None or e["tier"] == tier)
+        return sum(1 for e in self.board.experiments(self.id) if tier is None or e["tier"] == tier)
 
     def propose(self, agent: Agent, n: int) -> int:
         """Queues the agent's proposals on the fast tier; returns how many were new."""
@@ -169,33 +169,33 @@ class Search:
         try:
             proposals = agent.propose(self.state(), n)
         except Exception as e:  # an agent that breaks loses its turn, not the search
-            self.board.post(agent.name, "note", {"search": self.search,
+            self.board.post(agent.name, "note", {"search": self.id,
                                                  "error": f"proposing failed: {type(e).__name__}: {str(e)[:500]}"})
             return 0
         for prop in proposals:
-            _, fresh = self.board.enqueue(self.search, prop.variant, FAST, agent.name, prop.rationale,
+            _, fresh = self.board.enqueue(self.id, prop.variant, FAST, agent.name, prop.rationale,
                                           list(prop.refs))
             queued += fresh
         return queued
 
     def measure(self, tier: str, deadline: float | None = None):
-        return work(self.board, self.search, self.bench, tier, deadline=deadline)
+        return work(self.board, self.id, self.bench, tier, deadline=deadline)
 
     def results(self, tier: str) -> list[tuple[Result, VariantSpec]]:
-        return self.board.results(self.search, tier)
+        return self.board.results(self.id, tier)
 
     def queue_slow(self, top: int) -> list[VariantSpec]:
         """The baseline and the ``top`` best of the fast tier, queued for the slow tier."""
         fast = self.fast_results()
         base_fast = next((r for r, v in fast if v.variant_id == self.baseline.variant_id), None)
-        self.board.enqueue(self.search, self.baseline, SLOW, "tuner", "baseline for the slow tier",
+        self.board.enqueue(self.id, self.baseline, SLOW, "tuner", "baseline for the slow tier",
                            [base_fast.id] if base_fast else [])
         ranked = sorted((rv for rv in fast if rv[1].variant_id != self.baseline.variant_id),
                         key=lambda rv: fast_score(rv[0].bench), reverse=True)
         out = [self.baseline]
         for r, v in ranked[:max(0, top)]:
             g, tps = fast_score(r.bench)
-            self.board.enqueue(self.search, v, SLOW, "tuner",
+            self.board.enqueue(self.id, v, SLOW, "tuner",
                                f"fast tier rank {len(out)}: implied goodput {g:.2f} req/s, {tps:.1f} tok/s", [r.id])
             out.append(v)
         return out
@@ -210,18 +210,18 @@ class Search:
         ctx = max(8, min(c.max_input, int(self.bench.traffic.input_p50))) + 8
         res = fast_tier(self.bench.engine(SLOW, self.baseline), prefill, [(b, ctx) for b in batches],
                         repeats=3)
-        cal = calibrate(self.spec, self.hardware, shapes_from_fast(res.step_times_ms))
+        cal = calibrate(self.model_spec, self.hardware, shapes_from_fast(res.step_times_ms))
         base_fast = next((r for r, v in self.results(FAST) if v.variant_id == self.baseline.variant_id), None)
-        body = {"search": self.search, "calibration": cal.to_json(), "step_times_ms": res.step_times_ms}
+        body = {"search": self.id, "calibration": cal.to_json(), "step_times_ms": res.step_times_ms}
         if base_fast is not None:
             body["baseline_fast_steps"] = base_fast.bench["step_times_ms"]
             self.bench.reference = (cal, base_fast.bench["step_times_ms"])
         self.board.post("cost-model", "note", body)
         self.cal = cal
         # rank the knobs again with the calibrated model: the agents seed from this plan
-        self._plan = plan(self.spec, self.hardware, self.bench.traffic, self.baseline, cal,
+        self._plan = plan(self.model_spec, self.hardware, self.bench.traffic, self.baseline, cal,
                           records=self.bench.records, **self.cfg.sim)
-        self.board.post("cost-model", "note", {"search": self.search, "calibrated_plan_top": [
+        self.board.post("cost-model", "note", {"search": self.id, "calibrated_plan_top": [
             e.to_json() | {"variant": e.variant.name} for e in self.plan.entries[:5]], "ranges": self.plan.ranges})
         return cal
 
@@ -229,12 +229,12 @@ class Search:
         """Drains the fast tier's queue; the baseline first, then the full-model calibration the other
         variants' figures scale from (measured once per search, found on the board afterwards)."""
         if self.cal is None:
-            ref = reference_from(self.board, self.search)
+            ref = reference_from(self.board, self.id)
             if ref is not None:
                 self.cal, self.bench.reference = ref[0], ref
         first = None
         if self.cal is None:
-            first = work(self.board, self.search, self.bench, FAST, max_experiments=1, deadline=deadline)
+            first = work(self.board, self.id, self.bench, FAST, max_experiments=1, deadline=deadline)
             self.calibration()
         stats = self.measure(FAST, deadline)
         if first is not None:
@@ -243,15 +243,18 @@ class Search:
             stats.result_ids = first.result_ids + stats.result_ids
         return stats
 
-    def cost_model_error(self, cal: Calibration | None = None) -> dict:
-        """MAPE and Spearman of the cost model (calibrated, and the plain roofline) and of the fast tier's
-        ranking, against the slow tier's measured output tokens/s."""
-        slow, fast = self.results(SLOW), self.results(FAST)
-        spec, hw, recs, sim = self.spec, self.hardware, self.bench.records, self.cfg.sim
-        if cal is None and self.cal is None:
-            ref = reference_from(self.board, self.search)
+    def known_calibration(self) -> Calibration | None:
+        """The full model's calibration if this search has measured it (in this process or another step)."""
+        if self.cal is None:
+            ref = reference_from(self.board, self.id)
             self.cal = ref[0] if ref else None
-        cal = cal or self.cal or self.calibration()
+        return self.cal
+
+    def cost_model_error(self, cal: Calibration) -> dict:
+        """MAPE and Spearman of the cost model (with ``cal``, and the plain roofline) and of the fast tier's
+        ranking, against the slow tier's measured output tokens/s. Computes; measures nothing."""
+        slow, fast = self.results(SLOW), self.results(FAST)
+        spec, hw, recs, sim = self.model_spec, self.hardware, self.bench.records, self.cfg.sim
         fast = self.fast_results(fast)
         fast_by_id = {v.variant_id: r for r, v in fast}
         measured = [r.bench["output_tok_s"] for r, _ in slow]
@@ -269,7 +272,7 @@ class Search:
                 "points": [{"variant_id": v.variant_id, "name": v.name, "measured": m, "calibrated": pc,
                             "roofline": pr, "fast": f}
                            for (_, v), m, pc, pr, f in zip(slow, measured, pred_cal, pred_roof, fast_pred)]}
-        self.board.post("cost-model", "note", {"search": self.search, "error": {
+        self.board.post("cost-model", "note", {"search": self.id, "error": {
             k: v for k, v in cost.items() if k != "points"}}, [r.id for r, _ in slow])
         return cost
 
@@ -284,7 +287,7 @@ class Search:
         choice = choose(cands, (self.baseline, bench_from(base[0].bench)))
         ids = {v.variant_id: r.id for r, v in slow}
         refs = sorted({ids[self.baseline.variant_id], ids[choice.variant.variant_id]})
-        decision = {"search": self.search, "reason": choice.reason, "refs": refs,
+        decision = {"search": self.id, "reason": choice.reason, "refs": refs,
                     "variant_id": choice.variant.variant_id}
         decision["message_id"] = self.board.post("tuner", "decision", decision, refs)
         decision.update(baseline=base[0].bench, chosen=choice.result.to_json())
@@ -293,7 +296,7 @@ class Search:
     def rows(self) -> list[dict]:
         results = {r.experiment_id: r for tier in (FAST, SLOW) for r, _ in self.results(tier)}
         rows = []
-        for e in self.board.experiments(self.search):
+        for e in self.board.experiments(self.id):
             row = {"experiment": e["id"], "tier": e["tier"], "proposer": e["proposer"], "rationale": e["rationale"],
                    "name": json.loads(e["variant"])["name"], "variant_id": e["variant_id"], "status": e["status"],
                    "attempts": e["attempts"], "error": (e["error"] or "").split("\n")[0]}
@@ -305,7 +308,7 @@ class Search:
         return rows
 
     def invalid_replies(self) -> int:
-        return sum(1 for m in self.board.messages("invalid_reply") if m["body"].get("search") == self.search)
+        return sum(1 for m in self.board.messages("invalid_reply") if m["body"].get("search") == self.id)
 
 
 def tune(cfg: SearchConfig, board_path: str | Path, agents: list[Agent] | None = None, budget: Budget = Budget(),
@@ -319,7 +322,7 @@ def tune(cfg: SearchConfig, board_path: str | Path, agents: list[Agent] | None =
     deadline = t0 + budget.seconds
     agents = default_agents() if agents is None else agents
     s = Search.start(cfg, board_path, search, hardware, baseline)
-    log(f"search {s.search}: cost model ranked {len(s.plan.entries)} knob variants; ranges {s.plan.ranges}")
+    log(f"search {s.id}: cost model ranked {len(s.plan.entries)} knob variants; ranges {s.plan.ranges}")
     fast_budget = max(1, budget.experiments - (slow_top + 1))
     s.measure_fast(deadline)  # the baseline, then the full model's calibration the fast tier scales from
     cal = s.cal
@@ -348,9 +351,9 @@ def tune(cfg: SearchConfig, board_path: str | Path, agents: list[Agent] | None =
 
         report = gate_variant(s.bench.engine(SLOW, s.baseline), chosen)
         quality = report.to_json()
-        s.board.post("gates", "note", {"search": s.search, "variant_id": chosen.variant_id,
+        s.board.post("gates", "note", {"search": s.id, "variant_id": chosen.variant_id,
                                        "verdict": report.verdict, "reasons": report.reasons})
-    report = TuneReport(search=s.search, board=str(board_path), config=cfg.to_json(), baseline=s.baseline.to_json(),
+    report = TuneReport(search=s.id, board=str(board_path), config=cfg.to_json(), baseline=s.baseline.to_json(),
                         chosen=chosen.to_json(), decision=decision, rows=s.rows(), cost_model=cost,
                         invalid_replies=s.invalid_replies(), wall_s=time.time() - t0, budget=asdict(budget),
                         quality=quality)

@@ -1,0 +1,156 @@
+"""Preparing, switching and rolling back the variant of a running engine.
+
+``apply`` does the least work the changed scopes need, between two steps: ``scheduler`` knobs take effect
+at the next step, a ``forward`` change swaps the operation table (and compiled forward and captured
+graphs), a ``kv_layout`` change drains and rebuilds the KV pool; weights are never reloaded, and a
+``parallel`` change needs a restart. Everything that can fail runs before anything is committed, so a
+failure leaves the previous variant active. ``swap`` (the server's path) prepares a forward change
+first, while the engine keeps serving, then switches it in.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.errors import VariantError
+from engine.forward_ops import ForwardOps, build_ops
+from engine.model_runner import KVCache
+from engine.variant import FORWARD, KV_LAYOUT, PARALLEL, SCHEDULER, VariantSpec
+
+if TYPE_CHECKING:  # annotations only: the engine calls this module, not the other way round
+    from engine.llm_engine import LLMEngine
+
+
+@dataclass(frozen=True)
+class SwapReport:
+    variant_id: str
+    scopes: list[str]  # the scopes the swap touched
+    seconds: float
+
+
+@dataclass(frozen=True)
+class PreparedVariant:
+    """A variant's forward pass built, compiled, warmed up and captured, not yet active."""
+
+    spec: VariantSpec
+    ops: ForwardOps
+    forward_fn: object  # the model, or its torch.compile'd wrapper
+    graphs: object  # DecodeGraphs, or None
+    seconds: float
+
+
+def prepare(engine: "LLMEngine", spec: VariantSpec, kv: KVCache | None = None) -> PreparedVariant:
+    """Builds, compiles, warms up and captures ``spec``'s forward pass without touching the active one.
+
+    Safe to call from another thread while the engine serves: it reads the weights and writes only
+    the KV pool's scratch block. Raises VariantError when any part fails.
+    """
+    t0 = time.perf_counter()
+    kv = kv or engine.kv
+    ops = build_ops_for(engine, spec) if FORWARD in spec.changed_scopes(engine.variant) else engine.ops
+    try:
+        fn = forward_fn(engine, spec)
+        engine.runner.warm_up(ops, kv, fn)
+    except VariantError:
+        raise
+    except Exception as e:
+        raise VariantError(f"variant {spec.variant_id} failed its warm-up: {type(e).__name__}: {e}") from None
+    graphs = graphs_for(engine, spec, ops, kv)
+    return PreparedVariant(spec, ops, fn, graphs, time.perf_counter() - t0)
+
+
+def apply(engine: "LLMEngine", spec: VariantSpec, prepared: PreparedVariant | None = None) -> SwapReport:
+    """Makes ``spec`` the active variant with the least work its changed scopes need, between two steps.
+
+    Requests in flight continue. On any failure the previous variant stays active and VariantError says
+    why. With ``prepared`` (from ``prepare``, possibly run while serving) a forward swap only switches
+    tables: serving pauses for one step's drain.
+    """
+    with engine.lock:
+        t0 = time.perf_counter()
+        scopes = spec.changed_scopes(engine.variant)
+        if PARALLEL in scopes:
+            raise VariantError(f"variant {spec.variant_id} changes tp/dp: that needs a restart (re-shard)")
+        if prepared is not None and prepared.spec != spec:
+            raise VariantError(f"the prepared variant is {prepared.spec.variant_id}, not {spec.variant_id}")
+        engine.drain()
+        rebuilt = _build_kv(engine, spec) if KV_LAYOUT in scopes else None
+        if scopes & {FORWARD, KV_LAYOUT} and (prepared is None or rebuilt is not None):
+            prepared = prepare(engine, spec, rebuilt[0] if rebuilt else None)
+        # Everything that can fail has run; commit.
+        if rebuilt is not None:
+            engine.scheduler.preempt_all()  # running sequences are recomputed under the new layout
+            engine.kv, engine.block_manager = rebuilt
+            engine.scheduler.block_manager = engine.block_manager
+            engine.runner.set_kv(engine.kv)
+        if SCHEDULER in scopes:
+            engine.scheduler.config = spec
+        if FORWARD in scopes and rebuilt is None:
+            engine.block_manager.reset_prefix_cache()  # cached KV came from the previous kernels
+        if scopes & {FORWARD, KV_LAYOUT}:
+            engine.ops, engine.runner.forward_fn, engine.runner.graphs = prepared.ops, prepared.forward_fn, \
+                prepared.graphs
+        engine.previous_variant, engine.variant = engine.variant, spec
+        return SwapReport(spec.variant_id, sorted(scopes), time.perf_counter() - t0)
+
+
+def swap(engine: "LLMEngine", spec: VariantSpec) -> SwapReport:
+    """The serving path's swap: a ``forward`` change is prepared first, without holding the engine, so steps
+    from other threads go on meanwhile; then it is switched in between two steps (the pause is one step's
+    drain). Changes with a ``kv_layout`` scope drain and rebuild as ``apply`` does."""
+    scopes = spec.changed_scopes(engine.variant)
+    prepared = None
+    if FORWARD in scopes and not scopes & {KV_LAYOUT, PARALLEL}:
+        prepared = prepare(engine, spec)
+    return apply(engine, spec, prepared)
+
+
+def rollback(engine: "LLMEngine") -> SwapReport:
+    if engine.previous_variant is None:
+        raise VariantError("no previous variant to roll back to")
+    return swap(engine, engine.previous_variant)
+
+
+def build_ops_for(engine: "LLMEngine", spec: VariantSpec) -> ForwardOps:
+    """``spec``'s operation table; generated kernels smoke-run at this model's shapes on its device."""
+    return build_ops(spec, engine.model_config.kernel_dims(), str(engine.device))
+
+
+def forward_fn(engine: "LLMEngine", spec: VariantSpec):
+    """The eager forward for ``spec``: the model, or torch.compile of it (GPU only)."""
+    if spec.compile_mode == "none" or engine.device.type != "cuda":
+        return engine.model
+    return torch.compile(engine.model, mode=spec.compile_mode, dynamic=True)
+
+
+def graphs_for(engine: "LLMEngine", spec: VariantSpec, ops: ForwardOps, kv: KVCache):
+    """Captured decode graphs for the spec, or None. On a CPU, graphs and compile modes are skipped with a note."""
+    if not (spec.cuda_graph_batch_sizes or spec.compile_mode != "none"):
+        return None
+    if engine.device.type != "cuda":
+        engine.notes.append(f"variant {spec.variant_id}: CUDA graphs and compile mode skipped on {engine.device.type}")
+        return None
+    if not spec.cuda_graph_batch_sizes:
+        return None
+    if not spec.impl("attention").startswith("triton"):
+        raise VariantError("CUDA graphs need a Triton attention kernel (the reference loops over host values)")
+    try:
+        return engine.runner.capture_graphs(ops, spec.cuda_graph_batch_sizes, kv)
+    except Exception as e:
+        raise VariantError(f"CUDA graph capture failed: {type(e).__name__}: {e}") from None
+
+
+def _build_kv(engine: "LLMEngine", spec: VariantSpec) -> tuple[KVCache, BlockManager]:
+    """A new KV pool of the same memory under the new block size, and its block manager."""
+    cfg, dtype = engine.model_config, engine.dtype
+    total = engine.kv.num_blocks * KVCache.bytes_per_block(cfg, engine.kv.block_size, dtype)
+    num_blocks = max(1, total // KVCache.bytes_per_block(cfg, spec.block_size, dtype))
+    try:
+        kv = KVCache(cfg, num_blocks, spec.block_size, engine.device, dtype)
+    except (RuntimeError, MemoryError) as e:
+        raise VariantError(f"cannot allocate the new KV pool: {e}") from None
+    return kv, BlockManager(num_blocks, spec.block_size, spec.enable_prefix_caching)
