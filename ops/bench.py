@@ -43,6 +43,14 @@ class BenchResult:
     wall_s: float = 0.0
     step_times_ms: dict[str, float] = field(default_factory=dict)  # fast tier: shape -> median step time
     goodput_spread: float = 0.0  # max - min of goodput over repeats
+    # capacity at SLO: the highest request rate (req/s) at which >= 90% of requests meet both targets, the
+    # slice's recorded arrival pattern replayed at scaled rates; its spread is the width of the final bracket
+    capacity: float = 0.0
+    capacity_spread: float = 0.0
+    attainment: float = 0.0  # share of requests meeting both targets at the slice's own (configured) rate
+    slo_ttft_s: float = 0.0
+    slo_tpot_s: float = 0.0
+    rate_probes: list[list[float]] = field(default_factory=list)  # [rate req/s, attainment] per replay
     # slow tier: every engine step of the median run as [new tokens, KV tokens, sequences, attended pairs, seconds]
     step_samples: list[list[float]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -64,8 +72,10 @@ class SLO:
 
 
 def _replay_once(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[int]], max_output: int | None,
-                 time_scale: float, slo: SLO) -> dict:
-    """Adds each request when its (scaled) arrival time has passed, steps the engine, times every request."""
+                 time_scale: float, slo: SLO, give_up_after: int | None = None) -> dict:
+    """Adds each request when its (scaled) arrival time has passed, steps the engine, times every request.
+    With ``give_up_after``, stops (aborting what runs) once that many requests have missed the SLO: a rate
+    probe that has already failed need not run to the end."""
     t0 = records[0].arrival_s
     pending = list(range(len(records)))
     arrival: dict[str, float] = {}
@@ -104,6 +114,12 @@ def _replay_once(engine: LLMEngine, records: list[TraceRecord], prompts: list[li
                 first[o.request_id] = t
             if o.finished:
                 done[o.request_id] = (t, len(o.token_ids))
+        if give_up_after is not None and _missed(arrival, first, done, te, slo) >= give_up_after:
+            for rid in arrival:
+                engine.abort(rid)
+            while engine.has_unfinished():  # a step launched ahead is collected and dropped
+                engine.step()
+            return {"gave_up": True, "missed": give_up_after}
     wall = time.perf_counter() - start
     ttft = {r: first[r] - arrival[r] for r in done}
     e2e = {r: done[r][0] - arrival[r] for r in done}
@@ -115,9 +131,72 @@ def _replay_once(engine: LLMEngine, records: list[TraceRecord], prompts: list[li
             "tpot": list(tpot.values()), "e2e": list(e2e.values()), "good": good, "samples": samples}
 
 
+def _missed(arrival: dict, first: dict, done: dict, now: float, slo: SLO) -> int:
+    """Requests that can no longer meet the SLO: no first token within the TTFT target, or finished slower than
+    the TPOT target."""
+    n = 0
+    for rid, a in arrival.items():
+        f = first.get(rid)
+        if (f is None and now - a > slo.ttft_s) or (f is not None and f - a > slo.ttft_s):
+            n += 1
+        elif rid in done and done[rid][1] > 1 and (done[rid][0] - f) / (done[rid][1] - 1) > slo.tpot_s:
+            n += 1
+    return n
+
+
+def own_rate(records: list[TraceRecord]) -> float:
+    """The slice's recorded request rate (requests per second of its arrival span)."""
+    span = records[-1].arrival_s - records[0].arrival_s
+    return (len(records) - 1) / span if span > 0 and len(records) > 1 else float(len(records))
+
+
+def attainment_at(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[int]], rate: float,
+                  max_output: int | None, slo: SLO, target: float = 0.9) -> float:
+    """SLO attainment with the slice's arrival pattern replayed at ``rate`` req/s (0: every request at once);
+    a replay that has already missed more than 1 - ``target`` of its requests stops early (and reports so)."""
+    engine.block_manager.reset_prefix_cache()
+    scale = own_rate(records) / rate if rate > 0 else 0.0
+    allowed = int((1 - target) * len(records)) + 1
+    r = _replay_once(engine, records, prompts, max_output, scale, slo, give_up_after=allowed)
+    if r.get("gave_up"):
+        return (len(records) - r["missed"]) / len(records)
+    return r["good"] / len(records)
+
+
+def capacity_search(attain, guess: float, target: float = 0.9, resolution: float = 1.25,
+                    max_probes: int = 6) -> tuple[float, float, list[list[float]]]:
+    """The highest rate whose attainment (``attain(rate)``) reaches ``target``: from ``guess`` it doubles or
+    halves until a passing and a failing rate bracket it, then bisects (geometrically) until the bracket is
+    within ``resolution``. Returns (capacity, the bracket's width, [rate, attainment] per probe); capacity 0
+    when even the lowest rate probed fails."""
+    passed, failed, probes = 0.0, float("inf"), []
+    rate = max(guess, 1e-3)
+    for _ in range(max_probes):
+        a = attain(rate)
+        probes.append([rate, a])
+        if a >= target:
+            passed = max(passed, rate)
+        else:
+            failed = min(failed, rate)
+        if failed < float("inf") and passed > 0 and failed / passed <= resolution:
+            break
+        if failed == float("inf"):
+            rate = passed * 2
+        elif passed == 0:
+            rate = failed / 2
+        else:
+            rate = (passed * failed) ** 0.5
+    # without a failing rate the capacity is a lower bound (its spread infinite); without a passing one, 0 up
+    # to the lowest rate tried
+    width = failed - passed if passed > 0 else failed
+    return passed, width, probes
+
+
 def slow_tier(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[int]], trace_id: str,
-              repeats: int = 3, time_scale: float = 1.0, max_output: int | None = None, slo: SLO = SLO()) -> BenchResult:
-    """Replays the slice ``repeats`` times (prefix cache dropped between runs) and reports medians."""
+              repeats: int = 3, time_scale: float = 1.0, max_output: int | None = None, slo: SLO = SLO(),
+              capacity_guess: float | None = None) -> BenchResult:
+    """Replays the slice ``repeats`` times (prefix cache dropped between runs) and reports medians; with
+    ``capacity_guess`` (req/s, e.g. the cost model's), then searches the capacity at the SLO from there."""
     if not records or len(records) != len(prompts):
         raise ValueError("slow_tier needs one prompt per trace record")
     runs = []
@@ -128,7 +207,7 @@ def slow_tier(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[
     rates = [r["out"] / r["wall"] for r in runs]
     mid = sorted(range(repeats), key=lambda i: rates[i])[repeats // 2]
     m = runs[mid]
-    return BenchResult(
+    res = BenchResult(
         variant_id=engine.variant.variant_id, tier="slow", layers=engine.model_config.num_hidden_layers,
         trace_id=trace_id, output_tok_s=statistics.median(rates),
         total_tok_s=(m["out"] + m["in"]) / m["wall"],
@@ -137,9 +216,14 @@ def slow_tier(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[
         e2e_p50=percentile(m["e2e"], .5), e2e_p90=percentile(m["e2e"], .9), e2e_p99=percentile(m["e2e"], .99),
         goodput=m["good"] / m["wall"], repeats=repeats, spread=max(rates) - min(rates),
         goodput_spread=max(r["good"] / r["wall"] for r in runs) - min(r["good"] / r["wall"] for r in runs),
-        step_samples=m["samples"],
+        step_samples=m["samples"], attainment=m["good"] / len(records), slo_ttft_s=slo.ttft_s, slo_tpot_s=slo.tpot_s,
         hardware=hardware_label(engine.device), wall_s=time.perf_counter() - t0,
     )
+    if capacity_guess is not None:
+        res.capacity, res.capacity_spread, res.rate_probes = capacity_search(
+            lambda rate: attainment_at(engine, records, prompts, rate, max_output, slo), capacity_guess)
+        res.wall_s = time.perf_counter() - t0
+    return res
 
 
 def fast_tier(engine: LLMEngine, prefill_lengths: list[int], decode_batches: list[tuple[int, int]],

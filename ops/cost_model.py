@@ -29,9 +29,9 @@ from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
 from engine.trace_record import TraceRecord
 from engine.variant import VariantSpec
+from ops.bench import capacity_search, own_rate
 from ops.hardware import HardwareProfile
 from ops.model_spec import ModelSpec
-from ops.replay import synthesize_prompts
 from ops.traces import TrafficProfile, percentile
 
 _SIM_VOCAB = 32000  # token ids of the simulated prompts: only their sharing (prefix hashes) matters
@@ -175,6 +175,25 @@ class Prediction:
     goodput: float = 0.0  # requests/s meeting the SLO
     wall_s: float = 0.0
     steps: int = 0
+    attainment: float = 0.0  # share of requests meeting the SLO
+    capacity: float = 0.0  # req/s at which >= 90% meet it (predicted_capacity; 0 when not computed)
+
+
+def sim_prompts(records: list[TraceRecord], max_input: int | None) -> list[list[int]]:
+    """Token ids that share exactly what the slow tier's prompts share (ops.replay.synthesize_prompts: the
+    blocks of a prefix hash id alike, the rest of each request its own), cheaply: a block of a hash id is
+    that id repeated, the rest of request i is a value of its own; only equality matters to the block manager."""
+    out = []
+    for i, r in enumerate(records):
+        n = max(1, r.input_tokens if max_input is None else min(r.input_tokens, max_input))
+        ids: list[int] = []
+        for h in r.prefix_block_hashes:
+            if len(ids) >= n:
+                break
+            ids.extend([(h % _SIM_VOCAB) + _SIM_VOCAB] * r.block_tokens)  # hash blocks: ids >= _SIM_VOCAB
+        ids.extend([i % _SIM_VOCAB] * max(0, n - len(ids)))
+        out.append(ids[:n])
+    return out
 
 
 def simulate(spec: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], v: VariantSpec,
@@ -192,7 +211,7 @@ def simulate(spec: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], v
     sched = Scheduler(v, bm)
     pending: deque[tuple[float, Sequence]] = deque()
     capacity = num_kv_blocks * v.block_size
-    for i, (r, prompt) in enumerate(zip(records, synthesize_prompts(records, _SIM_VOCAB, max_input=max_input))):
+    for i, (r, prompt) in enumerate(zip(records, sim_prompts(records, max_input))):
         o = max(1, r.output_tokens if max_output is None else min(r.output_tokens, max_output))
         if len(prompt) + o <= capacity:
             seq = Sequence(str(i), prompt, SamplingParams(max_tokens=o, ignore_eos=True), i)
@@ -242,7 +261,21 @@ def simulate(spec: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], v
                     or (end - first[s.request_id]) / (len(s.output_token_ids) - 1) <= slo_tpot_s))
     return Prediction(output_tok_s=out_tokens / wall, ttft_s=percentile(ttft, .5), tpot_s=percentile(tpot, .5),
                       total_tok_s=(out_tokens + in_tokens) / wall, ttft_p99=percentile(ttft, .99),
-                      tpot_p99=percentile(tpot, .99), goodput=good / wall, wall_s=wall, steps=steps)
+                      tpot_p99=percentile(tpot, .99), goodput=good / wall, wall_s=wall, steps=steps,
+                      attainment=good / max(1, len(arrival)))
+
+
+def predicted_capacity(spec: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], v: VariantSpec,
+                       cal: Calibration = ROOFLINE, target: float = 0.9, **sim) -> float:
+    """The capacity at the SLO the simulation predicts: the slice's arrival pattern replayed at scaled rates
+    (as the slow tier measures it, to a finer bracket: simulating costs milliseconds)."""
+    rate0 = own_rate(records)
+    sim = {k: v_ for k, v_ in sim.items() if k != "time_scale"}
+
+    def attain(rate: float) -> float:
+        return simulate(spec, hw, records, v, cal, time_scale=rate0 / rate, **sim).attainment
+
+    return capacity_search(attain, rate0, target, resolution=1.1, max_probes=12)[0]
 
 
 def synthetic_requests(traffic: TrafficProfile, n: int = 64, seed: int = 0) -> list[TraceRecord]:
@@ -269,19 +302,24 @@ def synthetic_requests(traffic: TrafficProfile, n: int = 64, seed: int = 0) -> l
 
 def predict(spec: ModelSpec, hw: HardwareProfile, traffic: TrafficProfile, v: VariantSpec,
             cal: Calibration = ROOFLINE, records: list[TraceRecord] | None = None, **sim) -> Prediction:
-    """Trace-level prediction: over ``records`` when given, else over requests drawn from the profile.
-    Data parallelism splits the requests round-robin over ``v.dp`` replicas."""
+    """Trace-level prediction, capacity at the SLO included: over ``records`` when given, else over requests
+    drawn from the profile. Data parallelism splits the requests round-robin over ``v.dp`` replicas (their
+    capacities add up)."""
     records = records or synthetic_requests(traffic)
     if v.dp == 1:
-        return simulate(spec, hw, records, v, cal, **sim)
-    parts = [simulate(spec, hw, records[i::v.dp], v, cal, **sim) for i in range(v.dp) if records[i::v.dp]]
+        return dataclasses.replace(simulate(spec, hw, records, v, cal, **sim),
+                                   capacity=predicted_capacity(spec, hw, records, v, cal, **sim))
+    shares = [records[i::v.dp] for i in range(v.dp) if records[i::v.dp]]
+    parts = [simulate(spec, hw, r, v, cal, **sim) for r in shares]
     wall = max(p.wall_s for p in parts)
     out = sum(p.output_tok_s * p.wall_s for p in parts)
     return Prediction(output_tok_s=out / wall, ttft_s=max(p.ttft_s for p in parts), tpot_s=max(p.tpot_s for p in parts),
                       total_tok_s=sum(p.total_tok_s * p.wall_s for p in parts) / wall,
                       ttft_p99=max(p.ttft_p99 for p in parts), tpot_p99=max(p.tpot_p99 for p in parts),
                       goodput=sum(p.goodput * p.wall_s for p in parts) / wall, wall_s=wall,
-                      steps=sum(p.steps for p in parts))
+                      steps=sum(p.steps for p in parts),
+                      attainment=sum(p.attainment * len(r) for p, r in zip(parts, shares)) / len(records),
+                      capacity=sum(predicted_capacity(spec, hw, r, v, cal, **sim) for r in shares))
 
 
 # ---- error measures ---------------------------------------------------------------------------------
@@ -359,12 +397,12 @@ def knob_grid(traffic: TrafficProfile, base: VariantSpec) -> list[VariantSpec]:
 
 
 def _rank_key(p: Prediction) -> tuple:
-    return (-round(p.goodput, 6), -round(p.output_tok_s, 6), p.ttft_s)
+    return (-round(p.capacity, 6), -round(p.attainment, 6), -round(p.output_tok_s, 6), p.ttft_s)
 
 
 def rank_layouts(spec: ModelSpec, hw: HardwareProfile, traffic: TrafficProfile, base: VariantSpec,
                  devices: int, cal: Calibration = ROOFLINE, **sim) -> list[dict]:
-    """Every (tp, dp) with tp x dp = devices whose weights fit, ranked by predicted goodput and throughput."""
+    """Every (tp, dp) with tp x dp = devices whose weights fit, ranked by predicted capacity and throughput."""
     out = []
     for tp in [d for d in range(1, devices + 1) if devices % d == 0]:
         dp = devices // tp
@@ -375,7 +413,7 @@ def rank_layouts(spec: ModelSpec, hw: HardwareProfile, traffic: TrafficProfile, 
         p = predict(spec, hw, traffic, v, cal, **sim) if fits else None
         out.append({"tp": tp, "dp": dp, "fits": fits, "prediction": asdict(p) if p else None,
                     "rationale": (f"weights {spec.param_bytes / tp / 2**30:.2f} GiB per device; predicted "
-                                  f"{p.output_tok_s:.1f} tok/s, goodput {p.goodput:.2f} req/s") if p else
+                                  f"capacity {p.capacity:.2f} req/s at the SLO, {p.output_tok_s:.1f} tok/s") if p else
                                  "does not fit (weights per device or heads not divisible)"})
     out.sort(key=lambda d: (not d["fits"],) + (_rank_key(Prediction(**d["prediction"])) if d["prediction"] else ()))
     return out
@@ -384,12 +422,14 @@ def rank_layouts(spec: ModelSpec, hw: HardwareProfile, traffic: TrafficProfile, 
 def plan(spec: ModelSpec, hw: HardwareProfile, traffic: TrafficProfile, base: VariantSpec,
          cal: Calibration = ROOFLINE, records: list[TraceRecord] | None = None, devices: int | None = None,
          top: float = 0.25, **sim) -> CostModelPlan:
-    """Ranks the knob grid by predicted goodput, then output tokens/s; keeps the ranges of the best quarter."""
+    """Ranks the knob grid by predicted capacity at the SLO, then attainment at the traffic's own rate and output
+    tokens/s; keeps the ranges of the best quarter."""
     records = records or synthetic_requests(traffic)
     entries = []
     for v in knob_grid(traffic, base):
         p = predict(spec, hw, traffic, v, cal, records, **sim)
-        entries.append(PlanEntry(v, p, f"predicted {p.output_tok_s:.1f} tok/s, goodput {p.goodput:.2f} req/s, "
+        entries.append(PlanEntry(v, p, f"predicted capacity {p.capacity:.2f} req/s at the SLO, "
+                                       f"{p.output_tok_s:.1f} tok/s, "
                                        f"TTFT p50 {1e3 * p.ttft_s:.0f} ms, TPOT p50 {1e3 * p.tpot_s:.1f} ms "
                                        f"({'calibrated' if cal.fitted else 'roofline'})"))
     entries.sort(key=lambda e: _rank_key(e.prediction))

@@ -17,31 +17,45 @@ class Choice:
 
 
 def choose(candidates: list[tuple[VariantSpec, BenchResult]], baseline: tuple[VariantSpec, BenchResult]) -> Choice:
-    """The best by goodput, then output tokens/s. It replaces the baseline only when it is better by
-    more than the measured spreads: goodput higher by more than both goodput spreads, or goodput no
-    worse (within the spreads) and output tokens/s higher by more than both throughput spreads."""
+    """The best by capacity at the SLO, then SLO attainment at the traffic's own rate, then output tokens/s.
+    It replaces the baseline (static-best) only when it is better by more than the measured spreads:
+    capacity higher by more than both capacities' spreads (the width of their final rate brackets), or
+    capacity no worse (within them) and output tokens/s higher by more than both throughput spreads."""
     base_spec, base = baseline
 
+    def key(r: BenchResult) -> tuple:
+        return (round(r.capacity, 6), round(r.attainment, 6), r.output_tok_s)
+
     def wins(r: BenchResult) -> bool:
-        g_margin = r.goodput_spread + base.goodput_spread
-        if r.goodput - base.goodput > g_margin:
+        margin = r.capacity_spread + base.capacity_spread
+        if r.capacity - base.capacity > margin:
             return True
-        return base.goodput - r.goodput <= g_margin and r.output_tok_s - base.output_tok_s > r.spread + base.spread
+        return base.capacity - r.capacity <= margin and r.output_tok_s - base.output_tok_s > r.spread + base.spread \
+            and r.attainment >= base.attainment
 
     better = [c for c in candidates if c[0].variant_id != base_spec.variant_id and wins(c[1])]
     if not better:
-        best_spec, best = max(candidates + [baseline], key=lambda c: (round(c[1].goodput, 6), c[1].output_tok_s))
+        best_spec, best = max(candidates + [baseline], key=lambda c: key(c[1]))
         if best_spec.variant_id == base_spec.variant_id:
-            return Choice(base_spec, base, base, "the baseline measured best; nothing to change")
+            return Choice(base_spec, base, base, "static-best measured best; kept static-best")
         return Choice(base_spec, base, base,
-                      f"best candidate {best_spec.variant_id} ({best.output_tok_s:.2f} tok/s, goodput "
-                      f"{best.goodput:.2f}) does not beat the baseline ({base.output_tok_s:.2f} tok/s, goodput "
-                      f"{base.goodput:.2f}) by more than the spreads; keeping the baseline")
-    best_spec, best = max(better, key=lambda c: (round(c[1].goodput, 6), c[1].output_tok_s))
+                      f"best candidate {best_spec.variant_id} ({best_spec.name}: capacity {best.capacity:.2f} req/s, "
+                      f"{best.output_tok_s:.1f} tok/s) does not beat static-best (capacity {base.capacity:.2f} req/s, "
+                      f"{base.output_tok_s:.1f} tok/s) by more than the spreads; kept static-best")
+    best_spec, best = max(better, key=lambda c: key(c[1]))
     return Choice(best_spec, best, base,
-                  f"{best_spec.variant_id} ({best_spec.name}): goodput {best.goodput:.2f} vs {base.goodput:.2f} req/s "
-                  f"(spreads {best.goodput_spread:.2f}, {base.goodput_spread:.2f}), {best.output_tok_s:.1f} vs "
+                  f"{best_spec.variant_id} ({best_spec.name}): capacity {best.capacity:.2f} vs {base.capacity:.2f} "
+                  f"req/s (spreads {best.capacity_spread:.2f}, {base.capacity_spread:.2f}), {best.output_tok_s:.1f} vs "
                   f"{base.output_tok_s:.1f} output tok/s (spreads {best.spread:.2f}, {base.spread:.2f})")
+
+
+def capacity_line(chosen: BenchResult, static_best: BenchResult) -> str:
+    """The headline every report prints: capacity at SLO, chosen / static-best, with both spreads and the SLO."""
+    ratio = chosen.capacity / static_best.capacity if static_best.capacity > 0 else float("nan")
+    return (f"capacity at SLO, chosen / static-best: {ratio:.2f}x (spreads {chosen.capacity_spread:.2f} and "
+            f"{static_best.capacity_spread:.2f} req/s; {chosen.capacity:.2f} vs {static_best.capacity:.2f} req/s at "
+            f"TTFT <= {1e3 * static_best.slo_ttft_s:.0f} ms and TPOT <= {1e3 * static_best.slo_tpot_s:.0f} ms for 90% "
+            f"of requests)")
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Prompts are synthesized as token ids of the recorded input lengths; requests that share
 prefix-block hashes share the same prefix tokens (each hash id maps to a fixed block of
-tokens). max_tokens follows the recorded output, with ``ignore_eos`` so lengths hold.
+tokens). With the model's tokenizer the ids are real text (``ops.corpus``), else random ids
+(synthetic weights). max_tokens follows the recorded output, with ``ignore_eos`` so lengths hold.
 Definitions follow vLLM: TTFT is the time to the first streamed token; TPOT is
 (e2e - TTFT) / (output tokens - 1); ITL is every gap between streamed chunks; goodput counts
 requests per second that meet every SLO given.
@@ -16,6 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from engine.trace_record import TraceRecord
+from ops.corpus import Corpus, TextTokenizer, corpus_for, corpus_ids, text_prompts
 from ops.traces import percentile
 
 
@@ -70,9 +72,21 @@ def _stats(values: list[float]) -> dict[str, float]:
 
 
 def synthesize_prompts(records: list[TraceRecord], vocab_size: int, max_input: int | None = None,
-                       seed: int = 0, low: int = 100) -> list[list[int]]:
+                       seed: int = 0, low: int = 100, *, tokenizer: TextTokenizer | None = None,
+                       corpus: Corpus | str | None = None) -> list[list[int]]:
     """Token ids per record. Blocks named by the same hash id get the same tokens, so shared
-    prefixes in the trace are shared prefixes here; the rest is random per request."""
+    prefixes in the trace are shared prefixes here; the rest differs per request.
+
+    Without a tokenizer the ids are random in [low, vocab_size) (synthetic weights). With one
+    they are windows of real text from ``corpus`` (``corpus_for(records)`` when None): see
+    ``ops.corpus.text_prompts``; ``low`` is then unused.
+    """
+    if tokenizer is not None:
+        stream = corpus_ids(corpus if corpus is not None else corpus_for(records), tokenizer)
+        if stream.max_id >= vocab_size:
+            raise ValueError(f"the tokenizer's ids reach {stream.max_id} but the vocabulary has {vocab_size}: "
+                             "a tokenizer of another model?")
+        return text_prompts(records, stream, max_input=max_input, seed=seed)
     rng = random.Random(seed)
     blocks: dict[int, list[int]] = {}
     low = min(low, vocab_size // 4)  # skip the (often special) first ids, but stay inside small vocabularies

@@ -7,6 +7,8 @@ another worker takes the experiment over.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import statistics
 import threading
 import time
@@ -15,13 +17,15 @@ from dataclasses import asdict, dataclass, field
 
 from engine import EngineConfig, resolve
 from engine.llm_engine import LLMEngine, LoadedModel
+from engine.tokenizer import Tokenizer
 from engine.trace_record import TraceRecord
 from engine.variant import VariantSpec
-from ops.bench import SLO, BenchResult, fast_shapes, fast_tier, slow_tier
+from ops.bench import SLO, BenchResult, fast_shapes, fast_tier, own_rate, slow_tier
 from ops.board import Board, Experiment, worker_name
-from ops.cost_model import Calibration, calibrate, scaled, shapes_from_fast, simulate
+from ops.cost_model import Calibration, calibrate, predicted_capacity, scaled, shapes_from_fast, simulate
 from ops.hardware import HardwareProfile
 from ops.model_spec import model_spec
+from ops.corpus import corpus_for
 from ops.replay import synthesize_prompts
 from ops.traces import TrafficProfile, load_trace, profile
 
@@ -105,8 +109,13 @@ class Workbench:
         return eng
 
     def prompts(self, vocab: int) -> list[list[int]]:
+        """The slice's prompts at their recorded lengths: real text from the corpus that fits the trace (code or
+        prose, ops/corpus.py) when the model has a tokenizer, random ids for synthetic weights."""
         if self._prompts is None:
-            self._prompts = synthesize_prompts(self.records, vocab, max_input=self.cfg.max_input)
+            source = resolve(self.cfg.model)
+            tok = Tokenizer(source.tokenizer_path) if source.tokenizer_path and source.kind != "synthetic" else None
+            self._prompts = synthesize_prompts(self.records, vocab, max_input=self.cfg.max_input, tokenizer=tok,
+                                               corpus=corpus_for(self.cfg.trace) if tok else None)
         return self._prompts
 
     def spec_for(self, tier: str):
@@ -134,14 +143,25 @@ class Workbench:
                 out["step_time_ratio"] = ratio
             else:
                 cal = calibrate(self.spec_for(FAST), self.hardware, shapes_from_fast(res.step_times_ms))
-            pred = simulate(self.spec_for(SLOW), self.hardware, self.records, variant, cal, **c.sim)
+            pred = dataclasses.replace(
+                simulate(self.spec_for(SLOW), self.hardware, self.records, variant, cal, **c.sim),
+                capacity=predicted_capacity(self.spec_for(SLOW), self.hardware, self.records, variant, cal, **c.sim))
             out["calibration"] = cal.to_json()
             out["predicted"] = asdict(pred)
             return out
         res = slow_tier(eng, self.records, self.prompts(eng.model_config.vocab_size),
                         f"{c.trace}[:{len(self.records)}]", repeats=c.slow_repeats, time_scale=c.time_scale,
-                        max_output=c.max_output, slo=SLO(c.slo_ttft_s, c.slo_tpot_s))
+                        max_output=c.max_output, slo=SLO(c.slo_ttft_s, c.slo_tpot_s),
+                        capacity_guess=self.capacity_guess(variant))
         return res.to_json()
+
+    def capacity_guess(self, variant: VariantSpec) -> float:
+        """Where the slow tier's capacity search starts: the calibrated cost model's prediction once the full
+        model's calibration exists, else the slice's own rate."""
+        if self.reference is None:
+            return own_rate(self.records)
+        return predicted_capacity(self.spec_for(SLOW), self.hardware, self.records, variant, self.reference[0],
+                                  **self.cfg.sim) or own_rate(self.records)
 
 
 class _Heartbeat(threading.Thread):

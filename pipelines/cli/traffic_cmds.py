@@ -30,15 +30,23 @@ def cmd_replay(args: argparse.Namespace) -> int:
     records = records[: args.max_requests] if args.max_requests else records
     if not records:
         raise ConfigError("the trace has no requests")
-    vocab = args.vocab_size
+    vocab, tok = args.vocab_size, None
     if vocab is None:
         try:
             from engine.loader import load_config, resolve
 
-            vocab = load_config(resolve(args.tokenizer or args.model)).vocab_size
+            source = resolve(args.tokenizer or args.model)
+            vocab = load_config(source).vocab_size
         except Exception:
-            vocab = 32000
-    prompts = synthesize_prompts(records, vocab, max_input=args.max_input, seed=args.seed)
+            source, vocab = None, 32000
+        if args.tokenizer and source is not None and source.tokenizer_path and source.kind != "synthetic":
+            from engine.tokenizer import Tokenizer
+
+            tok = Tokenizer(source.tokenizer_path)  # prompts of real text, of the recorded lengths
+    from ops.corpus import corpus_for
+
+    prompts = synthesize_prompts(records, vocab, max_input=args.max_input, seed=args.seed, tokenizer=tok,
+                                 corpus=corpus_for(args.trace) if tok else None)
     report = asyncio.run(replay_async(records, prompts, args.base_url, args.model, time_scale=args.time_scale,
                                       max_output=args.max_output, max_concurrency=args.max_concurrency,
                                       slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms))
@@ -59,7 +67,9 @@ def add_parsers(sub) -> None:
     rp.add_argument("--trace", required=True)
     rp.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
     rp.add_argument("--model", required=True, help="the served model name")
-    rp.add_argument("--tokenizer", default=None, help="local model whose vocabulary prompts are drawn from")
+    rp.add_argument("--tokenizer", default=None, help="local model whose tokenizer writes the prompts: real text "
+                                                      "(code or prose) of the recorded lengths; without it, random "
+                                                      "token ids")
     rp.add_argument("--vocab-size", type=positive, default=None)
     rp.add_argument("--format", choices=["mooncake", "azure", "capture"], default=None)
     rp.add_argument("--lenient", action="store_true")

@@ -94,6 +94,22 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_static_best(args: argparse.Namespace) -> int:
+    from engine import resolve, static_best
+    from ops.bench import SLO
+    from ops.static_best import sweep
+
+    source = resolve(args.model)
+    slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3) if args.slo_ttft_ms and args.slo_tpot_ms else None
+    log = (lambda m: print(m, file=sys.stderr, flush=True))
+    variant, record = sweep(source, args.device, args.dtype, slo, num_kv_blocks=args.num_kv_blocks, log=log)
+    print(json.dumps({"static_best": variant.to_json(), "sweep": record}, indent=2))
+    if args.write:
+        path = static_best.record(source, args.device, args.dtype, variant, record)
+        print(f"recorded in {path}", file=sys.stderr)
+    return 0
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from engine.errors import ConfigError
     from ops.board import Board
@@ -146,6 +162,17 @@ def add_parsers(sub) -> None:
     tn.add_argument("--json", default=None, help="also write the report as JSON here")
     tn.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     tn.set_defaults(func=cmd_tune)
+
+    sb = sub.add_parser("static-best", help="sweep kernels, graphs and knobs on a fixed synthetic workload: the "
+                                            "model's default configuration on this device (static-best)")
+    sb.add_argument("--model", default="smollm2")
+    sb.add_argument("--device", default="cpu")
+    sb.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    sb.add_argument("--num-kv-blocks", type=positive, default=1024)
+    sb.add_argument("--slo-ttft-ms", type=seconds, default=None, help="default: derived from unloaded latency")
+    sb.add_argument("--slo-tpot-ms", type=seconds, default=None)
+    sb.add_argument("--write", action="store_true", help="record the result in engine/presets/static_best.json")
+    sb.set_defaults(func=cmd_static_best)
 
     wk = sub.add_parser("worker", help="a benchmark worker: drain a search's experiment queue from the board")
     wk.add_argument("--board", required=True)

@@ -108,7 +108,8 @@ def test_plan_ranks_knobs_and_layouts():
                                                            output_tokens=40, source="t") for i in range(20)]), 32))
     base = VariantSpec(name="base")
     p = plan(SPEC, HW, prof, base, max_output=16)
-    keys = [(-round(e.prediction.goodput, 6), -round(e.prediction.output_tok_s, 6)) for e in p.entries]
+    keys = [(-round(e.prediction.capacity, 6), -round(e.prediction.attainment, 6), -round(e.prediction.output_tok_s, 6))
+            for e in p.entries]
     assert keys == sorted(keys)
     assert p.ranges["max_num_seqs"] and set(p.ranges["max_num_seqs"]) <= {1, 4, 16, 64}
     assert p.entries[0].prediction.output_tok_s >= p.entries[-1].prediction.output_tok_s

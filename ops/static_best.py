@@ -1,0 +1,146 @@
+"""The static-best sweep: the configuration a careful operator would set once for a model on a device,
+chosen without seeing any deployment's traffic (design section 5).
+
+The workload is fixed and synthetic: uniform prompts and outputs (``WORKLOADS``: 1,024 / 128 tokens on a
+GPU; 256 / 32 on a CPU, where a 1,024-token prefill alone takes seconds), Poisson arrivals replayed at
+scaled rates. Every candidate (knobs, and on a GPU the validated kernel forms of engine/presets.py with
+CUDA graphs) is hot-swapped into one engine and ranked by its capacity at the SLO on that workload; the
+SLO, unless given, follows ``derive_slo`` from the default configuration's unloaded latency. The winner
+is recorded by engine/static_best.py with the sweep's rows, and becomes the engine's default.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine import EngineConfig, LLMEngine
+from engine.loader import ModelSource
+from engine.sampling_params import SamplingParams
+from engine.trace_record import TraceRecord
+from engine.variant import VariantSpec
+from ops.bench import SLO, attainment_at, capacity_search, hardware_label, own_rate
+from ops.traces import percentile
+
+# the SLO rule where none is given: multiples of a configuration's unloaded latency on the workload
+TTFT_FACTOR, TPOT_FACTOR = 5.0, 3.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompt: int  # tokens per prompt
+    output: int  # tokens per output
+    requests: int
+    rate: float = 1.0  # the arrival pattern's own rate (req/s); the capacity search scales it
+
+    def records(self, seed: int = 0) -> list[TraceRecord]:
+        rng, t, out = random.Random(seed), 0.0, []
+        for _ in range(self.requests):
+            out.append(TraceRecord(arrival_s=t, input_tokens=self.prompt, output_tokens=self.output,
+                                   source="static-best workload"))
+            t += rng.expovariate(self.rate)
+        return out
+
+    def prompts(self, vocab: int, seed: int = 0) -> list[list[int]]:
+        rng = random.Random(seed + 1)
+        low = min(100, vocab // 4)  # past the (often special) first ids, inside small vocabularies
+        return [[rng.randrange(low, vocab - 1) for _ in range(self.prompt)] for _ in range(self.requests)]
+
+
+WORKLOADS = {"cpu": Workload(prompt=256, output=32, requests=24), "gpu": Workload(prompt=1024, output=128, requests=64)}
+
+
+def unloaded_latency(engine: LLMEngine, prompts: list[list[int]], output: int, n: int = 6) -> tuple[float, float]:
+    """(TTFT p90, TPOT p90) of ``n`` requests each run alone: the latency a configuration has with no queue."""
+    ttft, tpot = [], []
+    engine.generate([prompts[0][:16]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up, untimed
+    for p in prompts[:n]:
+        engine.block_manager.reset_prefix_cache()
+        t0 = time.perf_counter()
+        engine.add_request(p, SamplingParams(max_tokens=output, ignore_eos=True))
+        first = None
+        while engine.has_unfinished():
+            for o in engine.step():
+                if first is None and o.token_ids:
+                    first = time.perf_counter()
+        end = time.perf_counter()
+        ttft.append(first - t0)
+        tpot.append((end - first) / max(1, output - 1))
+    return percentile(ttft, .9), percentile(tpot, .9)
+
+
+def derive_slo(unloaded: tuple[float, float]) -> SLO:
+    """The stated rule: TTFT within TTFT_FACTOR times, and TPOT within TPOT_FACTOR times, the unloaded p90s."""
+    return SLO(ttft_s=TTFT_FACTOR * unloaded[0], tpot_s=TPOT_FACTOR * unloaded[1])
+
+
+def candidates(device: str, hidden_size: int) -> list[VariantSpec]:
+    """The sweep's forms: the default and a knob grid; on a GPU also the validated kernel forms with CUDA
+    graphs for every decode batch up to max_num_seqs."""
+    from engine.presets import preset_variant
+
+    knobs = [dict(max_num_seqs=s, max_num_batched_tokens=b, prefill_chunk_size=c)
+             for s in (8, 32, 128) for b, c in ((512, None), (2048, None), (2048, 256))]
+    out = [VariantSpec(name="default")]
+    if not device.startswith("cuda"):
+        return out + [VariantSpec(name=f"knobs {k}", **k) for k in knobs]
+    for name in ("triton-paged", "gemv", "gemv-split-kv-pdl", "dense-decode"):
+        for k in knobs:
+            graphs = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= k["max_num_seqs"])
+            try:
+                out.append(preset_variant(name, hidden_size, cuda_graph_batch_sizes=graphs, **k))
+            except Exception:  # a preset this device cannot run (e.g. dependent launch before Hopper)
+                continue
+    return out
+
+
+@dataclass
+class SweepRow:
+    variant: VariantSpec
+    capacity: float
+    capacity_spread: float
+    probes: list
+    error: str = ""
+
+
+def sweep(source: ModelSource, device: str = "cpu", dtype: str = "float32", slo: SLO | None = None,
+          workload: Workload | None = None, variants: list[VariantSpec] | None = None, num_kv_blocks: int = 1024,
+          log=print) -> tuple[VariantSpec, dict]:
+    """Runs the sweep; returns the winner and the sweep's record (workload, SLO, every row)."""
+    kind = "gpu" if device.startswith("cuda") else "cpu"
+    workload = workload or WORKLOADS[kind]
+    engine = LLMEngine(EngineConfig(source=source, device=device, dtype=dtype, num_kv_blocks=num_kv_blocks,
+                                    load_tokenizer=False, variant=VariantSpec(name="default")))
+    records = workload.records()
+    prompts = workload.prompts(engine.model_config.vocab_size)
+    if slo is None:
+        slo = derive_slo(unloaded_latency(engine, prompts, workload.output))
+        log(f"SLO from the default's unloaded latency: TTFT {1e3 * slo.ttft_s:.0f} ms, TPOT {1e3 * slo.tpot_s:.1f} ms")
+    variants = variants or candidates(device, engine.model_config.hidden_size)
+    rows, guess, t0 = [], own_rate(records), time.perf_counter()
+    for v in variants:
+        try:
+            engine.apply_variant(v)
+            engine.generate([prompts[0][:16]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up, untimed
+            cap, width, probes = capacity_search(
+                lambda rate: attainment_at(engine, records, prompts, rate, workload.output, slo), guess)
+            rows.append(SweepRow(v, cap, width, probes))
+            guess = cap or guess
+            log(f"  {v.name:60} capacity {cap:.3f} req/s (bracket {width:.3f}; {len(probes)} probes)")
+        except Exception as e:  # a form this device cannot run is a row too
+            rows.append(SweepRow(v, 0.0, 0.0, [], f"{type(e).__name__}: {str(e)[:200]}"))
+            log(f"  {v.name:60} failed: {rows[-1].error}")
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+    best = max(rows, key=lambda r: (r.capacity, -len(r.variant.kernels)))
+    record = {"workload": dataclasses.asdict(workload), "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
+              "rule": f"TTFT <= {TTFT_FACTOR:g}x and TPOT <= {TPOT_FACTOR:g}x the default's unloaded p90s, for 90% "
+                      "of requests", "date": time.strftime("%Y-%m-%d"), "machine": hardware_label(engine.device),
+              "seconds": round(time.perf_counter() - t0, 1), "chosen": best.variant.name,
+              "rows": [{"name": r.variant.name, "variant_id": r.variant.variant_id, "capacity": round(r.capacity, 4),
+                        "capacity_spread": round(r.capacity_spread, 4), "probes": r.probes, "error": r.error}
+                       for r in rows]}
+    return dataclasses.replace(best.variant, name="static-best"), record
