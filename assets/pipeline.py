@@ -54,13 +54,15 @@ def _scatter(points: list[tuple[float, float, str]], width: int = 48, height: in
 
 
 @dg.asset(partitions_def=DEPLOYMENTS,
-          description="The trace slice this optimization run tunes for.")
+          description="The traffic this optimization run tunes for: a trace file's slice, or the records the "
+                      "deployment captured since its last build (set through the run's config by the sensors).")
 def traffic_traces(context: dg.AssetExecutionContext, traffic: TrafficSource) -> list:
-    from ops.traces import load_trace
-
-    records = load_trace(traffic.trace)[: traffic.max_requests]
+    records = traffic.records()
+    source = traffic.describe(records)
+    if not records:
+        raise dg.Failure(f"no traffic to tune on in {source['source kind']} {source['source']}", metadata=source)
     context.add_output_metadata({
-        "requests": len(records), "source": traffic.trace,
+        **source,
         "preview": _md_table([{"arrival_s": round(r.arrival_s, 3), "input": r.input_tokens,
                                "output": r.output_tokens, "prefix blocks": len(r.prefix_block_hashes)}
                               for r in records[:10]]),
@@ -70,12 +72,13 @@ def traffic_traces(context: dg.AssetExecutionContext, traffic: TrafficSource) ->
 
 @dg.asset(partitions_def=DEPLOYMENTS,
           description="Arrival rate, burstiness, length percentiles and prefix reuse of the traffic.")
-def traffic_profile(context: dg.AssetExecutionContext, traffic_traces: list):
+def traffic_profile(context: dg.AssetExecutionContext, traffic_traces: list, traffic: TrafficSource):
     from ops.traces import profile
 
     prof = profile(traffic_traces)
-    context.add_output_metadata({k: dg.MetadataValue.float(float(v)) for k, v in prof.to_json().items()
-                                 if isinstance(v, (int, float))})
+    context.add_output_metadata({**{k: dg.MetadataValue.float(float(v)) for k, v in prof.to_json().items()
+                                    if isinstance(v, (int, float))},
+                                 **{k: v for k, v in traffic.describe(traffic_traces).items() if k != "requests"}})
     return prof
 
 
@@ -267,7 +270,7 @@ def deployed_endpoint(context: dg.AssetExecutionContext, engine_build, runner: E
     from pathlib import Path
 
     from ops.deploy import deploy
-    from ops.drift import DeploymentRecord
+    from ops.drift import DeploymentRecord, capture_position, hardware_identity
     from ops.replay import synthesize_prompts
 
     url, token = endpoint.connect(runner, capture_dir=str(Path(artifacts.root) / "capture"))
@@ -278,12 +281,14 @@ def deployed_endpoint(context: dg.AssetExecutionContext, engine_build, runner: E
         engine_build.bench.get("tpot_p50", 0.0)
     dep = deploy(url, token, endpoint.served_model_name, engine_build.variant, probes,
                  max_tokens=endpoint.watch_max_tokens, tolerance=endpoint.tolerance, spread=spread)
-    if dep.status == "deployed":  # what the drift sensors compare live traffic and the model against
+    if dep.status == "deployed":  # what the drift sensors compare live traffic, the model and the hardware against
+        capture_dir = endpoint.capture_dir or str(Path(artifacts.root) / "capture")
         DeploymentRecord(endpoint=url, variant_id=dep.build_id, traffic_profile=engine_build.traffic_profile,
                          partition_key=context.partition_key,
                          model_weights_hash=engine_build.model_weights_hash, model=runner.model,
-                         deployed_at=time.time(), capture_dir=endpoint.capture_dir or
-                         str(Path(artifacts.root) / "capture")).save(
+                         deployed_at=time.time(), capture_dir=capture_dir,
+                         capture_start=capture_position(capture_dir),
+                         hardware=hardware_identity(runner.device).to_json()).save(
             Path(artifacts.root) / "deployments" / "current.json")
     context.add_output_metadata({"endpoint": url, "status": dep.status, "serving": dep.build_id,
                                  "previous": str(dep.previous_build), "why": dg.MetadataValue.md(dep.reason)})

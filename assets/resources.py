@@ -49,14 +49,59 @@ class EngineRunner(dg.ConfigurableResource):
 
 
 class TrafficSource(dg.ConfigurableResource):
-    """Where traffic comes from: a trace file (capture, Mooncake or Azure) and the slice the run uses."""
+    """Where traffic comes from, and the slice the run uses: a trace file (capture, Mooncake or Azure), or,
+    when ``capture_dir`` is set, what a deployment captured between two positions of its capture (the drift
+    sensors and the nightly schedule set these through the run's config: the traffic since the last build)."""
 
     trace: str
-    max_requests: int = 16
+    capture_dir: str = ""  # an endpoint's capture directory, read instead of ``trace``
+    capture_from: int = 0  # capture positions [capture_from, capture_until) (see ops.drift.read_capture)
+    capture_until: int | None = None  # None: up to the newest record
+    max_requests: int = 16  # a trace file's first records; a capture's newest
     max_input: int = 128  # clip prompt lengths to what the machine can replay in time
     max_output: int = 16
     time_scale: float = 0.02
     lenient: bool = False  # count and skip malformed rows instead of failing on the first
+
+    def records(self) -> list:
+        """The TraceRecords the run tunes on, arrival-sorted."""
+        if not self.capture_dir:
+            from ops.traces import load_trace
+
+            return load_trace(self.trace, lenient=self.lenient)[: self.max_requests]
+        return list(self.capture().records[-self.max_requests:])
+
+    def capture(self):
+        """The ops.drift.CaptureSlice of the configured range of ``capture_dir``."""
+        from ops.drift import read_capture
+
+        return read_capture(self.capture_dir, self.capture_from, self.capture_until, lenient=self.lenient)
+
+    def describe(self, records: list) -> dict:
+        """Which traffic ``records`` are, for asset metadata: source, how many, the time window."""
+        window = f"{records[0].arrival_s:.1f} s .. {records[-1].arrival_s:.1f} s" if records else "no records"
+        if not self.capture_dir:
+            return {"source": self.trace, "source kind": "trace file", "requests": len(records), "window": window}
+        until = "newest" if self.capture_until is None else self.capture_until
+        return {"source": self.capture_dir, "source kind": "capture", "requests": len(records),
+                "capture positions": f"[{self.capture_from}, {until})", "window": window}
+
+    def trace_file(self) -> str:
+        """A trace file holding what ``records()`` returns, for the benchmark workers (which load a file by
+        path): the trace itself, or the capture slice written beside the capture, named by its content."""
+        if not self.capture_dir:
+            return self.trace
+        import hashlib
+        import json
+
+        text = "".join(json.dumps(r.to_json(), separators=(",", ":")) + "\n" for r in self.records())
+        path = Path(self.capture_dir) / "slices" / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.jsonl"
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(text)
+            tmp.replace(path)
+        return str(path)
 
 
 class VariantSource(dg.ConfigurableResource):
@@ -72,7 +117,7 @@ class VariantSource(dg.ConfigurableResource):
 
     def agents(self, board):
         """The default agents (ops.tune.default_agents), with the LLM agent when ``llm_base_url`` is set."""
-        from ops.agents import LLMAgent
+        from ops.llm_agent import LLMAgent
         from ops.tune import default_agents
 
         llm = None
@@ -94,7 +139,7 @@ def search_config(runner: EngineRunner, traffic: TrafficSource, **tiers):
     fields (slow_layers, slow_repeats, slo_ttft_s, ...). The CLI's ``tune`` and the assets both build it here."""
     from ops.worker import SearchConfig
 
-    return SearchConfig(model=runner.model, trace=traffic.trace, device=runner.device, dtype=runner.dtype,
+    return SearchConfig(model=runner.model, trace=traffic.trace_file(), device=runner.device, dtype=runner.dtype,
                         requests=traffic.max_requests, max_input=traffic.max_input, max_output=traffic.max_output,
                         time_scale=traffic.time_scale, fast_layers=runner.fast_layers,
                         num_kv_blocks=runner.num_kv_blocks, lenient=traffic.lenient, **tiers)

@@ -44,7 +44,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig, resolve
+    from engine import EngineConfig, LLMEngine, SamplingParams, VariantSpec, resolve
     from engine.loader import smollm2_gguf_path
 
     lengths = azure_lengths(args.trace, args.requests, args.max_input, args.max_output)
@@ -53,7 +53,7 @@ def main() -> None:
     useful = sum(n_out for _, n_out in lengths)
 
     engine = LLMEngine(EngineConfig(source=resolve("smollm2"), kv_cache_bytes=2 * 1024**3,
-                                    scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096)))
+                                    variant=VariantSpec(max_num_seqs=64, max_num_batched_tokens=4096)))
     params = [SamplingParams(max_tokens=n_out, ignore_eos=True) for _, n_out in lengths]
     engine.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
     t0 = time.perf_counter()

@@ -17,8 +17,8 @@ sys.path.insert(0, str(ROOT))
 
 from checks.gates import gate_variant  # noqa: E402
 from engine import EngineConfig, LLMEngine, resolve  # noqa: E402
-from engine.variant import (REFERENCE_VARIANT, TRITON_ALL, TRITON_GEMV, TRITON_MOE_DECODE,  # noqa: E402
-                            VariantSpec, moe_decode_params, with_pdl)
+from engine.presets import TRITON_ALL, TRITON_GEMV, TRITON_MOE_DECODE, moe_decode_params, with_pdl  # noqa: E402
+from engine.variant import REFERENCE_VARIANT, VariantSpec  # noqa: E402
 
 
 def main() -> int:

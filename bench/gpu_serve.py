@@ -56,7 +56,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     env = ensure_serving_packages(Path("/tmp/polyinf-serving-deps"))
     sys.path.insert(0, str(ROOT))
-    from engine.variant import TRITON_ALL, VariantSpec
+    from engine.presets import TRITON_ALL
+    from engine.variant import VariantSpec
 
     variant = VariantSpec(name="tuned: triton + graphs", kernels=TRITON_ALL,
                           kernel_params={"attention": {"block_n": 128, "num_warps": 8}},

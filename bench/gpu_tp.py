@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-from bench import gpu_bench as gb
-from bench.gpu_bench import row, trace_requests
-from engine.variant import TRITON_ALL, TRITON_GEMV
+from bench.gpu import harness as gb
+from bench.gpu.harness import row
+from bench.gpu.throughput import trace_requests
+from engine.presets import TRITON_ALL, TRITON_GEMV
 
 ROOT = Path(__file__).resolve().parent.parent
 TRITON = {**TRITON_ALL, **TRITON_GEMV}

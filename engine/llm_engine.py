@@ -102,16 +102,17 @@ class LLMEngine:
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         model_cfg = loaded.config
         self.load_seconds = loaded.load_seconds
+        variant = config.initial_variant()
         num_blocks = config.num_kv_blocks or max(
-            1, config.kv_cache_bytes // KVCache.bytes_per_block(model_cfg, config.block_size, self.dtype)
+            1, config.kv_cache_bytes // KVCache.bytes_per_block(model_cfg, variant.block_size, self.dtype)
         )
-        self.kv = KVCache(model_cfg, num_blocks, config.block_size, self.device, self.dtype)
+        self.kv = KVCache(model_cfg, num_blocks, variant.block_size, self.device, self.dtype)
         self.max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.block_manager = BlockManager(num_blocks, variant.block_size, variant.enable_prefix_caching)
+        self.scheduler = Scheduler(variant, self.block_manager)
         self.runner = ModelRunner(self.model, model_cfg, self.kv, self.max_model_len, self.device)
-        self.variant: VariantSpec = config.initial_variant()
+        self.variant: VariantSpec = variant
         self.previous_variant: VariantSpec | None = None
         self.notes: list[str] = []  # what the engine skipped or could not honour, for the operator
         self.ops: ForwardOps = variant_swap.build_ops_for(self, self.variant)

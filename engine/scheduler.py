@@ -13,23 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.errors import ConfigError
 from engine.sequence import Sequence, SequenceStatus
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    prefill_chunk_size: int | None = None  # most prompt tokens of one sequence per step; None: the budget
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
-            raise ConfigError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
+from engine.variant import VariantSpec
 
 
 @dataclass(frozen=True)
@@ -54,8 +39,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
-        self.config = config
+    def __init__(self, config: VariantSpec, block_manager: BlockManager) -> None:
+        self.config = config  # the active variant: max_num_seqs, max_num_batched_tokens, prefill_chunk_size
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

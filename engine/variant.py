@@ -50,78 +50,50 @@ BUILTIN_IMPLS = {
     "act_linear": ("reference", "triton"),
     # the block after attention of an MoE layer: residual add + RMSNorm, router, moe; "reference": the variant's
     # fused_add_rms_norm, linear and moe; "triton": norm, router and routing in one launch, then the experts
-    # (measured slower in batch-1 decode on an H200 than the parts, with and without dependent launch, so not in
-    # TRITON_GEMV: bench/RESULTS.md)
+    # (measured slower in batch-1 decode on an H200 than the parts, with and without dependent launch, so in no
+    # preset of engine/presets.py: bench/RESULTS.md)
     "norm_moe": ("reference", "triton"),
     # a hint: the attention's output projection read into L2 while the attention runs; "reference": nothing,
     # "triton": a side-stream kernel (kernels/prefetch_triton.py)
     "prefetch": ("reference", "triton"),
 }
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
-# every operation on its built-in Triton kernel, and apart from them the decode projections' matrix-vector
-# kernels (with the norm and the activation fused into their input)
-TRITON_ALL = {"rms_norm": "triton", "fused_add_rms_norm": "triton", "rotary": "triton", "silu_and_mul": "triton",
-              "store_kv": "triton", "rotary_store_kv": "triton", "norm_rotary_store_kv": "triton",
-              "attention": "triton_paged", "moe": "triton"}
-TRITON_GEMV = {"linear": "triton", "norm_linear": "triton", "act_linear": "triton"}
-# the operations whose Triton kernels take ``pdl``: programmatic dependent launch on Hopper and later
-# (kernels/pdl.py), each kernel of a decode step scheduled while the one before it finishes
-PDL_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_store_kv", "norm_rotary_store_kv", "attention", "rotary_attention",
-           "moe", "linear", "norm_linear", "act_linear", "norm_moe")
 
 
-def with_pdl(kernel_params: dict | None = None, level: int = 1) -> dict:
-    """``kernel_params`` (op -> params) with ``pdl=level`` added for every operation in PDL_OPS."""
-    params = {op: dict(p) for op, p in dict(kernel_params or {}).items()}
-    for op in PDL_OPS:
-        params.setdefault(op, {})["pdl"] = level
-    return params
-
-
-# the batch-1 MoE decode form measured best on an H200 (bench/RESULTS.md): the attention block (q/k norms,
-# rotary, KV store, split-KV attention) in one launch, the output projection read into L2 while it runs,
-# besides every Triton kernel
-TRITON_MOE_DECODE = {**TRITON_ALL, **TRITON_GEMV, "prefetch": "triton", "rotary_attention": "triton"}
-
-
-def moe_decode_params(attention: dict, hidden_size: int) -> dict:
-    """TRITON_MOE_DECODE's kernel parameters: the next kernel scheduled before the wait (pdl 2); projection
-    tiles of a whole row (up to 2,048 columns: all requested before the wait), and the experts' gate/up the
-    same, each program 2 gate and the matching 2 up rows, writing their activation; the down projection 16 rows
-    per program with the experts' sum in it, the experts' weights read evict-first (streamed through L2 once),
-    the projections' too; the attention block's splits merged by the merge kernel after it; during the attention
-    the output projection and then the next layer's QKV projection read into L2 on a side stream, joined once at
-    the step's end (a wait before a kernel would cost it its dependent launch)."""
-    whole = {"block_n": 4, "block_k": min(2048, 1 << max(0, hidden_size - 1).bit_length()), "num_warps": 4,
-             "evict": 1}
-    moe = {"decode_split_down": 2, "decode_block_n": 2, "decode_block_k": whole["block_k"], "decode_warps": 4,
-           "decode_down_block_n": 16, "decode_down_block_k": 256, "decode_evict": 1, "decode_act": 1}
-    return {**with_pdl({"attention": attention, "rotary_attention": {**attention, "merge_by_last": 0}, "moe": moe,
-                        "linear": whole, "norm_linear": whole}, 2),
-            "prefetch": {"defer_join": 1, "next_qkv": 2}}
-
-
-def _f(scope: str, default: Any = dataclasses.MISSING, **kw):
+def _f(scope: str, default: Any = dataclasses.MISSING, schema: dict | None = None, help: str = "", **kw):
+    """A field with its scope, and where it is a tunable knob, its JSON schema (what an agent may propose; the
+    CLI's flag takes it too) and its help text."""
+    meta = {"scope": scope, "schema": schema, "help": help}
     if default is dataclasses.MISSING:
-        return field(metadata={"scope": scope}, **kw)
-    return field(default=default, metadata={"scope": scope}, **kw)
+        return field(metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+_OP_MAP = {"type": "object", "propertyNames": {"enum": list(OP_NAMES)}}
 
 
 @dataclass(frozen=True)
 class VariantSpec:
     name: str = field(default="default", metadata={"scope": None})  # a label; not part of the id
     # engine knobs
-    max_num_seqs: int = _f(SCHEDULER, 64)
-    max_num_batched_tokens: int = _f(SCHEDULER, 2048)
-    prefill_chunk_size: int | None = _f(SCHEDULER, None)
-    block_size: int = _f(KV_LAYOUT, 16)
-    enable_prefix_caching: bool = _f(KV_LAYOUT, True)
-    cuda_graph_batch_sizes: tuple[int, ...] = _f(FORWARD, ())
-    compile_mode: str = _f(FORWARD, "none")
+    max_num_seqs: int = _f(SCHEDULER, 64, {"type": "integer", "minimum": 1, "maximum": 1024},
+                           "most sequences in one step")
+    max_num_batched_tokens: int = _f(SCHEDULER, 2048, {"type": "integer", "minimum": 1, "maximum": 65536},
+                                     "most tokens in one step (the token budget)")
+    prefill_chunk_size: int | None = _f(SCHEDULER, None, {"type": ["integer", "null"], "minimum": 1, "maximum": 65536},
+                                        "most prompt tokens of one sequence per step (null: the budget)")
+    block_size: int = _f(KV_LAYOUT, 16, {"type": "integer", "enum": [8, 16, 32, 64]}, "tokens per KV-cache block")
+    enable_prefix_caching: bool = _f(KV_LAYOUT, True, {"type": "boolean"}, "reuse cached KV blocks of shared prefixes")
+    cuda_graph_batch_sizes: tuple[int, ...] = _f(FORWARD, (), {"type": "array", "maxItems": 32, "items": {
+        "type": "integer", "minimum": 1, "maximum": 1024}}, "decode batch sizes captured as CUDA graphs")
+    compile_mode: str = _f(FORWARD, "none", {"enum": list(COMPILE_MODES)}, "torch.compile mode (GPU)")
     # kernel choice per operation: a built-in name, or "generated:<module>.<function>"
-    kernels: tuple[tuple[str, str], ...] = _f(FORWARD, ())
+    kernels: tuple[tuple[str, str], ...] = _f(FORWARD, (), {**_OP_MAP, "additionalProperties": {"type": "string"}},
+                                             "implementation per operation")
     # tunable kernel parameters: (op, ((param, value), ...)), e.g. attention block_n / num_warps / num_splits
-    kernel_params: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = _f(FORWARD, ())
+    kernel_params: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = _f(
+        FORWARD, (), {**_OP_MAP, "additionalProperties": {"type": "object", "additionalProperties": {"type": "integer"}}},
+        "tunable parameters per operation")
     # generated source, module name -> text
     generated_source: tuple[tuple[str, str], ...] = _f(FORWARD, ())
     tp: int = _f(PARALLEL, 1)
@@ -186,6 +158,16 @@ class VariantSpec:
         d["cuda_graph_batch_sizes"] = list(self.cuda_graph_batch_sizes)
         d["variant_id"] = self.variant_id
         return d
+
+    @classmethod
+    def change_schema(cls) -> dict[str, dict]:
+        """Field -> JSON schema of the fields a proposal may change (generated source goes separately)."""
+        return {f.name: f.metadata["schema"] for f in dataclasses.fields(cls) if f.metadata.get("schema")}
+
+    @classmethod
+    def knob_fields(cls) -> list[dataclasses.Field]:
+        """The scheduler and KV-layout knobs: plain values a command-line flag can set."""
+        return [f for f in dataclasses.fields(cls) if f.metadata.get("scope") in (SCHEDULER, KV_LAYOUT)]
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "VariantSpec":

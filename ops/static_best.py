@@ -27,6 +27,7 @@ from ops.traces import percentile
 
 # the SLO rule where none is given: multiples of a configuration's unloaded latency on the workload
 TTFT_FACTOR, TPOT_FACTOR = 5.0, 3.0
+RULE = f"TTFT <= {TTFT_FACTOR:g}x and TPOT <= {TPOT_FACTOR:g}x the unloaded p90s"
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,8 @@ def sweep(source: ModelSource, device: str = "cpu", dtype: str = "float32", slo:
                                     load_tokenizer=False, variant=VariantSpec(name="default")))
     records = workload.records()
     prompts = workload.prompts(engine.model_config.vocab_size)
-    if slo is None:
+    derived = slo is None
+    if derived:
         slo = derive_slo(unloaded_latency(engine, prompts, workload.output))
         log(f"SLO from the default's unloaded latency: TTFT {1e3 * slo.ttft_s:.0f} ms, TPOT {1e3 * slo.tpot_s:.1f} ms")
     variants = variants or candidates(device, engine.model_config.hidden_size)
@@ -137,8 +139,8 @@ def sweep(source: ModelSource, device: str = "cpu", dtype: str = "float32", slo:
             torch.cuda.synchronize()
     best = max(rows, key=lambda r: (r.capacity, -len(r.variant.kernels)))
     record = {"workload": dataclasses.asdict(workload), "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
-              "rule": f"TTFT <= {TTFT_FACTOR:g}x and TPOT <= {TPOT_FACTOR:g}x the default's unloaded p90s, for 90% "
-                      "of requests", "date": time.strftime("%Y-%m-%d"), "machine": hardware_label(engine.device),
+              "rule": f"{RULE} of the default, for 90% of requests" if derived else "given",
+              "date": time.strftime("%Y-%m-%d"), "machine": hardware_label(engine.device),
               "seconds": round(time.perf_counter() - t0, 1), "chosen": best.variant.name,
               "rows": [{"name": r.variant.name, "variant_id": r.variant.variant_id, "capacity": round(r.capacity, 4),
                         "capacity_spread": round(r.capacity_spread, 4), "probes": r.probes, "error": r.error}

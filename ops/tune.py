@@ -7,6 +7,7 @@ the slow tier's share (the baseline and the ``slow_top`` best of the fast tier) 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -19,10 +20,11 @@ from ops.agents import (Agent, CostModelSeeder, KernelChoices, KernelTemplates, 
                         fast_score)
 from ops.board import Board, Result
 from ops.bench import BenchResult, fast_tier
-from ops.cost_model import (ROOFLINE, Calibration, CostModelPlan, calibrate, mape, plan, shapes_from_fast, simulate,
-                             spearman)
+from ops.cost_model import (ROOFLINE, Calibration, CostModelPlan, calibrate, mape, plan, predict, predicted_capacity,
+                             shapes_from_fast, simulate, spearman)
+from ops.static_best import RULE, derive_slo, unloaded_latency
 from ops.hardware import HardwareProfile, probe
-from ops.optimize import Choice, choose
+from ops.optimize import Choice, capacity_line, choose
 from ops.worker import FAST, SLOW, SearchConfig, Workbench, bench_from, reference_from, work
 
 
@@ -53,24 +55,30 @@ class TuneReport:
     def text(self) -> str:
         lines = [f"search {self.search} on {self.board} ({self.wall_s:.0f} s, budget {self.budget['experiments']} "
                  f"experiments / {self.budget['seconds']:.0f} s)", "",
-                 f"{'id':>3} {'tier':4} {'proposer':14} {'variant':34} {'tok/s':>8} {'spread':>7} {'goodput':>8} "
-                 f"{'result':>6}  status"]
+                 f"SLO: TTFT <= {1e3 * self.config['slo_ttft_s']:.0f} ms, TPOT <= {1e3 * self.config['slo_tpot_s']:.0f} "
+                 f"ms for 90% of requests ({self.config.get('slo_source', 'given')})",
+                 f"{'id':>3} {'tier':4} {'proposer':14} {'variant':34} {'tok/s':>8} {'spread':>7} {'capacity':>9} "
+                 f"{'spread':>7} {'attain':>6} {'result':>6}  status   (fast tier: the cost model's implied capacity)"]
         for r in self.rows:
             lines.append(f"{r['experiment']:>3} {r['tier']:4} {r['proposer'][:14]:14} {r['name'][:34]:34} "
                          f"{r.get('output_tok_s', float('nan')):8.1f} {r.get('spread', float('nan')):7.2f} "
-                         f"{r.get('goodput', float('nan')):8.2f} {str(r.get('result_id', '-')):>6}  {r['status']}")
+                         f"{r.get('capacity', float('nan')):9.3f} {r.get('capacity_spread', float('nan')):7.3f} "
+                         f"{r.get('attainment', float('nan')):6.2f} {str(r.get('result_id', '-')):>6}  {r['status']}")
         cm = self.cost_model
         lines += ["", "cost model against the slow tier "
                   f"({cm['variants']} variants): MAPE calibrated {cm['mape_calibrated']:.1%}, roofline "
                   f"{cm['mape_roofline']:.1%}; Spearman on throughput: cost model {cm['spearman_cost_model']:.2f}, "
-                  f"fast tier {cm['spearman_fast_tier']:.2f}",
+                  f"fast tier {cm['spearman_fast_tier']:.2f}; capacity: MAPE {cm.get('mape_capacity', float('nan')):.1%}"
+                  f", Spearman cost model {cm.get('spearman_capacity_cost_model', float('nan')):.2f}, fast tier "
+                  f"{cm.get('spearman_capacity_fast_tier', float('nan')):.2f}",
                   f"decision: {self.decision['reason']}",
                   f"  rests on results {self.decision['refs']} (board message {self.decision['message_id']})"]
         b, c = self.decision["baseline"], self.decision["chosen"]
         if c:
-            lines.append(f"  chosen/baseline: output tok/s {c['output_tok_s']:.2f}/{b['output_tok_s']:.2f} = "
+            lines.append(capacity_line(bench_from(c), bench_from(b)))
+            lines.append(f"  output tok/s {c['output_tok_s']:.2f} / {b['output_tok_s']:.2f} = "
                          f"{c['output_tok_s'] / b['output_tok_s']:.2f}x (spreads {c['spread']:.2f}, {b['spread']:.2f}); "
-                         f"goodput {c['goodput']:.2f}/{b['goodput']:.2f} req/s")
+                         f"SLO attainment at the traffic's own rate {c['attainment']:.2f} / {b['attainment']:.2f}")
         if self.quality:
             lines.append(f"gates: {self.quality['verdict']}" + (f" ({'; '.join(self.quality['reasons'])})"
                                                                   if self.quality.get("reasons") else ""))
@@ -84,6 +92,16 @@ def default_agents(llm: Agent | None = None) -> list[Agent]:
     if llm is not None:
         agents.insert(2, llm)
     return agents
+
+
+def static_best_of(cfg: SearchConfig) -> VariantSpec:
+    """The model's static-best form on this device (the baseline every tuned figure is a ratio against), or
+    the engine's plain default when none is recorded."""
+    from engine import static_best
+    from engine.loader import resolve
+
+    found = static_best.lookup(resolve(cfg.model), cfg.device, cfg.dtype)
+    return found or VariantSpec(name="static-best (none recorded: the default)")
 
 
 def new_search_id() -> str:
@@ -107,13 +125,25 @@ class Search:
     def start(cls, cfg: SearchConfig, board_path: str | Path, search: str | None = None,
               hardware: HardwareProfile | None = None, baseline: VariantSpec | None = None,
               cost_plan: CostModelPlan | None = None) -> "Search":
-        """Opens the board, records the search (idempotent for the same id) and the cost model's plan."""
+        """Opens the board, records the search (idempotent for the same id) and the cost model's plan. The
+        baseline is static-best (engine/static_best.py) unless given; an SLO not given is derived from its
+        unloaded latency on the slice (``derive_slo``) and recorded with the search."""
         board = Board(board_path)
         search = search or new_search_id()
-        board.create_search(search, cfg.to_json())
+        try:
+            cfg = SearchConfig.from_json(board.search_config(search))  # another step started it: same SLO
+        except KeyError:
+            pass
         hw = hardware or probe(cfg.device, size_mb=64 if cfg.device == "cpu" else 256)
+        base = baseline or static_best_of(cfg)
         bench = Workbench(cfg, hw)
-        base = baseline or VariantSpec(name="baseline (default)")
+        if cfg.slo_ttft_s is None or cfg.slo_tpot_s is None:
+            eng = bench.engine(SLOW, base)
+            slo = derive_slo(unloaded_latency(eng, bench.prompts(eng.model_config.vocab_size), cfg.max_output))
+            cfg = dataclasses.replace(cfg, slo_ttft_s=cfg.slo_ttft_s or slo.ttft_s, slo_tpot_s=cfg.slo_tpot_s or slo.tpot_s,
+                                      slo_source=f"derived: {RULE} of static-best on this slice")
+            bench.cfg = cfg
+        board.create_search(search, cfg.to_json())
         self = cls(cfg, board, search, hw, bench, base, cost_plan)
         # the first start of a search records the plan; later starts (other asset steps) need not compute it
         if not any(m["body"].get("search") == search for m in board.messages("note") if "plan_top" in m["body"]):
@@ -155,8 +185,8 @@ class Search:
         if self.cal is not None:
             for r, v in fast:
                 if "step_time_ratio" not in r.bench:
-                    r.bench["predicted"] = asdict(simulate(self.model_spec, self.hardware, self.bench.records, v, self.cal,
-                                                           **self.cfg.sim))
+                    r.bench["predicted"] = asdict(predict(self.model_spec, self.hardware, self.bench.traffic, v,
+                                                          self.cal, self.bench.records, **self.cfg.sim))
                     r.bench["step_time_ratio"] = 1.0
         return fast
 
@@ -194,9 +224,10 @@ class Search:
                         key=lambda rv: fast_score(rv[0].bench), reverse=True)
         out = [self.baseline]
         for r, v in ranked[:max(0, top)]:
-            g, tps = fast_score(r.bench)
+            cap, tps = fast_score(r.bench)[::2]
             self.board.enqueue(self.id, v, SLOW, "tuner",
-                               f"fast tier rank {len(out)}: implied goodput {g:.2f} req/s, {tps:.1f} tok/s", [r.id])
+                               f"fast tier rank {len(out)}: implied capacity {cap:.2f} req/s at the SLO, "
+                               f"{tps:.1f} tok/s", [r.id])
             out.append(v)
         return out
 
@@ -260,8 +291,12 @@ class Search:
         measured = [r.bench["output_tok_s"] for r, _ in slow]
         pred_cal = [simulate(spec, hw, recs, v, cal, **sim).output_tok_s for _, v in slow]
         pred_roof = [simulate(spec, hw, recs, v, ROOFLINE, **sim).output_tok_s for _, v in slow]
-        fast_pred = [fast_score(fast_by_id[v.variant_id].bench)[1] if v.variant_id in fast_by_id else float("nan")
+        fast_pred = [fast_score(fast_by_id[v.variant_id].bench)[2] if v.variant_id in fast_by_id else float("nan")
                      for _, v in slow]
+        cap_measured = [r.bench.get("capacity", 0.0) for r, _ in slow]
+        cap_pred = [predicted_capacity(spec, hw, recs, v, cal, **sim) for _, v in slow]
+        cap_fast = [fast_score(fast_by_id[v.variant_id].bench)[0] if v.variant_id in fast_by_id else float("nan")
+                    for _, v in slow]
         nan = float("nan")
         ok_fast = len(slow) > 1 and not any(math.isnan(x) for x in fast_pred)
         cost = {"variants": len(slow), "calibration": cal.to_json(),
@@ -269,9 +304,13 @@ class Search:
                 "mape_roofline": mape(pred_roof, measured) if slow else nan,
                 "spearman_cost_model": spearman(pred_cal, measured) if len(slow) > 1 else nan,
                 "spearman_fast_tier": spearman(fast_pred, measured) if ok_fast else nan,
+                "mape_capacity": mape(cap_pred, cap_measured) if slow and all(cap_measured) else nan,
+                "spearman_capacity_cost_model": spearman(cap_pred, cap_measured) if len(slow) > 1 else nan,
+                "spearman_capacity_fast_tier": spearman(cap_fast, cap_measured) if ok_fast else nan,
                 "points": [{"variant_id": v.variant_id, "name": v.name, "measured": m, "calibrated": pc,
-                            "roofline": pr, "fast": f}
-                           for (_, v), m, pc, pr, f in zip(slow, measured, pred_cal, pred_roof, fast_pred)]}
+                            "roofline": pr, "fast": f, "capacity": cm, "capacity_predicted": cp}
+                           for (_, v), m, pc, pr, f, cm, cp in zip(slow, measured, pred_cal, pred_roof, fast_pred,
+                                                                   cap_measured, cap_pred)]}
         self.board.post("cost-model", "note", {"search": self.id, "error": {
             k: v for k, v in cost.items() if k != "points"}}, [r.id for r, _ in slow])
         return cost
@@ -303,7 +342,9 @@ class Search:
             r = results.get(e["id"])
             if r:
                 row.update(result_id=r.id, output_tok_s=r.bench["output_tok_s"], spread=r.bench["spread"],
-                           goodput=r.bench["goodput"] if e["tier"] == SLOW else fast_score(r.bench)[0])
+                           capacity=r.bench.get("capacity", 0.0) if e["tier"] == SLOW else fast_score(r.bench)[0],
+                           capacity_spread=r.bench.get("capacity_spread", 0.0) if e["tier"] == SLOW else 0.0,
+                           attainment=r.bench.get("attainment", 0.0) if e["tier"] == SLOW else fast_score(r.bench)[1])
             rows.append(row)
         return rows
 

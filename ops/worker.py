@@ -49,8 +49,9 @@ class SearchConfig:
     fast_repeats: int = 3
     slow_repeats: int = 3
     num_kv_blocks: int = 512
-    slo_ttft_s: float = 2.0
-    slo_tpot_s: float = 0.2
+    slo_ttft_s: float | None = None  # None: derived from static-best's unloaded latency (Search.start)
+    slo_tpot_s: float | None = None
+    slo_source: str = "given"  # or how it was derived
     lenient: bool = False
 
     def to_json(self) -> dict:

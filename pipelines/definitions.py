@@ -7,7 +7,7 @@ import os
 import dagster as dg
 
 from assets import pipeline
-from pipelines.sensors import OPTIMIZE_JOB, model_drift_sensor, nightly, traffic_drift_sensor
+from pipelines.sensors import OPTIMIZE_JOB, hardware_drift_sensor, model_drift_sensor, nightly, traffic_drift_sensor
 from pipelines.wiring import resources
 
 
@@ -24,5 +24,5 @@ def _executor():
 defs = dg.Definitions(
     assets=dg.load_assets_from_modules([pipeline]), asset_checks=dg.load_asset_checks_from_modules([pipeline]),
     jobs=[OPTIMIZE_JOB], executor=_executor(), schedules=[nightly],
-    sensors=[traffic_drift_sensor, model_drift_sensor], resources=resources(),
+    sensors=[traffic_drift_sensor, model_drift_sensor, hardware_drift_sensor], resources=resources(),
 )

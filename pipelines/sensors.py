@@ -1,4 +1,9 @@
-"""Sensors (traffic drift, model drift) and the nightly re-optimization schedule."""
+"""Sensors (traffic, model and hardware drift) and the nightly re-optimization schedule.
+
+Every run they request for the deployment on record tunes on the traffic that deployment captured since its
+last build: the request's run config points the ``traffic`` resource at that range of the capture directory
+(``_capture_config``), so the run's traffic assets read the capture, not the trace file.
+"""
 from __future__ import annotations
 
 import json
@@ -7,18 +12,12 @@ from pathlib import Path
 
 import dagster as dg
 
+from assets.resources import TrafficSource
+
 OPTIMIZE_JOB = dg.define_asset_job("reoptimize", selection=dg.AssetSelection.all(),
                                    description="Re-run the whole optimization graph for one deployment.")
 
-
-@dg.schedule(job=OPTIMIZE_JOB, cron_schedule="0 3 * * *", name="nightly_reoptimization",
-             description="Re-optimize every deployment every night on the traffic captured since.")
-def nightly(context: dg.ScheduleEvaluationContext):
-    keys = context.instance.get_dynamic_partitions("deployments")
-    if not keys:
-        return dg.SkipReason("no deployments yet")
-    return [dg.RunRequest(run_key=f"nightly-{key}-{context.scheduled_execution_time:%Y%m%d}", partition_key=key,
-                          tags={"polyinf/trigger": "nightly schedule"}) for key in keys]
+WINDOW = 2000  # the newest records since the last build (or the last firing) that the traffic sensor profiles
 
 
 class DriftConfig(dg.ConfigurableResource):
@@ -41,6 +40,53 @@ class DriftConfig(dg.ConfigurableResource):
                                self.arrival_rate_ratio, self.prefix_reuse_delta, self.min_requests,
                                self.confirmations, self.min_interval_s)
 
+    def record(self):
+        """The ops.drift.DeploymentRecord of the deployed build, or None before the first deployment."""
+        from ops.drift import DeploymentRecord
+
+        return DeploymentRecord.load(Path(self.deployment_record))
+
+
+def _capture_config(traffic: TrafficSource, capture) -> dict:
+    """Run config that makes a run's ``traffic`` resource read ``capture`` (an ops.drift.CaptureSlice).
+
+    Run config replaces a resource's whole configuration (Dagster does not merge it with the values the
+    Definitions gave), so the rest of the traffic settings come from this code location's own resource."""
+    return {"resources": {"traffic": {"config": {
+        **traffic.model_dump(), "capture_dir": capture.capture_dir, "capture_from": capture.start,
+        "capture_until": capture.end}}}}
+
+
+def _since_build(record, traffic: TrafficSource, min_requests: int) -> tuple[dict, str]:
+    """(run config, what it tunes on) for a run re-tuning the deployment on record: the traffic captured since
+    its build went live, or, with fewer than ``min_requests`` records there, the resource's trace file."""
+    from ops.drift import read_capture
+
+    if record.capture_dir:
+        capture = read_capture(record.capture_dir, record.capture_start, lenient=True)
+        if len(capture.records) >= min_requests:
+            return _capture_config(traffic, capture), f"capture {capture.capture_dir} [{capture.start}, {capture.end})"
+        return {}, f"trace file {traffic.trace} ({len(capture.records)} records captured since the build)"
+    return {}, f"trace file {traffic.trace} (the deployment captures nothing)"
+
+
+@dg.schedule(job=OPTIMIZE_JOB, cron_schedule="0 3 * * *", name="nightly_reoptimization",
+             description="Re-optimize every deployment every night on the traffic captured since its last build.")
+def nightly(context: dg.ScheduleEvaluationContext, drift: DriftConfig, traffic: TrafficSource):
+    keys = context.instance.get_dynamic_partitions("deployments")
+    if not keys:
+        return dg.SkipReason("no deployments yet")
+    record = drift.record()
+    requests = []
+    for key in keys:
+        run_config, tuned_on = {}, f"trace file {traffic.trace}"
+        if record is not None and record.partition_key == key:  # the deployment whose capture is on record
+            run_config, tuned_on = _since_build(record, traffic, drift.min_requests)
+        requests.append(dg.RunRequest(run_key=f"nightly-{key}-{context.scheduled_execution_time:%Y%m%d}",
+                                      partition_key=key, run_config=run_config,
+                                      tags={"polyinf/trigger": "nightly schedule", "polyinf/traffic": tuned_on[:200]}))
+    return requests
+
 
 def _cursor(context) -> dict:
     try:
@@ -51,30 +97,30 @@ def _cursor(context) -> dict:
 
 @dg.sensor(job=OPTIMIZE_JOB, minimum_interval_seconds=60,
            description="Fires when the live endpoint's captured traffic drifts from what its build was tuned on.")
-def traffic_drift_sensor(context: dg.SensorEvaluationContext, drift: DriftConfig):
-    from engine.capture import read_capture_dir
-    from ops.drift import DeploymentRecord, traffic_drift
+def traffic_drift_sensor(context: dg.SensorEvaluationContext, drift: DriftConfig, traffic: TrafficSource):
+    from ops.drift import read_capture, traffic_drift
     from ops.traces import profile
 
-    record = DeploymentRecord.load(Path(drift.deployment_record))
+    record = drift.record()
     if record is None or not record.capture_dir:
         return dg.SkipReason("no deployment with a capture directory to watch")
-    cur = _cursor(context)
     t = drift.thresholds()
-    # the cursor remembers which captured records were already counted (by arrival time) and the drift state
-    records = [r for r in read_capture_dir(record.capture_dir) if r.arrival_s > cur.get("seen_until", -1.0)]
-    window = cur.get("window", []) + [[r.arrival_s, r.input_tokens, r.output_tokens] for r in records]
-    window = window[-2000:]
-    seen_until = max([cur.get("seen_until", -1.0)] + [r.arrival_s for r in records])
-    state = {"seen_until": seen_until, "window": window, "streak": cur.get("streak", 0),
+    # The cursor holds where the window starts (a capture position: the build's first record, moved past what
+    # a firing acted on), the drift streak (hysteresis) and when it last fired (minimum interval). A new
+    # deployment starts a new window and streak; the minimum interval spans deployments.
+    cur = _cursor(context)
+    deployment = f"{record.variant_id}@{record.deployed_at}"
+    if cur.get("deployment") != deployment:
+        cur = {"last_fired": cur.get("last_fired", 0.0)}
+    start = max(record.capture_start, cur.get("window_from", 0))
+    capture = read_capture(record.capture_dir, start, lenient=True)
+    window = capture.records[-WINDOW:]
+    state = {"deployment": deployment, "window_from": start, "seen": capture.end, "streak": cur.get("streak", 0),
              "last_fired": cur.get("last_fired", 0.0)}
     if len(window) < t.min_requests:
         context.update_cursor(json.dumps(state))
         return dg.SkipReason(f"{len(window)} live requests so far; {t.min_requests} needed")
-    from engine.trace_record import TraceRecord
-
-    live = profile([TraceRecord(arrival_s=a, input_tokens=i, output_tokens=o) for a, i, o in window])
-    reasons = traffic_drift(live, record.traffic_profile, t)
+    reasons = traffic_drift(profile(window), record.traffic_profile, t)
     state["streak"] = state["streak"] + 1 if reasons else 0
     now = time.time()
     if not reasons:
@@ -87,10 +133,12 @@ def traffic_drift_sensor(context: dg.SensorEvaluationContext, drift: DriftConfig
         context.update_cursor(json.dumps(state))
         return dg.SkipReason("drifted, but inside the minimum interval since the last re-optimization: "
                              + "; ".join(reasons))
-    state["last_fired"], state["streak"], state["window"] = now, 0, []
+    state.update(last_fired=now, streak=0, window_from=capture.end)  # the next window starts after this one
     context.update_cursor(json.dumps(state))
     return dg.RunRequest(run_key=f"traffic-drift-{int(now)}", partition_key=record.partition_key or None,
-                         tags={"polyinf/trigger": "traffic drift", "polyinf/reason": "; ".join(reasons)[:200]})
+                         run_config=_capture_config(traffic, capture), tags={
+                             "polyinf/trigger": "traffic drift", "polyinf/reason": "; ".join(reasons)[:200],
+                             "polyinf/traffic": f"capture {capture.capture_dir} [{capture.start}, {capture.end})"})
 
 
 @dg.sensor(job=OPTIMIZE_JOB, minimum_interval_seconds=300,
@@ -98,10 +146,9 @@ def traffic_drift_sensor(context: dg.SensorEvaluationContext, drift: DriftConfig
 def model_drift_sensor(context: dg.SensorEvaluationContext, drift: DriftConfig):
     from engine import resolve
     from engine.errors import EngineError
-    from ops.drift import DeploymentRecord
     from ops.model_spec import weights_hash
 
-    record = DeploymentRecord.load(Path(drift.deployment_record))
+    record = drift.record()
     if record is None:
         return dg.SkipReason("nothing deployed yet")
     try:
@@ -115,3 +162,29 @@ def model_drift_sensor(context: dg.SensorEvaluationContext, drift: DriftConfig):
     return dg.RunRequest(run_key=f"model-drift-{current}", partition_key=record.partition_key or None, tags={
         "polyinf/trigger": "model drift",
         "polyinf/reason": f"weights hash {record.model_weights_hash} -> {current} for {record.model}"})
+
+
+@dg.sensor(job=OPTIMIZE_JOB, minimum_interval_seconds=300,
+           description="Fires when the hardware the deployment runs on changes (device model, count or driver): "
+                       "its build was tuned for other hardware.")
+def hardware_drift_sensor(context: dg.SensorEvaluationContext, drift: DriftConfig, traffic: TrafficSource):
+    from ops.drift import HardwareIdentity, hardware_identity
+
+    record = drift.record()
+    if record is None:
+        return dg.SkipReason("nothing deployed yet")
+    if not record.hardware:
+        return dg.SkipReason("the deployment record names no hardware to compare with")
+    tuned = HardwareIdentity.from_json(record.hardware)
+    current = hardware_identity(tuned.backend)  # a look at the devices, not a benchmark
+    changes = current.changes_from(tuned)
+    if not changes:
+        return dg.SkipReason(f"the hardware is unchanged ({tuned.key})")
+    if _cursor(context).get("fired_for") == current.key:
+        return dg.SkipReason(f"already re-tuning for hardware {current.key}: " + "; ".join(changes))
+    context.update_cursor(json.dumps({"fired_for": current.key}))
+    run_config, tuned_on = _since_build(record, traffic, drift.min_requests)
+    return dg.RunRequest(run_key=f"hardware-drift-{current.key}-{int(record.deployed_at)}",
+                         partition_key=record.partition_key or None, run_config=run_config, tags={
+                             "polyinf/trigger": "hardware drift", "polyinf/reason": "; ".join(changes)[:200],
+                             "polyinf/hardware": current.key, "polyinf/traffic": tuned_on[:200]})

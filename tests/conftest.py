@@ -23,15 +23,18 @@ def smollm2_path():
 @pytest.fixture(scope="session")
 def smollm2_engine_factory(smollm2_path):
     """Builds SmolLM2 engines with different settings, loading the weights and tokenizer once."""
-    from engine import EngineConfig, LLMEngine, resolve
+    from engine import EngineConfig, LLMEngine, VariantSpec, resolve
 
     cache: dict = {}
 
     def make(**kwargs) -> LLMEngine:
+        # VariantSpec's defaults unless a test gives its own, whatever static-best is recorded for the machine
+        kwargs.setdefault("variant", VariantSpec())
         cfg = EngineConfig(source=resolve("smollm2"), **kwargs)
         base = cache.get("base")
         if base is None:
-            base = cache["base"] = LLMEngine(EngineConfig(source=resolve("smollm2"), num_kv_blocks=4))
+            base = cache["base"] = LLMEngine(EngineConfig(source=resolve("smollm2"), num_kv_blocks=4,
+                                                          variant=VariantSpec()))
         return LLMEngine.with_loaded(base, cfg)
 
     return make

@@ -39,34 +39,50 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=positive, default=None, help="load only the first N decoder layers")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--block-size", type=positive, default=16, help="tokens per KV-cache block")
     p.add_argument("--num-kv-blocks", type=positive, default=None, help="KV-cache blocks (default: fill --kv-cache-mb)")
     p.add_argument("--kv-cache-mb", type=positive, default=512, help="KV-cache memory when --num-kv-blocks is not set")
-    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    p.add_argument("--max-num-seqs", type=positive, default=64)
-    p.add_argument("--max-num-batched-tokens", type=positive, default=2048)
     p.add_argument("--max-model-len", type=positive, default=None)
     p.add_argument("--variant", default=None,
-                   help="a VariantSpec JSON file (see 'polyinf variants show'); its knobs override the flags above")
+                   help="a VariantSpec JSON file (see 'polyinf variants show'); default: the model's static-best on "
+                        "this device (polyinf static-best), else VariantSpec's defaults")
+    add_knob_args(p)
 
 
-def engine_config(args: argparse.Namespace):
-    from engine import EngineConfig, SchedulerConfig, resolve
+def add_knob_args(p: argparse.ArgumentParser) -> None:
+    """One flag per VariantSpec knob (its one definition): set, it overrides the variant's value."""
     from engine.variant import VariantSpec
 
-    return EngineConfig(
+    for f in VariantSpec.knob_fields():
+        flag = "--" + f.name.replace("_", "-")
+        what = f"{f.metadata['help']} (default: the variant's; VariantSpec's own is {f.default})"
+        if f.metadata["schema"].get("type") == "boolean":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=what)
+        else:
+            p.add_argument(flag, type=positive, default=None, help=what)
+
+
+def engine_config(args: argparse.Namespace, with_variant_file: bool = True):
+    """The EngineConfig the model flags describe; its variant is ``--variant`` (unless ``with_variant_file`` is
+    False) or the model's static-best, with the knob flags given on top."""
+    import dataclasses
+
+    from engine import EngineConfig, resolve
+    from engine.variant import VariantSpec
+
+    config = EngineConfig(
         source=resolve(args.model, synthetic=args.synthetic, seed=args.seed),
         device=args.device,
         dtype=args.dtype,
         layers=args.layers,
-        block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_bytes=args.kv_cache_mb * 1024**2,
-        enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=args.max_model_len,
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
-        variant=VariantSpec.load(args.variant) if args.variant else None,
+        variant=VariantSpec.load(args.variant) if args.variant and with_variant_file else None,
     )
+    knobs = {f.name: getattr(args, f.name) for f in VariantSpec.knob_fields() if getattr(args, f.name) is not None}
+    if knobs:
+        config = dataclasses.replace(config, variant=dataclasses.replace(config.initial_variant(), **knobs))
+    return config
 
 
 def add_search_args(p: argparse.ArgumentParser) -> None:

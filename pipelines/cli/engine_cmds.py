@@ -100,10 +100,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     if not args.variant:
         raise ConfigError("check needs --variant FILE")
     spec = VariantSpec.load(args.variant)
-    config = engine_config(args)
     import dataclasses
 
-    base = LLMEngine(dataclasses.replace(config, variant=None, num_kv_blocks=8))
+    config = engine_config(args, with_variant_file=False)  # the weights' engine; the gates build both forms
+    base = LLMEngine(dataclasses.replace(config, variant=VariantSpec(name="reference"), num_kv_blocks=8))
     prompts = shipped_prompts(base)
     if args.trace:
         from ops.traces import load_trace

@@ -64,7 +64,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     from assets.resources import EngineRunner, TrafficSource, search_config
     from engine.errors import ConfigError
-    from ops.agents import LLMAgent
+    from ops.llm_agent import LLMAgent
     from ops.board import Board
     from ops.tune import Budget, default_agents, tune
 
@@ -77,7 +77,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     traffic = TrafficSource(trace=args.trace, max_requests=args.requests, max_input=args.max_input,
                             max_output=args.max_output, time_scale=args.time_scale, lenient=args.lenient)
     cfg = search_config(runner, traffic, slow_layers=args.slow_layers, slow_repeats=args.repeats,
-                        slo_ttft_s=args.slo_ttft_ms / 1e3, slo_tpot_s=args.slo_tpot_ms / 1e3)
+                        slo_ttft_s=args.slo_ttft_ms / 1e3 if args.slo_ttft_ms else None,
+                        slo_tpot_s=args.slo_tpot_ms / 1e3 if args.slo_tpot_ms else None)
     board = Board(args.board)
     llm = None
     if args.llm_base_url:
@@ -150,8 +151,9 @@ def add_parsers(sub) -> None:
     tn.add_argument("--slow-top", type=positive, default=2, help="best fast-tier variants measured on the slow tier")
     tn.add_argument("--repeats", type=positive, default=3, help="slow-tier replays per variant")
     tn.add_argument("--num-kv-blocks", type=positive, default=512)
-    tn.add_argument("--slo-ttft-ms", type=seconds, default=2000.0)
-    tn.add_argument("--slo-tpot-ms", type=seconds, default=200.0)
+    tn.add_argument("--slo-ttft-ms", type=seconds, default=None,
+                    help="TTFT target (default: derived from static-best's unloaded latency on the slice)")
+    tn.add_argument("--slo-tpot-ms", type=seconds, default=None, help="TPOT target (default: derived likewise)")
     tn.add_argument("--lenient", action="store_true", help="skip malformed trace rows")
     tn.add_argument("--gate", action="store_true", help="run the quality and contamination gates on the choice")
     tn.add_argument("--llm-base-url", default="", help="an OpenAI-compatible server for the LLM agent (off if empty)")

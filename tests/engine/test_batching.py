@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import SamplingParams, SchedulerConfig
+from engine import SamplingParams, VariantSpec
 
 SHARED = ("You are a careful assistant. Answer briefly and precisely, and never invent facts. "
           "The user asks about geography, history and science. ")
@@ -23,7 +23,7 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="module")
 def alone(smollm2_engine_factory):
     """Each prompt run by itself, without prefix caching: the reference."""
-    eng = smollm2_engine_factory(num_kv_blocks=64, enable_prefix_caching=False)
+    eng = smollm2_engine_factory(num_kv_blocks=64, variant=VariantSpec(enable_prefix_caching=False))
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     return [eng.generate([p], params)[0].token_ids for p in PROMPTS]
 
@@ -51,7 +51,7 @@ def test_prompts_have_different_lengths(smollm2_engine_factory):
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_concurrent_equals_alone(smollm2_engine_factory, alone, prefix_caching):
-    eng = smollm2_engine_factory(num_kv_blocks=128, enable_prefix_caching=prefix_caching)
+    eng = smollm2_engine_factory(num_kv_blocks=128, variant=VariantSpec(enable_prefix_caching=prefix_caching))
     assert _concurrent(eng) == alone
     hits = eng.block_manager.stats.hits
     assert (hits > 0) == prefix_caching  # the shared system text was reused only with caching on
@@ -59,7 +59,7 @@ def test_concurrent_equals_alone(smollm2_engine_factory, alone, prefix_caching):
 
 def test_chunked_prefill_equals_alone(smollm2_engine_factory, alone):
     eng = smollm2_engine_factory(
-        num_kv_blocks=128, scheduler=SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=8)
+        num_kv_blocks=128, variant=VariantSpec(max_num_batched_tokens=24, max_num_seqs=8)
     )
     assert _concurrent(eng) == alone
     assert eng.stats.steps > MAX_TOKENS + 4  # the long prompts took several chunks
@@ -67,14 +67,14 @@ def test_chunked_prefill_equals_alone(smollm2_engine_factory, alone):
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_preemption_equals_alone(smollm2_engine_factory, alone, prefix_caching):
-    eng = smollm2_engine_factory(num_kv_blocks=10, block_size=8, enable_prefix_caching=prefix_caching)
+    eng = smollm2_engine_factory(num_kv_blocks=10, variant=VariantSpec(block_size=8, enable_prefix_caching=prefix_caching))
     assert _concurrent(eng) == alone
     assert eng.scheduler.num_preemptions > 0
     assert eng.block_manager.num_free_blocks == 10  # every block came back
 
 
 def test_max_num_seqs_caps_the_batch(smollm2_engine_factory, alone):
-    eng = smollm2_engine_factory(num_kv_blocks=128, scheduler=SchedulerConfig(max_num_seqs=3))
+    eng = smollm2_engine_factory(num_kv_blocks=128, variant=VariantSpec(max_num_seqs=3))
     seen = []
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     rids = [eng.add_request(p, params) for p in PROMPTS]
@@ -88,7 +88,7 @@ def test_max_num_seqs_caps_the_batch(smollm2_engine_factory, alone):
 
 
 def test_shared_prefix_computes_only_new_tokens(smollm2_engine_factory):
-    eng = smollm2_engine_factory(num_kv_blocks=64, block_size=16)
+    eng = smollm2_engine_factory(num_kv_blocks=64, variant=VariantSpec(block_size=16))
     prefix = eng.encode_prompt(SHARED * 2)[:48]  # exactly three full blocks
     first = prefix + eng.encode_prompt(" What is the capital of Spain?")
     second = prefix + eng.encode_prompt(" Who painted the Mona Lisa? Answer:")
@@ -100,12 +100,12 @@ def test_shared_prefix_computes_only_new_tokens(smollm2_engine_factory):
     # only the new prompt tokens are prefilled, then one token per decode step
     assert b.num_tokens_run == (len(second) - 48) + 3
     # and the answer is the one computed without the cache
-    cold = smollm2_engine_factory(num_kv_blocks=64, enable_prefix_caching=False)
+    cold = smollm2_engine_factory(num_kv_blocks=64, variant=VariantSpec(enable_prefix_caching=False))
     assert cold.generate([second], params)[0].token_ids == b.token_ids
 
 
 def test_fully_cached_prompt_still_computes_its_last_token(smollm2_engine_factory):
-    eng = smollm2_engine_factory(num_kv_blocks=64, block_size=16)
+    eng = smollm2_engine_factory(num_kv_blocks=64, variant=VariantSpec(block_size=16))
     prompt = eng.encode_prompt(SHARED * 2)[:64]  # four full blocks
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     a = eng.generate([prompt], params)[0]

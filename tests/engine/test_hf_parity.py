@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams, resolve
+from engine import EngineConfig, LLMEngine, SamplingParams, VariantSpec, resolve
 from kernels.attention import AttentionMetadata
 from engine.model_runner import KVCache
 from engine.rope import rope_cos_sin
@@ -72,7 +72,7 @@ def test_logits_match_transformers(name, tmp_path):
     hf = _hf_model(name)
     hf.save_pretrained(tmp_path, max_shard_size="20KB")  # several shards and an index
     assert (tmp_path / "model.safetensors.index.json").is_file()
-    engine = LLMEngine(EngineConfig(source=resolve(str(tmp_path)), num_kv_blocks=64, block_size=4))
+    engine = LLMEngine(EngineConfig(source=resolve(str(tmp_path)), num_kv_blocks=64, variant=VariantSpec(block_size=4)))
     assert engine.model_config.model_type == hf.config.model_type
     gen = torch.Generator().manual_seed(7)
     ids = torch.randint(0, BASE["vocab_size"], (37,), generator=gen).tolist()
@@ -93,7 +93,7 @@ def test_partial_layers_match_truncated_transformers(tmp_path):
     """layers=N loads the first N decoder layers: equal to a transformers model cut to N layers."""
     hf = _hf_model("qwen3")
     hf.save_pretrained(tmp_path)
-    engine = LLMEngine(EngineConfig(source=resolve(str(tmp_path)), num_kv_blocks=64, block_size=4, layers=2))
+    engine = LLMEngine(EngineConfig(source=resolve(str(tmp_path)), num_kv_blocks=64, variant=VariantSpec(block_size=4), layers=2))
     assert engine.model_config.num_hidden_layers == 2 and len(engine.model.layers) == 2
     hf.model.layers = hf.model.layers[:2]
     hf.config.num_hidden_layers = 2

@@ -32,8 +32,8 @@ def test_engine_and_kernels_import_without_optional_packages():
                 names.append(m.name)
         assert "engine.gguf_file" in names and "engine.tokenizer" in names, names
         # and a synthetic model runs end to end without them
-        from engine import EngineConfig, LLMEngine, SamplingParams, resolve
-        eng = LLMEngine(EngineConfig(source=resolve("qwen3-30b-a3b"), layers=1, num_kv_blocks=4, block_size=4,
+        from engine import EngineConfig, LLMEngine, SamplingParams, VariantSpec, resolve
+        eng = LLMEngine(EngineConfig(source=resolve("qwen3-30b-a3b"), layers=1, num_kv_blocks=4, variant=VariantSpec(block_size=4),
                                      load_tokenizer=False))
         out = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
         assert len(out.token_ids) == 3

@@ -3,15 +3,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine, SamplingParams, VariantSpec
 from engine.loader import ModelSource
 
 TINY = Path(__file__).parent / "tiny_moe" / "config.json"
 
 
 def _engine(ahead: bool) -> LLMEngine:
-    return LLMEngine(EngineConfig(source=ModelSource("synthetic", TINY, seed=3), num_kv_blocks=64, block_size=4,
-                                  load_tokenizer=False, async_decode=ahead))
+    return LLMEngine(EngineConfig(source=ModelSource("synthetic", TINY, seed=3), num_kv_blocks=64,
+                                  variant=VariantSpec(block_size=4), load_tokenizer=False, async_decode=ahead))
 
 
 def _run(eng: LLMEngine, abort_after: int | None = None) -> dict[str, list[int]]:

@@ -11,7 +11,8 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import ConfigError, VariantError
 from engine.kernel_grammar import check_kernel
 from engine.loader import ModelSource
-from engine.variant import REFERENCE_VARIANT, TRITON_ALL, TRITON_GEMV, VariantSpec, with_pdl
+from engine.presets import TRITON_ALL, TRITON_GEMV, with_pdl
+from engine.variant import REFERENCE_VARIANT, VariantSpec
 
 TINY = Path(__file__).parent / "tiny_moe" / "config.json"
 
@@ -63,8 +64,8 @@ def test_every_field_has_a_scope():
 
 
 def _tiny(variant=None, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(source=ModelSource("synthetic", TINY, seed=1), num_kv_blocks=64, block_size=4,
-                                  load_tokenizer=False, variant=variant, **kw))
+    return LLMEngine(EngineConfig(source=ModelSource("synthetic", TINY, seed=1), num_kv_blocks=64, load_tokenizer=False,
+                                  variant=variant or VariantSpec(block_size=4), **kw))
 
 
 def test_all_triton_variant_equals_reference_on_a_tiny_model():

@@ -268,7 +268,7 @@ def test_norm_moe(t, h, e, k, i, renorm):
 @pytest.mark.parametrize("t,e,k,renorm", [(1, 4, 2, True), (6, 128, 8, True), (3, 60, 3, False)])
 def test_moe_route(t, e, k, renorm):
     from kernels.moe import moe_route_ref
-    from kernels.moe_triton import moe_route_triton
+    from kernels.moe_route_triton import moe_route_triton
 
     logits = torch.randn(t, e)
     logits[0, :2] = logits[0].max() + 1  # a tie at the top: the lower index first (a stable sort's order)

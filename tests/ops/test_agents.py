@@ -6,9 +6,11 @@ import json
 
 import pytest
 
+from engine.presets import PDL_OPS
 from engine.trace_record import TraceRecord
-from engine.variant import PDL_OPS, VariantSpec
-from ops.agents import InvalidReply, LLMAgent, LocalSearch, SearchState, TrafficRules, fast_score, parse_reply
+from engine.variant import VariantSpec
+from ops.agents import LocalSearch, SearchState, TrafficRules, fast_score
+from ops.llm_agent import InvalidReply, LLMAgent, parse_reply
 from ops.board import Board
 from ops.kernel_templates import KernelChoice
 from ops.cost_model import plan
@@ -139,7 +141,7 @@ def test_local_search_steps_around_the_best_result(tmp_path):
     for v, g in ((BASE, 1.0), (good, 2.0)):
         board.enqueue("s", v, "fast", "t", "r")
         exp = board.claim("w", "s")
-        board.complete(exp, "w", {"output_tok_s": 10.0, "predicted": {"goodput": g, "output_tok_s": 10.0}})
+        board.complete(exp, "w", {"output_tok_s": 10.0, "predicted": {"capacity": g, "output_tok_s": 10.0}})
     state = _state(board, "s")
     best_result, best = state.best()
     assert best == good and fast_score(best_result.bench)[0] == 2.0
@@ -233,7 +235,7 @@ def test_kernel_templates_write_checked_kernels_and_mutate_the_best(tmp_path):
     lin = next(p.variant for p in props if any(c.op == "linear" for c in choices_in(p.variant)))
     board.enqueue("tpl", lin, "fast", "kernel-templates", "r")
     exp = board.claim("w", "tpl")
-    rid = board.complete(exp, "w", {"output_tok_s": 10.0, "predicted": {"goodput": 3.0, "output_tok_s": 10.0}})
+    rid = board.complete(exp, "w", {"output_tok_s": 10.0, "predicted": {"capacity": 3.0, "output_tok_s": 10.0}})
     state = _state(board, "tpl")
     muts = KernelTemplates(on_cpu=True).propose(state, 40)
     assert muts and all(p.refs == (rid,) for p in muts if "mutation" in p.rationale)

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine import EngineConfig, LLMEngine
+from engine import EngineConfig, LLMEngine, VariantSpec
 from engine.loader import ModelSource
 from ops.bench import SLO, fast_tier, slow_tier
 from ops.replay import synthesize_prompts
@@ -18,7 +18,7 @@ AZURE = ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
 
 
 def _engine(**kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(source=ModelSource("synthetic", TINY, seed=0), num_kv_blocks=256, block_size=4,
+    return LLMEngine(EngineConfig(source=ModelSource("synthetic", TINY, seed=0), num_kv_blocks=256, variant=VariantSpec(block_size=4),
                                   load_tokenizer=False, **kw))
 
 

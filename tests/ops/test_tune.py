@@ -22,7 +22,7 @@ REPLY = {"proposals": [{"rationale": "chunk prompts so decodes keep flowing",
 
 
 def test_tune_with_built_in_and_llm_agents(tmp_path, scripted_server):
-    from ops.agents import LLMAgent
+    from ops.llm_agent import LLMAgent
 
     url, handler = scripted_server
     handler.script = [json.dumps(REPLY), "not json at all"] * 4

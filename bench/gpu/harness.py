@@ -1,0 +1,155 @@
+"""What every section of the GPU benchmark shares: the rows (printed, appended to OUT/LOG.jsonl as measured,
+one table at the end), the timers, the section wrapper that reports a failure and goes on, and the
+Llama-3.1-8B-shaped model the 8B sections measure."""
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROWS: list[tuple[str, str]] = []
+OUT = Path("/tmp")  # set by the entry point (--out)
+LOG = "gpu_bench"  # rows go to OUT/LOG.jsonl as measured, the table to OUT/LOG.json at the end
+ROOT = Path(__file__).resolve().parents[2]
+ENTRY = ROOT / "bench" / "gpu_bench.py"  # the entry point; a fresh process of it measures the cold start
+DATASHEET_BF16 = 989e12  # H100/H200 SXM dense bf16, FLOP/s
+GRAPH_SIZES = (1, 2, 4, 8)  # the decode batches the 8B forms capture
+
+
+def row(name: str, value: str) -> None:
+    ROWS.append((name, value))
+    print(f"{name:70} {value}", flush=True)
+    with open(OUT / f"{LOG}.jsonl", "a") as f:
+        f.write(json.dumps([name, value]) + "\n")
+
+
+def finish() -> None:
+    """Prints every row as one table and writes them to OUT/LOG.json."""
+    print("\n| what | figure |\n|---|---|")
+    for n, v in ROWS:
+        print(f"| {n} | {v} |")
+    (OUT / f"{LOG}.json").write_text(json.dumps(ROWS, indent=1))
+
+
+def timed(fn, iters=10, warmup=3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def graph_timed(fn, calls=20) -> float:
+    """Seconds per call of ``fn`` replayed from a CUDA graph of ``calls`` calls (no host launch cost)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return timed(graph.replay, iters=5, warmup=2) / calls
+
+
+def rotating_timed(calls: list) -> float:
+    """Seconds per call of ``calls`` (each on its own copy of the weights, so none is served from L2),
+    replayed from one CUDA graph."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    return timed(graph.replay, iters=5, warmup=2) / len(calls)
+
+
+def section(fn):
+    def run(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        except Exception as e:  # keep going: every section reports on its own
+            traceback.print_exc()
+            row(f"{fn.__name__} FAILED", f"{type(e).__name__}: {str(e)[:160]}")
+        finally:
+            print(f"[{fn.__name__}: {time.perf_counter() - t:.1f} s]", flush=True)
+    run.__name__ = fn.__name__
+    return run
+
+
+def decode_tps(eng, prompt, new, SamplingParams) -> float:
+    eng.add_request(prompt, SamplingParams(max_tokens=new, ignore_eos=True))
+    eng.step()  # prefill
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    while eng.has_unfinished():
+        eng.step()
+    torch.cuda.synchronize()
+    return (new - 1) / (time.perf_counter() - t)
+
+
+def kernel_profile(label: str, fn, steps: int = 5, top: int = 14) -> None:
+    """GPU time of each kernel ``fn`` launches (one call = one step), from the CUDA profiler: the kernels a
+    step spends its time in, their count per step, and the step's time not covered by any kernel."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / steps
+    per: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA and e.time_range.elapsed_us() > 0:
+            per.setdefault(e.name[:60], []).append(e.time_range.elapsed_us())
+    total = sum(sum(v) for v in per.values()) / steps
+    row(f"{label}: kernel time per step", f"{total:.0f} us in {sum(len(v) for v in per.values()) // steps} "
+        f"kernels; wall {1e6 * wall:.0f} us (not covered by kernels {1e6 * wall - total:.0f} us)")
+    for name, v in sorted(per.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        row(f"  {label}: {name}", f"{sum(v) / steps:.0f} us/step, {len(v) / steps:.0f} per step, "
+            f"{sum(v) / len(v):.1f} us each, {100 * sum(v) / steps / total:.0f}%")
+
+
+class Llama8B:
+    """The transformers model with random bf16 weights, and our engine assembled from the same tensors."""
+
+    def __init__(self) -> None:
+        import transformers as tf
+        from engine import EngineConfig, LLMEngine
+        from engine.config import ModelConfig
+        from engine.llm_engine import LoadedModel
+        from engine.loader import PRESETS_DIR, resolve
+        from engine.weights import assemble
+
+        self.raw = json.loads((PRESETS_DIR / "llama-3.1-8b.json").read_text())
+        hf_cfg = tf.LlamaConfig(**{k: v for k, v in self.raw.items() if k != "architectures"})
+        torch.manual_seed(0)
+        torch.set_default_dtype(torch.bfloat16)
+        with torch.device("cuda"):
+            self.hf = tf.LlamaForCausalLM(hf_cfg).eval()
+        torch.set_default_dtype(torch.float32)
+        with torch.no_grad():
+            for p_ in self.hf.parameters():  # transformers initialises norms to 1; spread them as trained ones are
+                if p_.dim() == 1:
+                    p_.add_(torch.randn_like(p_) * 0.05)
+        self.mcfg = ModelConfig.from_hf_dict(self.raw)
+        t0 = time.perf_counter()
+        model = assemble(self.mcfg, self.hf.state_dict().items(), torch.device("cuda"), torch.bfloat16)
+        self.loaded = LoadedModel(self.mcfg, model, None, time.perf_counter() - t0)
+        self.config = EngineConfig(source=resolve("llama-3.1-8b"), device="cuda", dtype="bfloat16", num_kv_blocks=512,
+                                   load_tokenizer=False)
+        self.engine = LLMEngine(self.config, self.loaded)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.embed_bytes = model.embed_tokens.weight.numel() * 2

@@ -1,0 +1,86 @@
+"""The GPU benchmark's run: correctness first, then the figures, then one table (the sections' order and
+options; bench/gpu_bench.py is the command)."""
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bench.gpu import harness
+from bench.gpu.correctness import kernel_checks, tiny_models_vs_transformers
+from bench.gpu.decode import llama8b_decode
+from bench.gpu.experts import experts_alone
+from bench.gpu.harness import GRAPH_SIZES, ROOT, Llama8B, finish, row, section
+from bench.gpu.machine import attention_bandwidth, gemv_bandwidth, l2_survival, machine
+from bench.gpu.moe import moe_decode
+from bench.gpu.swap import cold_start_and_swap, cold_start_child
+from bench.gpu.throughput import llama8b_throughput
+from engine.presets import preset_variant
+
+SECTIONS = ("attention", "gemv", "decode", "throughput", "swap", "moe", "experts")  # --only
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--out", type=Path, default=Path("/tmp"))
+    ap.add_argument("--only", default="", help=f"comma-separated: {','.join(SECTIONS)}")
+    ap.add_argument("--trace", type=Path, default=ROOT / "bench" / "data" / "azure_conv_400.csv")
+    ap.add_argument("--requests", type=int, default=96)
+    ap.add_argument("--hf-batch", type=int, default=32)
+    ap.add_argument("--decode-quick", action="store_true",
+                    help="8B decode: only the five best forms, without the transformers rows")
+    ap.add_argument("--moe-layers", type=int, default=None)
+    ap.add_argument("--moe-sweep", action="store_true", help="MoE: also sweep the experts' tiles at batch 1")
+    ap.add_argument("--cold-start", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--t0", type=float, default=None, help=argparse.SUPPRESS)
+    return ap
+
+
+def main(description: str = __doc__.split("\n\n")[0]) -> None:
+    args = parser(description).parse_args()
+    if args.cold_start:
+        cold_start_child(args.cold_start, args.variant, args.t0)
+        return
+    harness.OUT = args.out
+    args.out.mkdir(parents=True, exist_ok=True)
+    only = set(filter(None, args.only.split(",")))
+    want = lambda s: not only or s in only  # noqa: E731
+    assert torch.cuda.is_available(), "this benchmark needs a GPU"
+    row("device", f"{torch.cuda.get_device_name()} torch {torch.__version__}")
+    tmp = Path(tempfile.mkdtemp(prefix="polyinf_bench_"))
+    ok = kernel_checks()
+    ok2 = tiny_models_vs_transformers(tmp)
+    bw, peak = machine() or (4.27e12, 700e12)
+    if want("attention"):
+        attention_bandwidth()
+    if want("gemv") or want("decode"):
+        gemv_bandwidth(bw)
+    if want("decode") or want("moe"):
+        l2_survival()
+    if not (ok and ok2):
+        row("model figures", "skipped: correctness checks failed")
+    else:
+        if want("decode") or want("throughput") or want("swap"):
+            m = section(Llama8B)()
+            if m is not None:
+                best = llama8b_decode(m, bw, args.decode_quick) if want("decode") else None
+                if best is None:
+                    best = preset_variant("gemv", cuda_graph_batch_sizes=GRAPH_SIZES)
+                if want("throughput"):
+                    llama8b_throughput(m, args.trace, peak, args.requests, args.hf_batch)
+                if want("swap"):
+                    cold_start_and_swap(m, best, tmp)
+                del m
+                torch.cuda.empty_cache()
+        if want("moe"):
+            moe_decode(bw, args.moe_layers, args.moe_sweep)
+        if want("experts"):
+            experts_alone()
+    finish()
+
+
+if __name__ == "__main__":
+    main()
