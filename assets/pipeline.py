@@ -185,8 +185,11 @@ def slow_bench_results(context: dg.AssetExecutionContext, fast_bench_results: li
     letters = "BABCDEFGH"
     plot = _scatter([(r.output_tok_s, 1e3 * r.tpot_p50, letters[i]) for i, (_, r) in enumerate(results)])
     context.add_output_metadata({
-        "results": _md_table([{"": letters[i], "variant": v.name, "output tok/s": round(r.output_tok_s, 1),
-                               "spread": round(r.spread, 1), "goodput req/s": round(r.goodput, 2),
+        "SLO": f"TTFT <= {1e3 * search.cfg.slo_ttft_s:.0f} ms, TPOT <= {1e3 * search.cfg.slo_tpot_s:.0f} ms for 90% "
+               f"of requests ({search.cfg.slo_source})",
+        "results": _md_table([{"": letters[i], "variant": v.name, "capacity req/s": round(r.capacity, 3),
+                               "capacity spread": round(r.capacity_spread, 3), "attainment": round(r.attainment, 2),
+                               "output tok/s": round(r.output_tok_s, 1), "spread": round(r.spread, 1),
                                "TTFT p50/p99 ms": f"{1e3 * r.ttft_p50:.0f}/{1e3 * r.ttft_p99:.0f}",
                                "TPOT p50/p99 ms": f"{1e3 * r.tpot_p50:.1f}/{1e3 * r.tpot_p99:.1f}"}
                               for i, (v, r) in enumerate(results)]),
@@ -202,7 +205,7 @@ def slow_bench_results(context: dg.AssetExecutionContext, fast_bench_results: li
 def engine_build(context: dg.AssetExecutionContext, slow_bench_results: list, traffic_profile, model_spec,
                  hardware_profile, artifacts: ArtifactStore, source: VariantSource, runner: EngineRunner,
                  traffic: TrafficSource):
-    from ops.optimize import EngineBuild, choose
+    from ops.optimize import EngineBuild, capacity_line, choose
 
     search = source.search(context, runner, traffic, hardware_profile)  # the measured profile, not a new probe
     decided, decision = search.decide()  # the decision, its reason and its result ids, on the board
@@ -216,6 +219,7 @@ def engine_build(context: dg.AssetExecutionContext, slow_bench_results: list, tr
                                     "result_ids": decision.get("refs", [])})
     path = artifacts.put(f"builds/{build.source_hash}.json", json.dumps(build.to_json(), indent=2))
     context.add_output_metadata({"chosen variant": choice.variant.variant_id, "name": choice.variant.name,
+                                 "capacity": capacity_line(choice.result, choice.baseline),
                                  "why": dg.MetadataValue.md(choice.reason), "artifact": path})
     return build
 
@@ -281,7 +285,7 @@ def deployed_endpoint(context: dg.AssetExecutionContext, engine_build, runner: E
         engine_build.bench.get("tpot_p50", 0.0)
     dep = deploy(url, token, endpoint.served_model_name, engine_build.variant, probes,
                  max_tokens=endpoint.watch_max_tokens, tolerance=endpoint.tolerance, spread=spread)
-    if dep.status == "deployed":  # what the drift sensors compare live traffic, the model and the hardware against
+    if dep.status in ("deployed", "kept"):  # what the drift sensors compare live traffic, model and hardware against
         capture_dir = endpoint.capture_dir or str(Path(artifacts.root) / "capture")
         DeploymentRecord(endpoint=url, variant_id=dep.build_id, traffic_profile=engine_build.traffic_profile,
                          partition_key=context.partition_key,

@@ -77,7 +77,8 @@ def smoke(op: str, kernel, params: dict, dims: dict | None, device: str) -> list
     fn = make_launcher(op, kernel, params)
     ref = REFERENCES[op]
     out = []
-    for i, args in enumerate(smoke_cases(op, dims, torch.Generator().manual_seed(0), device)):
+    gen = torch.Generator(device=torch.device(device)).manual_seed(0)
+    for i, args in enumerate(smoke_cases(op, dims, gen, device)):
         shape = "x".join(str(d) for d in args[0].shape)
         try:
             got = fn(*args)

@@ -185,10 +185,10 @@ def make_launcher(op: str, kernel, params: dict) -> Callable:
 def smoke_cases(op: str, dims: dict | None, generator: torch.Generator, device: str = "cpu",
                 dtype: torch.dtype = torch.float32) -> list[tuple]:
     """Argument tuples for ``op``: small odd shapes, then (with the model's ``dims``: hidden, intermediate,
-    and the projections' (N, K) pairs) the shapes it serves, so every loop runs the trip counts it will
-    run in the engine."""
+    and the projections' (N, K) pairs) every shape it serves, one row each, so every loop runs the trip
+    counts it will run in the engine. Random values are drawn on ``device`` (``generator``'s device)."""
     def r(*shape):
-        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+        return torch.randn(*shape, generator=generator, device=generator.device).to(device=device, dtype=dtype)
 
     cases = []
     if op == "rms_norm":
@@ -211,6 +211,5 @@ def smoke_cases(op: str, dims: dict | None, generator: torch.Generator, device: 
             cases[1] = cases[1] + (r(33),)
         if dims:
             pairs = dims["projections"] if op == "linear" else [(dims["hidden"], dims["intermediate"])]
-            n, k = max(p[0] for p in pairs), max(p[1] for p in pairs)
-            cases.append((r(4, k * width), r(n, k)))
+            cases += [(r(1, k * width), r(n, k)) for n, k in sorted({tuple(p) for p in pairs})]
     return cases

@@ -76,7 +76,7 @@ class Deployment:
     build_id: str  # the variant id now serving
     previous_build: str | None
     time: float
-    status: str  # "deployed" | "rolled back" | "refused"
+    status: str  # "deployed" | "rolled back" | "refused" | "kept" (already serving it: nothing swapped)
     reason: str
     live_before: dict = field(default_factory=dict)
     live_after: dict = field(default_factory=dict)
@@ -125,6 +125,9 @@ def deploy(url: str, token: str, model: str, variant: VariantSpec, probes: list[
     """
     auth = {"Authorization": f"Bearer {token}"}
     current = httpx.get(url + "/admin/variant", headers=auth, timeout=10).json()["active"]["variant_id"]
+    if current == variant.variant_id:
+        return Deployment(url, current, None, time.time(), "kept",
+                          f"the endpoint already serves {current} ({variant.name}): nothing deployed")
     live_before = _window(url, model, probes, max_tokens, concurrency)
     r = httpx.post(url + "/admin/variant", headers=auth, json=variant.to_json(), timeout=600)
     if r.status_code != 200:

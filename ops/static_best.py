@@ -22,7 +22,7 @@ from engine.loader import ModelSource
 from engine.sampling_params import SamplingParams
 from engine.trace_record import TraceRecord
 from engine.variant import VariantSpec
-from ops.bench import SLO, attainment_at, capacity_search, hardware_label, own_rate
+from ops.bench import SLO, attainment_at, capacity_search, hardware_label
 from ops.traces import percentile
 
 # the SLO rule where none is given: multiples of a configuration's unloaded latency on the workload
@@ -51,7 +51,7 @@ class Workload:
         return [[rng.randrange(low, vocab - 1) for _ in range(self.prompt)] for _ in range(self.requests)]
 
 
-WORKLOADS = {"cpu": Workload(prompt=256, output=32, requests=24), "gpu": Workload(prompt=1024, output=128, requests=64)}
+WORKLOADS = {"cpu": Workload(prompt=256, output=32, requests=16), "gpu": Workload(prompt=1024, output=128, requests=32)}
 
 
 def unloaded_latency(engine: LLMEngine, prompts: list[list[int]], output: int, n: int = 6) -> tuple[float, float]:
@@ -83,12 +83,17 @@ def candidates(device: str, hidden_size: int) -> list[VariantSpec]:
     graphs for every decode batch up to max_num_seqs."""
     from engine.presets import preset_variant
 
-    knobs = [dict(max_num_seqs=s, max_num_batched_tokens=b, prefill_chunk_size=c)
-             for s in (8, 32, 128) for b, c in ((512, None), (2048, None), (2048, 256))]
+    if device.startswith("cuda"):
+        knobs = [dict(max_num_seqs=s, max_num_batched_tokens=2048, prefill_chunk_size=c)
+                 for s in (32, 128) for c in (None, 512)]
+    else:  # a CPU's steps: few sequences at a time
+        knobs = [dict(max_num_seqs=s, max_num_batched_tokens=b, prefill_chunk_size=c)
+                 for s in (8, 32) for b, c in ((512, None), (2048, None), (2048, 256))]
     out = [VariantSpec(name="default")]
     if not device.startswith("cuda"):
-        return out + [VariantSpec(name=f"knobs {k}", **k) for k in knobs]
-    for name in ("triton-paged", "gemv", "gemv-split-kv-pdl", "dense-decode"):
+        return out + [VariantSpec(name=f"seqs {k['max_num_seqs']}, budget {k['max_num_batched_tokens']}, chunk "
+                                       f"{k['prefill_chunk_size']}", **k) for k in knobs]
+    for name in ("triton-paged", "dense-decode"):
         for k in knobs:
             graphs = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= k["max_num_seqs"])
             try:
@@ -118,11 +123,14 @@ def sweep(source: ModelSource, device: str = "cpu", dtype: str = "float32", slo:
     records = workload.records()
     prompts = workload.prompts(engine.model_config.vocab_size)
     derived = slo is None
+    unloaded = unloaded_latency(engine, prompts, workload.output)
     if derived:
-        slo = derive_slo(unloaded_latency(engine, prompts, workload.output))
+        slo = derive_slo(unloaded)
         log(f"SLO from the default's unloaded latency: TTFT {1e3 * slo.ttft_s:.0f} ms, TPOT {1e3 * slo.tpot_s:.1f} ms")
     variants = variants or candidates(device, engine.model_config.hidden_size)
-    rows, guess, t0 = [], own_rate(records), time.perf_counter()
+    # the first rate tried: a few requests in flight at the unloaded latency (later: the last capacity found)
+    guess = 4.0 / (unloaded[0] + workload.output * unloaded[1])
+    rows, t0 = [], time.perf_counter()
     for v in variants:
         try:
             engine.apply_variant(v)

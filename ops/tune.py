@@ -394,7 +394,7 @@ def tune(cfg: SearchConfig, board_path: str | Path, agents: list[Agent] | None =
         quality = report.to_json()
         s.board.post("gates", "note", {"search": s.id, "variant_id": chosen.variant_id,
                                        "verdict": report.verdict, "reasons": report.reasons})
-    report = TuneReport(search=s.id, board=str(board_path), config=cfg.to_json(), baseline=s.baseline.to_json(),
+    report = TuneReport(search=s.id, board=str(board_path), config=s.cfg.to_json(), baseline=s.baseline.to_json(),
                         chosen=chosen.to_json(), decision=decision, rows=s.rows(), cost_model=cost,
                         invalid_replies=s.invalid_replies(), wall_s=time.time() - t0, budget=asdict(budget),
                         quality=quality)

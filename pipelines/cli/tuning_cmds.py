@@ -32,14 +32,19 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 
 
 def print_optimize_report(result) -> None:
-    """The baseline against the chosen variant, why, the gates and the deployment, from a run's outputs."""
+    """Static-best against the chosen variant, why, the gates and the deployment, from a run's outputs."""
+    from ops.optimize import capacity_line
+    from ops.worker import bench_from
+
     build = result.output_for_node("engine_build")
     dep = result.output_for_node("deployed_endpoint")
     checks = {e.asset_check_key.name: e.passed for e in result.get_asset_check_evaluations()}
     base, best = build.baseline_bench, build.bench
-    print(f"{'':28}{'baseline (default)':>22}{'chosen ' + build.variant.variant_id:>26}")
-    for label, key, scale, fmt in (("output tokens/s", "output_tok_s", 1, ".1f"),
-                                   ("goodput (req/s)", "goodput", 1, ".2f"),
+    print(f"{'':28}{'static-best':>22}{'chosen ' + build.variant.variant_id:>26}")
+    for label, key, scale, fmt in (("capacity at SLO (req/s)", "capacity", 1, ".3f"),
+                                   ("  its spread", "capacity_spread", 1, ".3f"),
+                                   ("SLO attainment, own rate", "attainment", 1, ".2f"),
+                                   ("output tokens/s", "output_tok_s", 1, ".1f"),
                                    ("TTFT p50 / p99 (ms)", ("ttft_p50", "ttft_p99"), 1e3, ".0f"),
                                    ("TPOT p50 / p99 (ms)", ("tpot_p50", "tpot_p99"), 1e3, ".1f")):
         def cell(b):
@@ -48,6 +53,7 @@ def print_optimize_report(result) -> None:
             return format(b[key] * scale, fmt)
         print(f"{label:28}{cell(base):>22}{cell(best):>26}")
     print(f"spread (output tok/s)       {base['spread']:>22.2f}{best['spread']:>26.2f}")
+    print(capacity_line(bench_from(best), bench_from(base)))
     print(f"why: {build.reason}")
     prov = build.provenance
     print(f"board: {prov.get('board')}, search {prov.get('search')}, decision message {prov.get('decision_message')} "
