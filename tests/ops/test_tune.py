@@ -37,7 +37,7 @@ def test_tune_with_built_in_and_llm_agents(tmp_path, scripted_server):
     assert all(r["status"] == DONE and r["result_id"] for r in rows)
     fast = [r for r in rows if r["tier"] == "fast"]
     slow = [r for r in rows if r["tier"] == "slow"]
-    assert fast[0]["proposer"] == "baseline" and slow[0]["name"] == "baseline (default)"
+    assert fast[0]["proposer"] == "baseline" and slow[0]["name"].startswith("static-best")
     assert {"cost-model", "llm"} <= {r["proposer"] for r in fast}
     assert len(slow) == 3 and report.cost_model["variants"] == 3
     llm_row = next(r for r in fast if r["proposer"] == "llm")
