@@ -138,7 +138,7 @@ def sweep(source: ModelSource, device: str = "cpu", dtype: str = "float32", slo:
             cap, width, probes = capacity_search(
                 lambda rate: attainment_at(engine, records, prompts, rate, workload.output, slo), guess)
             rows.append(SweepRow(v, cap, width, probes))
-            guess = cap or guess
+            guess = max(guess, cap)  # the best so far: a weak form's low rates would take the longest to probe
             log(f"  {v.name:60} capacity {cap:.3f} req/s (bracket {width:.3f}; {len(probes)} probes)")
         except Exception as e:  # a form this device cannot run is a row too
             rows.append(SweepRow(v, 0.0, 0.0, [], f"{type(e).__name__}: {str(e)[:200]}"))
