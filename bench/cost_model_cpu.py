@@ -41,7 +41,7 @@ VARIANTS = [BASE] + [dataclasses.replace(BASE, name=n, **kw) for n, kw in [
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trace", default=str(ROOT.parent / "shared/traces/AzureLLMInferenceTrace_conv.csv"))
+    ap.add_argument("--trace", default=str(ROOT / "traces/AzureLLMInferenceTrace_conv.csv"))
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--max-input", type=int, default=128)
     ap.add_argument("--max-output", type=int, default=16)

@@ -1,6 +1,6 @@
 """SmolLM2 on CPU: our engine's output tokens/s against transformers' batched generate, same requests, same run.
 
-Requests take their input/output lengths from the shared Azure conversation trace (clipped
+Requests take their input/output lengths from the Azure conversation trace in traces/ (clipped
 to fit a CPU); prompts are random token ids of those lengths, so both sides see identical
 inputs. Prints figures; asserts nothing about speed.
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "traces" / "AzureLLMInferenceTrace_conv.csv"
 
 
 def azure_lengths(path: Path, n: int, max_in: int, max_out: int) -> list[tuple[int, int]]:

@@ -43,7 +43,7 @@ def run(cfg: SearchConfig, vs: list[VariantSpec], fresh: bool, board_path: str) 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--trace", default=str(ROOT.parent / "shared/traces/AzureLLMInferenceTrace_conv.csv"))
+    ap.add_argument("--trace", default=str(ROOT / "traces/AzureLLMInferenceTrace_conv.csv"))
     ap.add_argument("--variants", type=int, default=6)
     ap.add_argument("--fast-layers", type=int, default=4)
     ap.add_argument("--device", default="cpu")

@@ -79,7 +79,7 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--traces", type=Path, default=ROOT.parent / "shared" / "traces",
+    ap.add_argument("--traces", type=Path, default=ROOT / "traces",
                     help="folder with AzureLLMInferenceTrace_conv.csv and mooncake_conversation_trace.jsonl (or the "
                          "bench/data slices)")
     ap.add_argument("--requests", type=int, default=24)

@@ -23,7 +23,9 @@ __all__ = ["EngineFactory", "GateSettings", "factory_for", "gate_variant", "run_
 def run_gates(reference: EngineFactory, candidate: EngineFactory, *, reference_id: str, candidate_id: str,
               dtype: str, prompts: list[list[int]] | None = None, contamination: list[list[int]] | None = None,
               max_tokens: int = 12, thresholds: QualityThresholds | None = None, exact: bool = False,
-              block_size: int = 16) -> QualityReport:
+              block_size: int = 16, fail_fast: bool = True) -> QualityReport:
+    """Quality, then contamination. With ``fail_fast`` a candidate that fails quality is not run through
+    the contamination scenarios (it is rejected either way); the report says so."""
     t0 = time.perf_counter()
     probe = candidate(GateSettings(8, enable_prefix_caching=False))
     prompts = prompts or shipped_prompts(probe)
@@ -33,6 +35,10 @@ def run_gates(reference: EngineFactory, candidate: EngineFactory, *, reference_i
     try:
         quality_checks(reference, candidate, prompts, max_tokens, thresholds or DEFAULT_THRESHOLDS[dtype], exact,
                        report)
+        if fail_fast and not all(c.passed for c in report.quality):
+            report.contamination_skipped = True
+            report.seconds = time.perf_counter() - t0
+            return report
         t = thresholds or DEFAULT_THRESHOLDS[dtype]
         tolerance = 0.0 if exact or dtype == "float32" else t.max_rounding_kl
         contamination_checks(candidate, contamination, max_tokens, block_size, report, tolerance)

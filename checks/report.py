@@ -60,6 +60,7 @@ class QualityReport:
     mean_kl: float | None = None
     quality: list[CheckResult] = field(default_factory=list)
     contamination: list[CheckResult] = field(default_factory=list)
+    contamination_skipped: bool = False  # quality failed first, so the scenarios were not run
     seconds: float = 0.0
 
     @property
@@ -88,4 +89,6 @@ class QualityReport:
                          f"{self.max_abs_logit_delta:.3g}, mean KL {self.mean_kl:.3g}")
         for c in self.quality + self.contamination:
             lines.append(f"  [{'ok' if c.passed else 'FAIL'}] {c.name}: {c.detail}")
+        if self.contamination_skipped:
+            lines.append("  contamination scenarios not run: the candidate already failed quality")
         return "\n".join(lines)

@@ -10,7 +10,7 @@ from assets import pipeline
 from assets.resources import ArtifactStore, Endpoint, EngineRunner, TrafficSource, VariantSource, env_secret
 from pipelines.sensors import DriftConfig
 
-DEFAULT_TRACE = "../shared/traces/AzureLLMInferenceTrace_conv.csv"
+DEFAULT_TRACE = str(Path(__file__).resolve().parents[1] / "traces" / "AzureLLMInferenceTrace_conv.csv")
 
 
 def resources(model: str = "smollm2", trace: str | None = None, requests: int = 16, max_input: int = 128,

@@ -8,7 +8,7 @@ from engine.trace_record import TraceRecord
 from ops.bench import BenchResult
 from ops.traces import load_trace
 
-AZURE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+AZURE = Path(__file__).resolve().parents[2] / "traces" / "AzureLLMInferenceTrace_conv.csv"
 
 
 def test_trace_expectations():

@@ -17,7 +17,7 @@ from engine import SamplingParams
 from engine.capture import read_capture_dir
 
 TOKEN = "test-admin-token"
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "traces"
+SHARED = Path(__file__).resolve().parents[2] / "traces"
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from ops.traces import load_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "engine" / "tiny_moe" / "config.json"
-AZURE = ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+AZURE = ROOT / "traces" / "AzureLLMInferenceTrace_conv.csv"
 
 
 def _engine(**kw) -> LLMEngine:

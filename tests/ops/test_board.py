@@ -17,7 +17,7 @@ from engine.variant import VariantSpec
 from ops.board import DONE, QUEUED, RUNNING, Board
 
 ROOT = Path(__file__).resolve().parents[2]
-TRACE = ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+TRACE = ROOT / "traces" / "AzureLLMInferenceTrace_conv.csv"
 
 
 def _variants(n: int) -> list[VariantSpec]:
@@ -86,7 +86,6 @@ def test_concurrent_workers_claim_each_experiment_exactly_once(tmp_path):
     assert len(board.results("s")) == 40
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="needs shared/traces")
 def test_killed_worker_process_experiment_is_requeued_and_counted_once(tmp_path):
     """A real `polyinf worker` is SIGKILLed mid-experiment; a second worker finishes the queue."""
     from ops.hardware import probe

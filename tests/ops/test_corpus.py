@@ -19,7 +19,7 @@ from ops import corpus as C
 from ops.corpus import Corpus, TokenStream, corpus_for, corpus_ids, text_prompts
 from ops.replay import synthesize_prompts
 from ops.traces import load_trace
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "traces"
+SHARED = Path(__file__).resolve().parents[2] / "traces"
 VOCAB = 49152
 
 

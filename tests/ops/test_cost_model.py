@@ -19,7 +19,7 @@ from ops.model_spec import ModelSpec
 from ops.traces import profile
 
 ROOT = Path(__file__).resolve().parents[2]
-TRACE = ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+TRACE = ROOT / "traces" / "AzureLLMInferenceTrace_conv.csv"
 
 SPEC = ModelSpec(architecture="llama", layers=30, hidden_size=576, heads=9, kv_heads=3, head_dim=64, vocab=49152,
                  experts=0, experts_per_token=0, dtype="float32", param_bytes=4 * 134_515_008,
@@ -70,7 +70,6 @@ def test_roofline_step_time_is_the_larger_bound_plus_launches():
     assert m2 == pytest.approx(m1 / 2) and l2 > l1  # TP halves bytes per device, adds all-reduces
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="needs shared/traces")
 @pytest.mark.parametrize("knobs", [{}, {"max_num_seqs": 3}, {"max_num_batched_tokens": 40},
                                    {"prefill_chunk_size": 16, "max_num_batched_tokens": 64}])
 def test_simulation_schedules_like_the_engine(knobs):

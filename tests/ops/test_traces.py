@@ -12,7 +12,7 @@ from engine.capture import CURRENT, CaptureWriter, capture_files, read_capture_d
 from engine.trace_record import TraceRecord
 from ops.traces import ImportStats, TraceError, load_trace, profile
 
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "traces"
+SHARED = Path(__file__).resolve().parents[2] / "traces"
 
 
 def test_shared_traces_import_whole():

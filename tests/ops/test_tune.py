@@ -14,8 +14,7 @@ from ops.tune import Budget, default_agents, tune
 from ops.worker import SearchConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-TRACE = ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
-pytestmark = pytest.mark.skipif(not TRACE.exists(), reason="needs shared/traces")
+TRACE = ROOT / "traces" / "AzureLLMInferenceTrace_conv.csv"
 
 REPLY = {"proposals": [{"rationale": "chunk prompts so decodes keep flowing",
                         "changes": {"prefill_chunk_size": 16, "max_num_batched_tokens": 48}}]}

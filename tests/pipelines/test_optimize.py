@@ -9,7 +9,7 @@ from engine.variant import VariantSpec
 from ops.kernel_templates import KernelChoice
 
 ROOT = Path(__file__).resolve().parents[2]
-AZURE = ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+AZURE = ROOT / "traces" / "AzureLLMInferenceTrace_conv.csv"
 TINY = ROOT / "tests" / "engine" / "tiny_moe"
 
 

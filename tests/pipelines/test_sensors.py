@@ -21,7 +21,7 @@ from ops.traces import load_trace, profile
 from pipelines.sensors import DriftConfig, hardware_drift_sensor, model_drift_sensor, nightly, traffic_drift_sensor
 
 ROOT = Path(__file__).resolve().parents[2]
-AZURE = ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+AZURE = ROOT / "traces" / "AzureLLMInferenceTrace_conv.csv"
 TINY = ROOT / "tests" / "engine" / "tiny_moe"
 KEY = "smollm2|cpu|embedded"
 
