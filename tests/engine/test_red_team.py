@@ -120,10 +120,10 @@ OUT_OF_BOUNDS = {
                           lambda xf, c: torch.where(c >= 2, xf[(c - 2).clamp(min=0)], torch.zeros(len(c)))),
 }
 HANGS = {
-    "a loop of 4e18 iterations": "    acc = tl.zeros([BLOCK_D], tl.float32)\n"
-                                 "    for i in range(0, 2147483647):\n        for j in range(0, 2147483647):\n"
-                                 "            acc = acc * 1.0000001 + 1.0\n"
-                                 "    tl.store(out_ptr + cols, acc, mask=cols < D)\n" + BODY,
+    "a loop of 4e18 iterations": BODY + "    acc = tl.zeros([BLOCK_D], tl.float32)\n"
+                                        "    for i in range(0, 2147483647):\n        for j in range(0, 2147483647):\n"
+                                        "            acc = acc * 1.0000001 + 1.0\n"
+                                        "    tl.store(out_ptr + row * D + cols, acc, mask=cols < D)\n",
 }
 
 
