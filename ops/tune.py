@@ -7,7 +7,6 @@ the slow tier's share (the baseline and the ``slow_top`` best of the fast tier) 
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
@@ -22,10 +21,9 @@ from ops.board import Board, Result
 from ops.bench import BenchResult, fast_tier
 from ops.cost_model import (ROOFLINE, Calibration, CostModelPlan, calibrate, mape, plan, predict, predicted_capacity,
                              shapes_from_fast, simulate, spearman)
-from ops.static_best import RULE, derive_slo, unloaded_latency
 from ops.hardware import HardwareProfile, probe
 from ops.optimize import Choice, capacity_line, choose
-from ops.worker import FAST, SLOW, SearchConfig, Workbench, bench_from, reference_from, work
+from ops.worker import FAST, SLOW, SearchConfig, Workbench, bench_from, reference_from, static_best_of, work
 
 
 @dataclass(frozen=True)
@@ -94,16 +92,6 @@ def default_agents(llm: Agent | None = None) -> list[Agent]:
     return agents
 
 
-def static_best_of(cfg: SearchConfig) -> VariantSpec:
-    """The model's static-best form on this device (the baseline every tuned figure is a ratio against), or
-    the engine's plain default when none is recorded."""
-    from engine import static_best
-    from engine.loader import resolve
-
-    found = static_best.lookup(resolve(cfg.model), cfg.device, cfg.dtype)
-    return found or VariantSpec(name="static-best (none recorded: the default)")
-
-
 def new_search_id() -> str:
     return time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
 
@@ -137,12 +125,7 @@ class Search:
         hw = hardware or probe(cfg.device, size_mb=64 if cfg.device == "cpu" else 256)
         base = baseline or static_best_of(cfg)
         bench = Workbench(cfg, hw)
-        if cfg.slo_ttft_s is None or cfg.slo_tpot_s is None:
-            eng = bench.engine(SLOW, base)
-            slo = derive_slo(unloaded_latency(eng, bench.prompts(eng.model_config.vocab_size), cfg.max_output))
-            cfg = dataclasses.replace(cfg, slo_ttft_s=cfg.slo_ttft_s or slo.ttft_s, slo_tpot_s=cfg.slo_tpot_s or slo.tpot_s,
-                                      slo_source=f"derived: {RULE} of static-best on this slice")
-            bench.cfg = cfg
+        cfg = bench.with_slo(base)
         board.create_search(search, cfg.to_json())
         self = cls(cfg, board, search, hw, bench, base, cost_plan)
         # the first start of a search records the plan; later starts (other asset steps) need not compute it

@@ -68,6 +68,15 @@ class SearchConfig:
                 "num_kv_blocks": self.num_kv_blocks, "slo_ttft_s": self.slo_ttft_s, "slo_tpot_s": self.slo_tpot_s}
 
 
+def static_best_of(cfg: SearchConfig) -> VariantSpec:
+    """The model's static-best form on this device (the baseline every tuned figure is a ratio against), or
+    the engine's plain default when none is recorded."""
+    from engine import static_best
+
+    found = static_best.lookup(resolve(cfg.model), cfg.device, cfg.dtype)
+    return found or VariantSpec(name="static-best (none recorded: the default)")
+
+
 @dataclass
 class Workbench:
     """The engines, trace slice and prompts a worker measures with, built once."""
@@ -91,6 +100,19 @@ class Workbench:
 
     def layers(self, tier: str) -> int | None:
         return self.cfg.fast_layers if tier == FAST else self.cfg.slow_layers
+
+    def with_slo(self, baseline: VariantSpec | None = None) -> SearchConfig:
+        """The config with an SLO: as given, or derived (``derive_slo``) from the unloaded latency on the slice of
+        ``baseline`` (default: static-best), which then holds for every experiment this workbench measures."""
+        c = self.cfg
+        if c.slo_ttft_s is None or c.slo_tpot_s is None:
+            from ops.static_best import RULE, derive_slo, unloaded_latency
+
+            eng = self.engine(SLOW, baseline or static_best_of(c))
+            slo = derive_slo(unloaded_latency(eng, self.prompts(eng.model_config.vocab_size), c.max_output))
+            self.cfg = dataclasses.replace(c, slo_ttft_s=c.slo_ttft_s or slo.ttft_s, slo_tpot_s=c.slo_tpot_s or slo.tpot_s,
+                                           slo_source=f"derived: {RULE} of static-best on this slice")
+        return self.cfg
 
     def engine_config(self, tier: str, variant: VariantSpec | None = None) -> EngineConfig:
         return EngineConfig(source=resolve(self.cfg.model), device=self.cfg.device, dtype=self.cfg.dtype,
@@ -130,8 +152,8 @@ class Workbench:
         times imply: the cost model calibrated on the full model, scaled by how this variant's step times
         compare with the baseline's on the same shapes (before the full-model calibration exists: the
         cost model calibrated on this variant's own few-layer shapes)."""
+        c = self.with_slo()
         eng = self.engine(tier, variant)
-        c = self.cfg
         if tier == FAST:
             prefill, decode = fast_shapes(self.traffic, variant, c.max_input)
             res = fast_tier(eng, prefill, decode, repeats=c.fast_repeats)
