@@ -259,6 +259,10 @@ def slow_bench_expectations(slow_bench_results: list) -> dg.AssetCheckResult:
 def engine_build_gates(engine_build, runner: EngineRunner) -> dg.AssetCheckResult:
     from checks.gates import gate_variant
 
+    if engine_build.bench.get("variant_id") == engine_build.baseline_bench.get("variant_id"):
+        # nothing beat static-best: the build is the form already serving, not a candidate to gate
+        return dg.AssetCheckResult(passed=True, metadata={
+            "verdict": "not run", "why": "the build is static-best (nothing beat it): nothing new to gate"})
     report = gate_variant(runner.engine(), engine_build.variant, max_tokens=8)
     engine_build.attach_quality(report)
     return dg.AssetCheckResult(passed=report.verdict == "pass", metadata={

@@ -164,14 +164,17 @@ def attainment_at(engine: LLMEngine, records: list[TraceRecord], prompts: list[l
 
 
 def capacity_search(attain, guess: float, target: float = 0.9, resolution: float = 1.25,
-                    max_probes: int = 6) -> tuple[float, float, list[list[float]]]:
+                    max_probes: int = 6, min_rate: float = 0.0) -> tuple[float, float, list[list[float]]]:
     """The highest rate whose attainment (``attain(rate)``) reaches ``target``: from ``guess`` it doubles or
     halves until a passing and a failing rate bracket it, then bisects (geometrically) until the bracket is
     within ``resolution``. Returns (capacity, the bracket's width, [rate, attainment] per probe); capacity 0
-    when even the lowest rate probed fails."""
+    when even the lowest rate probed fails. Below ``min_rate`` (where requests no longer overlap, so a lower
+    rate cannot help and only makes the replay longer) it does not probe."""
     passed, failed, probes = 0.0, float("inf"), []
-    rate = max(guess, 1e-3)
+    rate = max(guess, min_rate, 1e-3)
     for _ in range(max_probes):
+        if probes and rate < min_rate:
+            break
         a = attain(rate)
         probes.append([rate, a])
         if a >= target:
@@ -222,8 +225,10 @@ def slow_tier(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[
         hardware=hardware_label(engine.device), wall_s=time.perf_counter() - t0,
     )
     if capacity_guess is not None:
+        # below one request per median latency the requests run one at a time: no lower rate does better
         res.capacity, res.capacity_spread, res.rate_probes = capacity_search(
-            lambda rate: attainment_at(engine, records, prompts, rate, max_output, slo), capacity_guess)
+            lambda rate: attainment_at(engine, records, prompts, rate, max_output, slo), capacity_guess,
+            min_rate=0.5 / max(res.e2e_p50, 1e-3))
         res.wall_s = time.perf_counter() - t0
     return res
 

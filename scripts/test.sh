@@ -12,4 +12,6 @@ if ! command -v chromium >/dev/null 2>&1; then
   fi
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1
-exec .venv/bin/python -m pytest "$@"
+# One worker per core, each test file on one worker (its module fixtures built once); POLYINF_TEST_WORKERS=0
+# runs in this process.
+exec .venv/bin/python -m pytest -n "${POLYINF_TEST_WORKERS:-$(nproc)}" --dist loadfile "$@"

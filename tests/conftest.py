@@ -11,6 +11,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on the CPU interpreter
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.manual_seed(0)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # one core per worker: scripts/test.sh runs one worker per core
 
 
 @pytest.fixture(scope="session")

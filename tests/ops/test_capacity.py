@@ -41,6 +41,11 @@ def test_a_rate_search_that_never_fails_is_a_lower_bound_and_one_that_never_pass
     assert cap == 8.0 and width == float("inf")
     cap, width, _ = capacity_search(lambda r: 0.0, 1.0, max_probes=4)
     assert cap == 0.0 and width == 0.125
+    # no probe below the rate where requests stop overlapping: the search gives up there, at 0
+    cap, width, probes = capacity_search(lambda r: 0.0, 1.0, max_probes=6, min_rate=0.3)
+    assert cap == 0.0 and [p[0] for p in probes] == [1.0, 0.5] and width == 0.5
+    cap, _, probes = capacity_search(lambda r: float(r <= 0.6), 0.1, max_probes=6, min_rate=0.3)
+    assert probes[0][0] == 0.3 and 0.48 <= cap <= 0.6
 
 
 def _records(n=24, gap=0.5, prompt=200, out=24):

@@ -54,7 +54,7 @@ def test_materialize_the_whole_graph(tmp_path):
             ("engine_build_gates", True), ("fast_bench_expectations", True), ("slow_bench_expectations", True),
             ("traffic_traces_expectations", True)]
         dep = result.output_for_node("deployed_endpoint")
-        assert dep.status in ("deployed", "rolled back")
+        assert dep.status in ("deployed", "rolled back", "kept")
         from assets.resources import _SERVERS
 
         server = _SERVERS["smollm2"]
