@@ -130,8 +130,9 @@ class VariantSource(dg.ConfigurableResource):
         """The run's search on the board (one per Dagster run, so every asset step finds the same one)."""
         from ops.tune import Search
 
-        return Search.start(search_config(runner, traffic, slow_repeats=2), self.board, f"run-{context.run.run_id}",
-                            hardware=hardware, cost_plan=cost_plan)
+        # one timed replay at the trace's rate and up to four capacity probes per variant: the job stays minutes
+        cfg = search_config(runner, traffic, slow_repeats=1, capacity_probes=4)
+        return Search.start(cfg, self.board, f"run-{context.run.run_id}", hardware=hardware, cost_plan=cost_plan)
 
 
 def search_config(runner: EngineRunner, traffic: TrafficSource, **tiers):

@@ -197,7 +197,7 @@ def capacity_search(attain, guess: float, target: float = 0.9, resolution: float
 
 def slow_tier(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[int]], trace_id: str,
               repeats: int = 3, time_scale: float = 1.0, max_output: int | None = None, slo: SLO = SLO(),
-              capacity_guess: float | None = None) -> BenchResult:
+              capacity_guess: float | None = None, capacity_probes: int = 6) -> BenchResult:
     """Replays the slice ``repeats`` times (prefix cache dropped between runs) and reports medians; with
     ``capacity_guess`` (req/s, e.g. the cost model's), then searches the capacity at the SLO from there."""
     if not records or len(records) != len(prompts):
@@ -228,7 +228,7 @@ def slow_tier(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[
         # below one request per median latency the requests run one at a time: no lower rate does better
         res.capacity, res.capacity_spread, res.rate_probes = capacity_search(
             lambda rate: attainment_at(engine, records, prompts, rate, max_output, slo), capacity_guess,
-            min_rate=0.5 / max(res.e2e_p50, 1e-3))
+            max_probes=capacity_probes, min_rate=0.5 / max(res.e2e_p50, 1e-3))
         res.wall_s = time.perf_counter() - t0
     return res
 

@@ -48,6 +48,7 @@ class SearchConfig:
     slow_layers: int | None = None  # None: the whole model
     fast_repeats: int = 3
     slow_repeats: int = 3
+    capacity_probes: int = 6  # rates the slow tier's capacity search may replay the slice at
     num_kv_blocks: int = 512
     slo_ttft_s: float | None = None  # None: derived from static-best's unloaded latency (Search.start)
     slo_tpot_s: float | None = None
@@ -59,7 +60,8 @@ class SearchConfig:
 
     @classmethod
     def from_json(cls, d: dict) -> "SearchConfig":
-        return cls(**d)
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})  # a board written by an older version still opens
 
     @property
     def sim(self) -> dict:
@@ -175,7 +177,7 @@ class Workbench:
         res = slow_tier(eng, self.records, self.prompts(eng.model_config.vocab_size),
                         f"{c.trace}[:{len(self.records)}]", repeats=c.slow_repeats, time_scale=c.time_scale,
                         max_output=c.max_output, slo=SLO(c.slo_ttft_s, c.slo_tpot_s),
-                        capacity_guess=self.capacity_guess(variant))
+                        capacity_guess=self.capacity_guess(variant), capacity_probes=c.capacity_probes)
         return res.to_json()
 
     def capacity_guess(self, variant: VariantSpec) -> float:

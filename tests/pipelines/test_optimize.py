@@ -38,7 +38,7 @@ def test_materialize_the_whole_graph(tmp_path):
         profile = result.output_for_node("traffic_profile")
         assert profile.requests == 8
         plan = result.output_for_node("cost_model_plan")
-        assert len(plan.entries) >= 8 and plan.entries[0].prediction.output_tok_s >= plan.entries[-1].prediction.output_tok_s
+        assert len(plan.entries) >= 8 and plan.entries[0].prediction.capacity >= plan.entries[-1].prediction.capacity
         candidates = result.output_for_node("variant_candidates")
         assert len(candidates) == 4 and candidates[0].name.startswith("baseline")
         fast = result.output_for_node("fast_bench_results")
