@@ -50,3 +50,15 @@ def hf_smollm2(smollm2_path):
         str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
     )
     return model.eval()
+
+
+# The longest test files first: with one worker per core (scripts/test.sh) they start at once instead of
+# leaving one worker running them alone at the end.
+FIRST = ("pipelines/test_optimize.py", "checks/test_gates.py", "engine/test_variants.py", "ops/test_tune.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        path = str(item.path)
+        return next((i for i, f in enumerate(FIRST) if path.endswith(f)), len(FIRST))
+    items.sort(key=rank)  # stable: each file's own order kept

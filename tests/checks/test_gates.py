@@ -19,6 +19,8 @@ from kernels.activation import silu_and_mul_ref
 from kernels.attention import paged_attention_ref
 from ops.kernel_templates import KernelChoice
 
+pytestmark = pytest.mark.slow  # SmolLM2 through the gates, many times
+
 GEN_SILU = KernelChoice("silu_and_mul", "silu_tile", (("BLOCK_D", 64),))  # a templated Triton kernel
 TINY = Path(__file__).parents[1] / "engine" / "tiny_moe" / "config.json"
 
@@ -148,7 +150,7 @@ def test_planted_fault_is_rejected_with_a_reason(base, fault):
 def test_a_clean_variant_passes(base):
     spec = VariantSpec(name="chunked prefill", max_num_batched_tokens=24, max_num_seqs=3)
     report = run_gates(factory_for(base, REFERENCE_VARIANT), factory_for(base, spec), reference_id="reference",
-                       candidate_id=spec.variant_id, dtype="float32")
+                       candidate_id=spec.variant_id, dtype="float32", prompts=_few(base))
     print(report.summary())
     assert report.verdict == "pass", report.reasons
     assert len(report.contamination) == 5 and all(c.passed for c in report.contamination)
@@ -174,11 +176,12 @@ def test_a_generated_kernel_variant_passes_on_a_tiny_model():
 def test_exact_mode_demands_bit_identity(base):
     drift = _with_ops(base, silu_and_mul=lambda x: silu_and_mul_ref(x) * (1 + 1e-6))
     report = run_gates(factory_for(base, REFERENCE_VARIANT), drift, reference_id="reference", candidate_id="tiny",
-                       dtype="float32", exact=True)
+                       dtype="float32", exact=True, prompts=_few(base), max_tokens=6)
     assert report.verdict == "fail" and any(r.startswith("exact") for r in report.reasons)
     assert report.contamination_skipped and not report.contamination and "not run" in report.summary()
     same = run_gates(factory_for(base, REFERENCE_VARIANT), factory_for(base, REFERENCE_VARIANT),
-                     reference_id="reference", candidate_id="reference", dtype="float32", exact=True)
+                     reference_id="reference", candidate_id="reference", dtype="float32", exact=True,
+                     prompts=_few(base), max_tokens=6)
     assert same.verdict == "pass"
 
 
@@ -220,14 +223,16 @@ def test_bf16_contamination_tolerates_rounding_but_not_contamination(base_bf16):
     tolerance when teacher-forced), and still reject a cache handing out a block without the request's data.
     The reference against itself agrees everywhere, with its batch noise measured."""
     clean = run_gates(factory_for(base_bf16, REFERENCE_VARIANT), factory_for(base_bf16, REFERENCE_VARIANT),
-                      reference_id="reference", candidate_id="reference", dtype="bfloat16", prompts=_few(base_bf16))
+                      reference_id="reference", candidate_id="reference", dtype="bfloat16", prompts=_few(base_bf16),
+                      max_tokens=6)
     print(clean.summary())
     assert clean.verdict == "pass", clean.reasons
     # the batch noise is measured (0 where the CPU's bf16 matmuls do not depend on the batch, as on an AVX2-only
     # host; positive with AVX-512 bf16 kernels)
     assert clean.greedy_agreement == 1.0 and clean.excused_ties == 0 and clean.tie_margin >= 0
     stale = run_gates(factory_for(base_bf16, REFERENCE_VARIANT), _with_block_manager(base_bf16, StaleReuse),
-                      reference_id="reference", candidate_id="stale", dtype="bfloat16", prompts=_few(base_bf16))
+                      reference_id="reference", candidate_id="stale", dtype="bfloat16", prompts=_few(base_bf16),
+                      max_tokens=6)
     print(stale.summary())
     assert stale.verdict == "fail" and any("prefix cache hits" in r for r in stale.reasons)
 

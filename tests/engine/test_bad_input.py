@@ -134,6 +134,7 @@ def test_request_errors(tmp_path):
     assert not eng.has_unfinished()  # nothing half-added
 
 
+@pytest.mark.slow
 def test_cli_errors_are_one_line(tmp_path):
     cases = [
         (["--model", str(tmp_path / "nope"), "--prompt", "hi"], "model not found"),

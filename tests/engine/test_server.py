@@ -204,6 +204,7 @@ def test_bounded_load_every_request_answered_and_captured_once(server):
     assert _metric(server["url"], "vllm:request_success_total") == before_ok + 200
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trace", ["AzureLLMInferenceTrace_conv.csv", "mooncake_conversation_trace.jsonl"])
 def test_replay_report_agrees_with_server_metrics(server, trace, tmp_path):
     url = server["url"]

@@ -37,6 +37,7 @@ def _run(rank: int, config_path: str, tp: int, kernels: dict) -> tuple[list, lis
     return out, [t.tolist() for t in seen[:2]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["llama", "qwen3_moe"])
 @pytest.mark.parametrize("kernels", [{}, {"linear": "triton", "norm_linear": "triton", "act_linear": "triton"}],
                          ids=["reference", "gemv"])

@@ -68,6 +68,7 @@ def _tiny(variant=None, **kw) -> LLMEngine:
                                   variant=variant or VariantSpec(block_size=4), **kw))
 
 
+@pytest.mark.slow
 def test_all_triton_variant_equals_reference_on_a_tiny_model():
     prompts = [[1, 5, 9, 13, 2, 7, 33], [4, 4, 8], list(range(10, 23))]  # partial blocks, several blocks
     params = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -104,6 +105,7 @@ def _weights(engine):
     return {n: (p.data_ptr(), p._version) for n, p in engine.model.named_parameters()}
 
 
+@pytest.mark.slow
 def test_hot_swaps_mid_generation_match_the_reference(smollm2_engine_factory):
     prompts = ["The capital of France is", "def add(a, b):", "List three colors:", "Water is made of"]
     params = SamplingParams(max_tokens=12, ignore_eos=True)

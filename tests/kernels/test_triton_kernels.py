@@ -166,6 +166,7 @@ def test_paged_attention(case):
         torch.testing.assert_close(got, dref, **TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("t,h,e,k,i,renorm", [(1, 16, 4, 2, 8, True), (9, 40, 6, 2, 24, False),
                                                (33, 32, 8, 3, 20, True), (5, 24, 3, 3, 16, False)])
 def test_moe_grouped_matmul(t, h, e, k, i, renorm):
@@ -228,6 +229,7 @@ def test_moe_grouped_matmul(t, h, e, k, i, renorm):
     assert not scratch(t * h, x.device, torch.float32).any() and not scratch(1, x.device).any()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("t,h,e,k,i,renorm", [(1, 48, 6, 2, 8, True), (3, 40, 9, 3, 24, False),
                                                (4, 32, 12, 4, 8, True), (6, 32, 8, 2, 16, True)])
 def test_norm_moe(t, h, e, k, i, renorm):
@@ -472,6 +474,7 @@ def test_prefetch_params_are_checked_when_built():
         make_prefetch(defer=1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("heads,kvh,d,bs,contexts", [
     (4, 4, 16, 4, [1, 9, 13]),  # MHA; a context of one token is only the new one

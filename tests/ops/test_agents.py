@@ -101,6 +101,7 @@ def test_llm_agent_against_a_scripted_server(tmp_path, scripted_server):
     assert agent.invalid == 4
 
 
+@pytest.mark.slow
 def test_llm_agent_against_our_own_server_serving_smollm2(tmp_path):
     """SmolLM2 rarely writes the schema; whatever it writes is validated and recorded, and the search goes on."""
     from ops.deploy import ServerProcess

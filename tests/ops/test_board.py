@@ -86,6 +86,7 @@ def test_concurrent_workers_claim_each_experiment_exactly_once(tmp_path):
     assert len(board.results("s")) == 40
 
 
+@pytest.mark.slow
 def test_killed_worker_process_experiment_is_requeued_and_counted_once(tmp_path):
     """A real `polyinf worker` is SIGKILLed mid-experiment; a second worker finishes the queue."""
     from ops.hardware import probe

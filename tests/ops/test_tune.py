@@ -20,6 +20,7 @@ REPLY = {"proposals": [{"rationale": "chunk prompts so decodes keep flowing",
                         "changes": {"prefill_chunk_size": 16, "max_num_batched_tokens": 48}}]}
 
 
+@pytest.mark.slow
 def test_tune_with_built_in_and_llm_agents(tmp_path, scripted_server):
     from ops.llm_agent import LLMAgent
 
@@ -73,6 +74,7 @@ def test_worker_cli_unknown_search(tmp_path):
     assert out.returncode == 2 and "no search 'nope'" in out.stderr
 
 
+@pytest.mark.slow
 def test_tune_measures_templated_kernels_like_any_variant(tmp_path):
     """The offline producer of generated code in a real search: its kernel is checked, smoke-run in an isolated
     child and measured by the workers on both tiers like any other proposal."""

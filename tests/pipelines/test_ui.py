@@ -1,6 +1,8 @@
 """The Dagster UI on loopback, opened by headless Chromium: our asset graph is there; a screenshot is kept."""
 from __future__ import annotations
 
+import pytest
+
 import os
 import shutil
 import subprocess
@@ -27,6 +29,7 @@ def _chromium() -> str:
     return exe
 
 
+@pytest.mark.slow
 def test_asset_graph_in_the_dagster_ui(tmp_path):
     home = tmp_path / "dagster_home"
     home.mkdir()
