@@ -36,8 +36,9 @@ def resources(model: str = "smollm2", trace: str | None = None, requests: int = 
 def run_optimize(model: str, trace: str, requests: int, max_input: int, max_output: int, time_scale: float,
                  candidates: int, device: str = "cpu", dtype: str = "float32", fast_layers: int = 4,
                  artifacts: str = ".polyinf/artifacts", endpoint_url: str = "", admin_token: str = "",
-                 llm_base_url: str = "", llm_model: str = "polyinf"):
-    """Materializes the whole graph in-process for one deployment partition; returns the Dagster result."""
+                 llm_base_url: str = "", llm_model: str = "polyinf", log_level: str = "DEBUG"):
+    """Materializes the whole graph in-process for one deployment partition; returns the Dagster result.
+    ``log_level``: the console's event log (the CLI's default is INFO: the steps, not every input loaded)."""
     if admin_token:
         os.environ["POLYINF_ADMIN_TOKEN"] = admin_token  # resources read it through dg.EnvVar
     res = resources(model, trace, requests, max_input, max_output, time_scale, candidates, device, dtype, fast_layers,
@@ -47,4 +48,5 @@ def run_optimize(model: str, trace: str, requests: int, max_input: int, max_outp
     instance = dg.DagsterInstance.ephemeral()
     key = pipeline.deployment_key(model, device, endpoint_url)
     instance.add_dynamic_partitions(pipeline.DEPLOYMENTS.name, [key])
-    return dg.materialize(definitions, resources=res, raise_on_error=False, instance=instance, partition_key=key)
+    return dg.materialize(definitions, resources=res, raise_on_error=False, instance=instance, partition_key=key,
+                          run_config={"loggers": {"console": {"config": {"log_level": log_level}}}})

@@ -18,7 +18,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     try:
         result = run_optimize(args.model, args.trace, args.requests, args.max_input, args.max_output, args.time_scale,
                               args.candidates, args.device, args.dtype, args.fast_layers, args.artifacts,
-                              args.endpoint_url, args.admin_token or "", args.llm_base_url, args.llm_model)
+                              args.endpoint_url, args.admin_token or "", args.llm_base_url, args.llm_model,
+                              log_level="DEBUG" if args.verbose else "INFO")
         if not result.success:
             failed = [e.message for e in result.all_events if e.is_failure][:3]
             print("polyinf: error: the optimization run failed: " + " | ".join(failed), file=sys.stderr)
@@ -145,6 +146,7 @@ def add_parsers(sub) -> None:
     op.add_argument("--keep-serving", action="store_true", help="leave the embedded server running")
     op.add_argument("--llm-base-url", default="", help="an OpenAI-compatible server for the LLM agent (off if empty)")
     op.add_argument("--llm-model", default="polyinf", help="the model name on that server")
+    op.add_argument("--verbose", action="store_true", help="Dagster's event log at DEBUG (default: INFO)")
     op.set_defaults(func=cmd_optimize)
 
     tn = sub.add_parser("tune", help="search for a better variant outside Dagster: agents propose, the fast and "
