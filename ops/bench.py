@@ -75,28 +75,37 @@ def _replay_once(engine: LLMEngine, records: list[TraceRecord], prompts: list[li
                  time_scale: float, slo: SLO, give_up_after: int | None = None) -> dict:
     """Adds each request when its (scaled) arrival time has passed, steps the engine, times every request.
     With ``give_up_after``, stops (aborting what runs) once that many requests have missed the SLO: a rate
-    probe that has already failed need not run to the end."""
+    probe that has already failed need not run to the end.
+
+    Time runs on the replay's own clock: wall time, plus every gap in which the engine had nothing to do
+    before the next arrival, skipped instead of slept. An idle engine's state does not change with time,
+    so every latency is what a real-time replay would measure, and a probe at a low rate takes its busy
+    time, not its arrival span."""
     t0 = records[0].arrival_s
+    skipped = 0.0
+
+    def clock() -> float:
+        return time.perf_counter() + skipped
     pending = list(range(len(records)))
     arrival: dict[str, float] = {}
     first: dict[str, float] = {}
     done: dict[str, tuple[float, int]] = {}
     run: dict[str, int] = {}  # tokens run per request so far (cached prefix included)
     samples: list[list[float]] = []
-    start = time.perf_counter()
+    start = clock()
     while pending or engine.has_unfinished():
-        now = time.perf_counter() - start
+        now = clock() - start
         while pending and (records[pending[0]].arrival_s - t0) * time_scale <= now:
             i = pending.pop(0)
             out = records[i].output_tokens if max_output is None else min(records[i].output_tokens, max_output)
             rid = engine.add_request(prompts[i], SamplingParams(max_tokens=max(1, out), ignore_eos=True))
-            arrival[rid] = time.perf_counter()
+            arrival[rid] = clock()
         if not engine.has_unfinished():
-            time.sleep(max(0.0, (records[pending[0]].arrival_s - t0) * time_scale - now))
+            skipped += max(0.0, (records[pending[0]].arrival_s - t0) * time_scale - now)
             continue
-        ts = time.perf_counter()
+        ts = clock()
         outs = engine.step()
-        te = time.perf_counter()
+        te = clock()
         shape = [0, 0, len(outs), 0, te - ts]
         for o in outs:
             before = run.get(o.request_id, o.num_cached_tokens)
@@ -120,7 +129,7 @@ def _replay_once(engine: LLMEngine, records: list[TraceRecord], prompts: list[li
             while engine.has_unfinished():  # a step launched ahead is collected and dropped
                 engine.step()
             return {"gave_up": True, "missed": give_up_after}
-    wall = time.perf_counter() - start
+    wall = clock() - start
     ttft = {r: first[r] - arrival[r] for r in done}
     e2e = {r: done[r][0] - arrival[r] for r in done}
     tpot = {r: (done[r][0] - first[r]) / (done[r][1] - 1) for r in done if done[r][1] > 1}
