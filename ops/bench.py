@@ -173,16 +173,19 @@ def attainment_at(engine: LLMEngine, records: list[TraceRecord], prompts: list[l
 
 
 def capacity_search(attain, guess: float, target: float = 0.9, resolution: float = 1.25,
-                    max_probes: int = 6, min_rate: float = 0.0) -> tuple[float, float, list[list[float]]]:
+                    max_probes: int = 6, min_rate: float = 0.0,
+                    max_rate: float = float("inf")) -> tuple[float, float, list[list[float]]]:
     """The highest rate whose attainment (``attain(rate)``) reaches ``target``: from ``guess`` it doubles or
     halves until a passing and a failing rate bracket it, then bisects (geometrically) until the bracket is
     within ``resolution``. Returns (capacity, the bracket's width, [rate, attainment] per probe); capacity 0
     when even the lowest rate probed fails. Below ``min_rate`` (where requests no longer overlap, so a lower
-    rate cannot help and only makes the replay longer) it does not probe."""
+    rate cannot help and only makes the replay longer) it does not probe; above ``max_rate`` (where the whole
+    slice arrives at once, so a higher rate replays the same) it probes ``max_rate`` once, and if that passes
+    the capacity is a lower bound set by the slice's size (spread infinite), not a measure of the engine."""
     passed, failed, probes = 0.0, float("inf"), []
-    rate = max(guess, min_rate, 1e-3)
+    rate = min(max(guess, min_rate, 1e-3), max_rate)
     for _ in range(max_probes):
-        if probes and rate < min_rate:
+        if probes and (rate < min_rate or rate <= passed):
             break
         a = attain(rate)
         probes.append([rate, a])
@@ -193,7 +196,7 @@ def capacity_search(attain, guess: float, target: float = 0.9, resolution: float
         if failed < float("inf") and passed > 0 and failed / passed <= resolution:
             break
         if failed == float("inf"):
-            rate = passed * 2
+            rate = min(passed * 2, max_rate)
         elif passed == 0:
             rate = failed / 2
         else:
@@ -234,10 +237,12 @@ def slow_tier(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[
         hardware=hardware_label(engine.device), wall_s=time.perf_counter() - t0,
     )
     if capacity_guess is not None:
-        # below one request per median latency the requests run one at a time: no lower rate does better
+        # below one request per median latency the requests run one at a time: no lower rate does better; above
+        # the whole slice arriving within a twentieth of the fastest request's latency, they arrive at once
         res.capacity, res.capacity_spread, res.rate_probes = capacity_search(
             lambda rate: attainment_at(engine, records, prompts, rate, max_output, slo), capacity_guess,
-            max_probes=capacity_probes, min_rate=0.5 / max(res.e2e_p50, 1e-3))
+            max_probes=capacity_probes, min_rate=0.5 / max(res.e2e_p50, 1e-3),
+            max_rate=max(1, len(records) - 1) / (0.05 * max(min(m["e2e"]), 1e-3)))
         res.wall_s = time.perf_counter() - t0
     return res
 

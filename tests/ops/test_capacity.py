@@ -48,6 +48,17 @@ def test_a_rate_search_that_never_fails_is_a_lower_bound_and_one_that_never_pass
     assert probes[0][0] == 0.3 and 0.48 <= cap <= 0.6
 
 
+def test_a_rate_search_stops_where_the_slice_arrives_at_once():
+    # the slice passes at every rate: probing past the rate where it arrives at once only repeats that replay
+    cap, width, probes = capacity_search(lambda r: 1.0, 1.0, max_probes=10, max_rate=5.0)
+    assert [p[0] for p in probes] == [1.0, 2.0, 4.0, 5.0] and cap == 5.0 and width == float("inf")
+    cap, width, probes = capacity_search(lambda r: 1.0, 50.0, max_probes=10, max_rate=5.0)
+    assert [p[0] for p in probes] == [5.0] and cap == 5.0 and width == float("inf")
+    # a capacity below the cap is bracketed as before
+    cap, width, probes = capacity_search(lambda r: float(r <= 4.5), 1.0, max_probes=10, max_rate=5.0)
+    assert 4.0 <= cap <= 4.5 < cap + width and all(p[0] <= 5.0 for p in probes)
+
+
 def _records(n=24, gap=0.5, prompt=200, out=24):
     return [TraceRecord(arrival_s=i * gap, input_tokens=prompt, output_tokens=out, source="t") for i in range(n)]
 
