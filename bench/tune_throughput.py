@@ -2,6 +2,8 @@
 into one engine against building a fresh engine (weights loaded again) per variant.
 
     .venv/bin/python bench/tune_throughput.py [--variants 6] [--model smollm2]
+    PYTHONPATH=$PWD python3 bench/tune_throughput.py --model llama-3.1-8b --device cuda --dtype bfloat16 \
+        --trace bench/data/azure_conv_400.csv --fast-layers 2        # a GPU host
 """
 from __future__ import annotations
 
@@ -47,10 +49,15 @@ def main() -> int:
     ap.add_argument("--variants", type=int, default=6)
     ap.add_argument("--fast-layers", type=int, default=4)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-input", type=int, default=128)
+    ap.add_argument("--max-output", type=int, default=16)
     ap.add_argument("--board", default="/tmp/polyinf-throughput.sqlite")
     args = ap.parse_args()
-    cfg = SearchConfig(model=args.model, trace=args.trace, device=args.device, requests=16, max_input=128,
-                       max_output=16, fast_layers=args.fast_layers, fast_repeats=3)
+    cfg = SearchConfig(model=args.model, trace=args.trace, device=args.device, dtype=args.dtype,
+                       requests=args.requests, max_input=args.max_input, max_output=args.max_output,
+                       fast_layers=args.fast_layers, fast_repeats=3)
     vs = variants(args.variants)
     swap_s, swap_n = run(cfg, vs, False, args.board)
     fresh_s, fresh_n = run(cfg, vs, True, args.board)
