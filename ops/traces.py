@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import itertools
 import json
 import math
+import random
+import statistics
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -66,6 +69,32 @@ def load_trace(path: str | Path, fmt: str | None = None, lenient: bool = False,
         out.append(item)
     stats.records = len(out)
     out.sort(key=lambda r: r.arrival_s)
+    return spread_ticks(out) if fmt == "mooncake" else out
+
+
+def spread_ticks(records: list[TraceRecord]) -> list[TraceRecord]:
+    """Arrivals recorded on a coarse clock, spread evenly within their tick. The Mooncake trace's timestamps
+    are quantised to steps of about 3 s (traces/README.md): replayed as recorded, each step's requests would
+    arrive as one burst, and a burst stays a burst at every scaled rate, so a capacity search could never
+    find a rate without it. The tick is the most common step between distinct timestamps; the requests of
+    a timestamp get arrival times drawn uniformly over the tick (or up to the next timestamp, if that comes
+    sooner), in their recorded order: given their count, that is how Poisson arrivals fall within an
+    interval. The draw is seeded by the timestamp, so every load gives the same times."""
+    times = sorted({r.arrival_s for r in records})
+    steps = [round(b - a, 6) for a, b in zip(times, times[1:]) if b > a]
+    if len(times) == len(records) or not steps:
+        return records
+    tick = statistics.mode(steps)
+    out, i = [], 0
+    for j, t in enumerate(times):
+        group = []
+        while i < len(records) and records[i].arrival_s == t:
+            group.append(records[i])
+            i += 1
+        width = min(tick, times[j + 1] - t) if j + 1 < len(times) else tick
+        rng = random.Random(round(t * 1e6))
+        offsets = [0.0] + sorted(rng.random() * width for _ in group[1:])  # the tick's first request at its start
+        out += [dataclasses.replace(r, arrival_s=t + o) for r, o in zip(group, offsets)]
     return out
 
 

@@ -24,8 +24,26 @@ def test_shared_traces_import_whole():
     assert all(len(r.prefix_block_hashes) == -(-r.input_tokens // 512) for r in moon[:500])
     p = profile(moon)
     assert abs(p.prefix_reuse - 0.374) < 0.001  # the README's figure for an unbounded cache
-    assert abs(p.window_s - 3536.999) < 1e-6 and p.requests == 12031
+    # the last recorded timestamp is 3,536.999 s; its requests are spread over the 3 s tick after it
+    assert 3536.999 <= p.window_s < 3536.999 + 3.0 and p.requests == 12031
     assert profile(azure).prefix_reuse == 0.0
+
+
+def test_a_coarse_clock_is_spread_within_its_tick(tmp_path):
+    # 3 requests at 0 s, 2 at 3 s, 1 at 6 s, 1 at 7 s: the tick is 3 s (the most common step)
+    rows = [(0, 10), (0, 11), (0, 12), (3000, 13), (3000, 14), (6000, 15), (7000, 16)]
+    m = tmp_path / "m.jsonl"
+    m.write_text("".join(json.dumps({"timestamp": t, "input_length": i, "output_length": 2, "hash_ids": [i]}) + "\n"
+                         for t, i in rows))
+    recs = load_trace(m)
+    assert [r.input_tokens for r in recs] == [10, 11, 12, 13, 14, 15, 16]  # the recorded order is kept
+    t = [r.arrival_s for r in recs]
+    assert t[0] == 0.0 and 0.0 < t[1] <= t[2] < 3.0 and t[3] == 3.0 and 3.0 < t[4] < 6.0 and t[5:] == [6.0, 7.0]
+    assert len(set(t)) == 7 and [r.arrival_s for r in load_trace(m)] == t  # the same times on every load
+    # a clock without ties, and an Azure trace, are left as recorded
+    m.write_text("".join(json.dumps({"timestamp": t, "input_length": 5, "output_length": 2, "hash_ids": [1]}) + "\n"
+                         for t in (0, 1500, 4000)))
+    assert [r.arrival_s for r in load_trace(m)] == [0.0, 1.5, 4.0]
 
 
 def test_profile_on_a_known_trace():
