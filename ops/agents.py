@@ -191,13 +191,16 @@ class TrafficRules(Agent):
 
         sizes = [b for b in (256, 128, 64, 32, 16, 8, 4, 2, 1) if b <= base.max_num_seqs]
         seqs = next((b for b in sizes if step_s(b, 0) <= slo / 2), None)
-        if seqs is None or seqs >= base.max_num_seqs:
+        if seqs is None:
             return []
         budget = next((b for b in (2048, 1024, 512, 256, 128, 64) if b > seqs and step_s(seqs, b - seqs) <= slo), None)
         why = (f"TPOT SLO {1e3 * slo:.0f} ms: a decode step of {seqs} sequences at {ctx} tokens of context is "
                f"modelled at {1e3 * step_s(seqs, 0):.0f} ms (of {max(sizes)}: {1e3 * step_s(max(sizes), 0):.0f} ms)")
-        out = [(dataclasses.replace(base, name=f"rule: TPOT, max_num_seqs {seqs}", max_num_seqs=seqs), why)]
-        if budget is not None:
+        out = []
+        if seqs < base.max_num_seqs:
+            out.append((dataclasses.replace(base, name=f"rule: TPOT, max_num_seqs {seqs}", max_num_seqs=seqs), why))
+        if budget is not None and (seqs < base.max_num_seqs or budget < base.max_num_batched_tokens):
+            # the baseline's decodes fit, but a step of its whole token budget would not: chunk the prefill
             out.insert(0, (dataclasses.replace(base, name=f"rule: TPOT, {seqs} seqs, {budget} tokens chunked",
                                                max_num_seqs=seqs, max_num_batched_tokens=budget,
                                                prefill_chunk_size=budget - seqs),

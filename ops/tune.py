@@ -86,7 +86,7 @@ class TuneReport:
 
 def default_agents(llm: Agent | None = None) -> list[Agent]:
     """The agents every search runs (the CLI's and the pipeline's alike), with ``llm`` among them when given."""
-    agents = [KernelChoices(), CostModelSeeder(), TrafficRules(), LocalSearch(), KernelTemplates()]
+    agents = [KernelChoices(), TrafficRules(), CostModelSeeder(), LocalSearch(), KernelTemplates()]
     if llm is not None:
         agents.insert(2, llm)
     return agents
@@ -336,11 +336,11 @@ class Search:
 
 
 def tune(cfg: SearchConfig, board_path: str | Path, agents: list[Agent] | None = None, budget: Budget = Budget(),
-         slow_top: int = 2, per_agent: int = 2, hardware: HardwareProfile | None = None,
+         slow_top: int = 2, per_agent: int = 1, hardware: HardwareProfile | None = None,
          baseline: VariantSpec | None = None, gate: bool = False, search: str | None = None,
          log=lambda msg: None) -> TuneReport:
-    """Agents propose in rounds and the fast tier measures until the budget's fast share is spent or
-    nobody proposes anything new; then the slow tier measures the baseline and the best, and the
+    """Agents propose in rounds (``per_agent`` each, so that a small budget still hears every agent) and the
+    fast tier measures until the budget's fast share is spent or nobody proposes anything new; then the slow tier measures the baseline and the best, and the
     decision is recorded."""
     t0 = time.time()
     deadline = t0 + budget.seconds

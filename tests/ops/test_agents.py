@@ -169,6 +169,26 @@ def test_traffic_rules_fit_decode_steps_to_the_tpot_slo(tmp_path):
     assert not any("TPOT" in p.variant.name for p in TrafficRules().propose(state, 8))
 
 
+def test_traffic_rules_chunk_the_prefill_when_decodes_fit_but_a_full_step_does_not(tmp_path):
+    from ops.cost_model import Calibration, StepShape, step_time
+
+    state = _state(Board(tmp_path / "b.db"), "t", long_prompts=True)
+    state.calibration = Calibration(mem=0.0, compute=0.1, launch=0.0, per_seq_s=0.0, fitted=True)
+    state.slo_tpot_s = 0.2
+    tpot = [p for p in TrafficRules().propose(state, 8) if "TPOT" in p.variant.name]
+    # the baseline's 64 sequences decode within half the SLO: only the token budget changes
+    assert len(tpot) == 1 and tpot[0].variant.max_num_seqs == BASE.max_num_seqs
+    v = tpot[0].variant
+    assert v.max_num_batched_tokens < BASE.max_num_batched_tokens and v.prefill_chunk_size == v.max_num_batched_tokens - 64
+
+    def step(budget):  # the modelled step of the baseline's decodes plus a prefill chunk filling the budget
+        ctx = int(min(state.traffic.input_p50, 10**9) + state.traffic.output_p50 / 2) + 1
+        pre = budget - 64
+        return step_time(SPEC, HW, StepShape(budget, 64 * ctx + pre, 65, 64 * ctx + pre * (pre + 1) // 2),
+                         state.calibration)
+    assert step(v.max_num_batched_tokens) <= 0.2 < step(2 * v.max_num_batched_tokens)
+
+
 def test_kernel_choices_follow_device_and_concurrency(tmp_path):
     """Nothing on a CPU (Triton would run interpreted); on a GPU every proposal is a valid variant, the
     GEMV kernels come with the decode graphs, and split-KV attention is proposed for low concurrency
