@@ -16,22 +16,38 @@ class Choice:
     reason: str
 
 
+def capacity_ratio(new: BenchResult, old: BenchResult) -> tuple[float, float, float]:
+    """(ratio, low, high) of two capacities at the SLO. Each capacity is the highest rate that passed, with
+    the lowest that failed ``capacity_spread`` above it: the true ratio lies between ``low`` (new's passing
+    rate over old's failing rate) and ``high`` (new's failing rate over old's passing rate). A ratio whose
+    range holds 1 is no gain."""
+    if old.capacity <= 0:
+        return float("nan"), float("nan"), float("nan")
+    ratio = new.capacity / old.capacity
+    low = new.capacity / (old.capacity + old.capacity_spread)
+    high = (new.capacity + new.capacity_spread) / old.capacity
+    return ratio, low, high
+
+
 def choose(candidates: list[tuple[VariantSpec, BenchResult]], baseline: tuple[VariantSpec, BenchResult]) -> Choice:
     """The best by capacity at the SLO, then SLO attainment at the traffic's own rate, then output tokens/s.
-    It replaces the baseline (static-best) only when it is better by more than the measured spreads:
-    capacity higher by more than both capacities' spreads (the width of their final rate brackets), or
-    capacity no worse (within them) and output tokens/s higher by more than both throughput spreads."""
+    It replaces the baseline (static-best) only when it is measurably better: it passed a rate at which
+    static-best failed (their capacity brackets do not overlap: ``capacity_ratio``'s low end above 1), or
+    its capacity bracket overlaps static-best's and its output tokens/s is higher by more than both
+    throughput spreads (measured over two or more replays each: one replay has no spread to compare)."""
     base_spec, base = baseline
 
     def key(r: BenchResult) -> tuple:
         return (round(r.capacity, 6), round(r.attainment, 6), r.output_tok_s)
 
     def wins(r: BenchResult) -> bool:
-        margin = r.capacity_spread + base.capacity_spread
-        if r.capacity - base.capacity > margin:
+        if base.capacity > 0 and capacity_ratio(r, base)[1] > 1:
             return True
-        return base.capacity - r.capacity <= margin and r.output_tok_s - base.output_tok_s > r.spread + base.spread \
-            and r.attainment >= base.attainment
+        if base.capacity == 0 and r.capacity > 0 and base.capacity_spread <= r.capacity:
+            return True  # static-best failed at a rate the candidate passed
+        overlap = r.capacity + r.capacity_spread >= base.capacity and base.capacity + base.capacity_spread >= r.capacity
+        return overlap and r.repeats > 1 and base.repeats > 1 and \
+            r.output_tok_s - base.output_tok_s > r.spread + base.spread and r.attainment >= base.attainment
 
     better = [c for c in candidates if c[0].variant_id != base_spec.variant_id and wins(c[1])]
     if not better:
@@ -40,22 +56,25 @@ def choose(candidates: list[tuple[VariantSpec, BenchResult]], baseline: tuple[Va
             return Choice(base_spec, base, base, "static-best measured best; kept static-best")
         return Choice(base_spec, base, base,
                       f"best candidate {best_spec.variant_id} ({best_spec.name}: capacity {best.capacity:.2f} req/s, "
-                      f"{best.output_tok_s:.1f} tok/s) does not beat static-best (capacity {base.capacity:.2f} req/s, "
-                      f"{base.output_tok_s:.1f} tok/s) by more than the spreads; kept static-best")
+                      f"{best.output_tok_s:.1f} tok/s) is not measurably better than static-best (capacity "
+                      f"{base.capacity:.2f} req/s, {base.output_tok_s:.1f} tok/s): its capacity bracket overlaps "
+                      f"static-best's and its throughput is within the spreads; kept static-best")
     best_spec, best = max(better, key=lambda c: key(c[1]))
     return Choice(best_spec, best, base,
                   f"{best_spec.variant_id} ({best_spec.name}): capacity {best.capacity:.2f} vs {base.capacity:.2f} "
-                  f"req/s (spreads {best.capacity_spread:.2f}, {base.capacity_spread:.2f}), {best.output_tok_s:.1f} vs "
+                  f"req/s (brackets {best.capacity:.2f}-{best.capacity + best.capacity_spread:.2f} and "
+                  f"{base.capacity:.2f}-{base.capacity + base.capacity_spread:.2f}), {best.output_tok_s:.1f} vs "
                   f"{base.output_tok_s:.1f} output tok/s (spreads {best.spread:.2f}, {base.spread:.2f})")
 
 
 def capacity_line(chosen: BenchResult, static_best: BenchResult) -> str:
-    """The headline every report prints: capacity at SLO, chosen / static-best, with both spreads and the SLO."""
-    ratio = chosen.capacity / static_best.capacity if static_best.capacity > 0 else float("nan")
-    return (f"capacity at SLO, chosen / static-best: {ratio:.2f}x (spreads {chosen.capacity_spread:.2f} and "
-            f"{static_best.capacity_spread:.2f} req/s; {chosen.capacity:.2f} vs {static_best.capacity:.2f} req/s at "
-            f"TTFT <= {1e3 * static_best.slo_ttft_s:.0f} ms and TPOT <= {1e3 * static_best.slo_tpot_s:.0f} ms for 90% "
-            f"of requests)")
+    """The headline every report prints: capacity at SLO, chosen / static-best, with the ratio's range from
+    both capacity brackets, both spreads and the SLO."""
+    ratio, low, high = capacity_ratio(chosen, static_best)
+    return (f"capacity at SLO, chosen / static-best: {ratio:.2f}x (range {low:.2f}-{high:.2f}x from the spreads "
+            f"{chosen.capacity_spread:.2f} and {static_best.capacity_spread:.2f} req/s; {chosen.capacity:.2f} vs "
+            f"{static_best.capacity:.2f} req/s at TTFT <= {1e3 * static_best.slo_ttft_s:.0f} ms and TPOT <= "
+            f"{1e3 * static_best.slo_tpot_s:.0f} ms for 90% of requests)")
 
 
 @dataclass
