@@ -2,11 +2,16 @@
 
 import json
 import re
+import warnings
 
 import dagster as dg
 
 from assets.resources import ArtifactStore, Endpoint, EngineRunner, TrafficSource, VariantSource
 
+
+# The checks' partitions are a Dagster preview feature that this graph relies on; its warning at import time
+# tells a user nothing they can act on.
+warnings.filterwarnings("ignore", category=dg.PreviewWarning, message=".*partitions_def on an AssetCheckSpec")
 
 # One partition per deployment: served model x hardware x endpoint.
 DEPLOYMENTS = dg.DynamicPartitionsDefinition(name="deployments")
@@ -139,6 +144,8 @@ def variant_candidates(context: dg.AssetExecutionContext, cost_model_plan, hardw
     exps = search.board.experiments(search.id)
     variants = [search.baseline] + [v for v in (_variant_of(e) for e in exps)
                                     if v.variant_id != search.baseline.variant_id]
+    context.log.info(f"{len(variants)} variants to measure (static-best first): "
+                     + "; ".join(f"{v.name} ({v.variant_id})" for v in variants))
     context.add_output_metadata({"board": source.board, "search": search.id, "variants": _md_table([
         {"name": json.loads(e["variant"])["name"], "id": e["variant_id"], "proposer": e["proposer"],
          "why": e["rationale"]} for e in exps])})
@@ -161,8 +168,11 @@ def fast_bench_results(context: dg.AssetExecutionContext, variant_candidates: li
     from ops.worker import FAST
 
     search = source.search(context, runner, traffic, hardware_profile)
+    context.log.info(f"fast tier: {search.board.pending(search.id, FAST)} variants queued, "
+                     f"{runner.fast_layers} layers each")
     stats = search.measure_fast()
     results = search.benches(FAST, variant_candidates)
+    context.log.info(f"fast tier: {stats.evaluated} measured, {stats.failed} failed in {stats.seconds:.0f} s")
     context.add_output_metadata({"measured": stats.evaluated, "failed": stats.failed, "results": _md_table([
         {"variant": v.name, "decode tok/s": round(r.output_tok_s, 1), "spread": round(r.spread, 1),
          **{k: round(t, 2) for k, t in r.step_times_ms.items()}} for v, r in results][:12])})
@@ -179,7 +189,11 @@ def slow_bench_results(context: dg.AssetExecutionContext, fast_bench_results: li
 
     search = source.search(context, runner, traffic, hardware_profile)
     chosen = search.queue_slow(source.slow_top)
-    search.measure(SLOW)
+    context.log.info(f"slow tier: {len(chosen)} variants queued (static-best and the fast tier's best), the full "
+                     f"model; SLO TTFT <= {1e3 * search.cfg.slo_ttft_s:.0f} ms, TPOT <= "
+                     f"{1e3 * search.cfg.slo_tpot_s:.0f} ms ({search.cfg.slo_source})")
+    stats = search.measure(SLOW)
+    context.log.info(f"slow tier: {stats.evaluated} measured, {stats.failed} failed in {stats.seconds:.0f} s")
     results = search.benches(SLOW, chosen)
     cost = search.cost_model_error(search.known_calibration() or search.calibration())
     letters = "BABCDEFGH"
@@ -218,6 +232,8 @@ def engine_build(context: dg.AssetExecutionContext, slow_bench_results: list, tr
                                     "decision_message": decision.get("message_id"),
                                     "result_ids": decision.get("refs", [])})
     path = artifacts.put(f"builds/{build.source_hash}.json", json.dumps(build.to_json(), indent=2))
+    context.log.info(f"decision: {choice.reason}")
+    context.log.info(capacity_line(choice.result, choice.baseline))
     context.add_output_metadata({"chosen variant": choice.variant.variant_id, "name": choice.variant.name,
                                  "capacity": capacity_line(choice.result, choice.baseline),
                                  "why": dg.MetadataValue.md(choice.reason), "artifact": path})
@@ -256,15 +272,19 @@ def slow_bench_expectations(slow_bench_results: list) -> dg.AssetCheckResult:
 
 @dg.asset_check(asset=engine_build, blocking=True, partitions_def=DEPLOYMENTS,
                 description="Quality and KV-cache contamination gates.")
-def engine_build_gates(engine_build, runner: EngineRunner) -> dg.AssetCheckResult:
+def engine_build_gates(context: dg.AssetCheckExecutionContext, engine_build,
+                       runner: EngineRunner) -> dg.AssetCheckResult:
     from checks.gates import gate_variant
 
     if engine_build.bench.get("variant_id") == engine_build.baseline_bench.get("variant_id"):
         # nothing beat static-best: the build is the form already serving, not a candidate to gate
+        context.log.info("gates: not run (the build is static-best: nothing new to gate)")
         return dg.AssetCheckResult(passed=True, metadata={
             "verdict": "not run", "why": "the build is static-best (nothing beat it): nothing new to gate"})
+    context.log.info(f"gates: quality and KV-cache contamination of {engine_build.variant.name} against static-best")
     report = gate_variant(runner.engine(), engine_build.variant, max_tokens=8)
     engine_build.attach_quality(report)
+    context.log.info(f"gates: {report.verdict} in {report.seconds:.0f} s")
     return dg.AssetCheckResult(passed=report.verdict == "pass", metadata={
         "verdict": report.verdict, "report": dg.MetadataValue.md(f"```\n{report.summary()}\n```"),
         "seconds": report.seconds})
@@ -298,6 +318,7 @@ def deployed_endpoint(context: dg.AssetExecutionContext, engine_build, runner: E
                          capture_start=capture_position(capture_dir),
                          hardware=hardware_identity(runner.device).to_json()).save(
             Path(artifacts.root) / "deployments" / "current.json")
+    context.log.info(f"deployment: {dep.status} at {url}: {dep.reason}")
     context.add_output_metadata({"endpoint": url, "status": dep.status, "serving": dep.build_id,
                                  "previous": str(dep.previous_build), "why": dg.MetadataValue.md(dep.reason)})
     return dep

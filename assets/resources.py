@@ -110,7 +110,9 @@ class VariantSource(dg.ConfigurableResource):
 
     board: str = ".polyinf/board.sqlite"
     candidates: int = 4  # proposals measured on the fast tier besides the baseline
-    slow_top: int = 2  # best fast-tier variants replayed on the slow tier
+    # best fast-tier variants replayed on the slow tier beside static-best: one keeps the main job within minutes
+    # on a 2-core CPU, where a slow-tier variant (replay and rate probes of the full model) takes one to two
+    slow_top: int = 1
     llm_base_url: str = ""
     llm_model: str = "polyinf"
     llm_api_key: str = ""  # env_secret("OPENAI_API_KEY")
@@ -130,9 +132,10 @@ class VariantSource(dg.ConfigurableResource):
         """The run's search on the board (one per Dagster run, so every asset step finds the same one)."""
         from ops.tune import Search
 
-        # one timed replay at the trace's rate and up to four capacity probes per variant: the job stays minutes
-        cfg = search_config(runner, traffic, slow_repeats=1, capacity_probes=4)
-        return Search.start(cfg, self.board, f"run-{context.run.run_id}", hardware=hardware, cost_plan=cost_plan)
+        # one timed replay at the trace's rate and up to three capacity probes per variant: the job stays minutes
+        cfg = search_config(runner, traffic, slow_repeats=1, capacity_probes=3)
+        return Search.start(cfg, self.board, f"run-{context.run.run_id}", hardware=hardware, cost_plan=cost_plan,
+                            log=context.log.info)
 
 
 def search_config(runner: EngineRunner, traffic: TrafficSource, **tiers):

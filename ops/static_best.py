@@ -54,7 +54,7 @@ class Workload:
 WORKLOADS = {"cpu": Workload(prompt=256, output=32, requests=16), "gpu": Workload(prompt=1024, output=128, requests=32)}
 
 
-def unloaded_latency(engine: LLMEngine, prompts: list[list[int]], output: int, n: int = 6,
+def unloaded_latency(engine: LLMEngine, prompts: list[list[int]], output: int, n: int = 4,
                      tries: int = 2) -> tuple[float, float]:
     """(TTFT p90, TPOT p90) of ``n`` requests each run alone: the latency a configuration has with no queue.
     Each request runs ``tries`` times and keeps its fastest run, so that a moment of contention on a shared

@@ -13,6 +13,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 from engine.variant import VariantSpec
 from ops.agents import (Agent, CostModelSeeder, KernelChoices, KernelTemplates, LocalSearch, SearchState, TrafficRules,
@@ -92,6 +93,10 @@ def default_agents(llm: Agent | None = None) -> list[Agent]:
     return agents
 
 
+def _quiet(msg: str) -> None:
+    """The default progress log: nothing."""
+
+
 def new_search_id() -> str:
     return time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
 
@@ -108,11 +113,12 @@ class Search:
     baseline: VariantSpec
     _plan: CostModelPlan | None = None  # computed when first needed (agents seed from it)
     cal: Calibration | None = None  # the full model's calibration, once measured
+    log: Callable[[str], None] = _quiet  # progress lines: each experiment as it ends
 
     @classmethod
     def start(cls, cfg: SearchConfig, board_path: str | Path, search: str | None = None,
               hardware: HardwareProfile | None = None, baseline: VariantSpec | None = None,
-              cost_plan: CostModelPlan | None = None) -> "Search":
+              cost_plan: CostModelPlan | None = None, log: Callable[[str], None] = _quiet) -> "Search":
         """Opens the board, records the search (idempotent for the same id) and the cost model's plan. The
         baseline is static-best (engine/static_best.py) unless given; an SLO not given is derived from its
         unloaded latency on the slice (``derive_slo``) and recorded with the search."""
@@ -127,7 +133,7 @@ class Search:
         bench = Workbench(cfg, hw)
         cfg = bench.with_slo(base)
         board.create_search(search, cfg.to_json())
-        self = cls(cfg, board, search, hw, bench, base, cost_plan)
+        self = cls(cfg, board, search, hw, bench, base, cost_plan, log=log)
         # the first start of a search records the plan; later starts (other asset steps) need not compute it
         if not any(m["body"].get("search") == search for m in board.messages("note") if "plan_top" in m["body"]):
             p = self.plan
@@ -192,7 +198,7 @@ class Search:
         return queued
 
     def measure(self, tier: str, deadline: float | None = None):
-        return work(self.board, self.id, self.bench, tier, deadline=deadline)
+        return work(self.board, self.id, self.bench, tier, deadline=deadline, log=self.log)
 
     def results(self, tier: str) -> list[tuple[Result, VariantSpec]]:
         return self.board.results(self.id, tier)
@@ -248,7 +254,7 @@ class Search:
                 self.cal, self.bench.reference = ref[0], ref
         first = None
         if self.cal is None:
-            first = work(self.board, self.id, self.bench, FAST, max_experiments=1, deadline=deadline)
+            first = work(self.board, self.id, self.bench, FAST, max_experiments=1, deadline=deadline, log=self.log)
             self.calibration()
         stats = self.measure(FAST, deadline)
         if first is not None:
@@ -345,7 +351,7 @@ def tune(cfg: SearchConfig, board_path: str | Path, agents: list[Agent] | None =
     t0 = time.time()
     deadline = t0 + budget.seconds
     agents = default_agents() if agents is None else agents
-    s = Search.start(cfg, board_path, search, hardware, baseline)
+    s = Search.start(cfg, board_path, search, hardware, baseline, log=log)
     log(f"search {s.id}: cost model ranked {len(s.plan.entries)} knob variants; ranges {s.plan.ranges}")
     fast_budget = max(1, budget.experiments - (slow_top + 1))
     s.measure_fast(deadline)  # the baseline, then the full model's calibration the fast tier scales from

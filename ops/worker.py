@@ -217,8 +217,9 @@ class WorkerStats:
 
 
 def work(board: Board, search: str, bench: Workbench, tier: str | None = None, max_experiments: int | None = None,
-         name: str | None = None, deadline: float | None = None) -> WorkerStats:
-    """Claims and evaluates experiments until the queue (for ``tier``) is empty, the count or the deadline."""
+         name: str | None = None, deadline: float | None = None, log=None) -> WorkerStats:
+    """Claims and evaluates experiments until the queue (for ``tier``) is empty, the count or the deadline;
+    ``log`` (a callable taking a line) hears about each experiment as it ends."""
     name = name or worker_name()
     stats = WorkerStats()
     t0 = time.perf_counter()
@@ -232,6 +233,7 @@ def work(board: Board, search: str, bench: Workbench, tier: str | None = None, m
             bench.reference = reference_from(board, search)
         beat = _Heartbeat(board.path, exp, board.lease_s)
         beat.start()
+        te = time.perf_counter()
         try:
             result = bench.evaluate(exp.variant, exp.tier)
         except Exception as e:  # a variant that fails is a result too: recorded, never fatal
@@ -239,6 +241,9 @@ def work(board: Board, search: str, bench: Workbench, tier: str | None = None, m
             beat.join()
             board.fail(exp, name, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")
             stats.failed += 1
+            if log:
+                log(f"{exp.tier} tier: {exp.variant.name} failed after {time.perf_counter() - te:.0f} s "
+                    f"({type(e).__name__}: {str(e)[:120]}); {board.pending(search, tier)} queued")
             continue
         beat.stop.set()
         beat.join()
@@ -248,8 +253,20 @@ def work(board: Board, search: str, bench: Workbench, tier: str | None = None, m
         else:
             stats.evaluated += 1
             stats.result_ids.append(rid)
+        if log:
+            log(f"{exp.tier} tier: {exp.variant.name} measured in {time.perf_counter() - te:.0f} s: "
+                f"{_summary(result)}; {board.pending(search, tier)} queued")
     stats.seconds = time.perf_counter() - t0
     return stats
+
+
+def _summary(r: dict) -> str:
+    """One experiment's figures in a progress line."""
+    if r.get("tier") == SLOW:
+        cap = r.get("capacity", 0.0)
+        return (f"capacity {cap:.3f} req/s (bracket {r.get('capacity_spread', 0.0):.3f}), "
+                f"{r.get('output_tok_s', 0.0):.1f} tok/s, attainment {r.get('attainment', 0.0):.2f}")
+    return f"{r.get('output_tok_s', 0.0):.1f} decode tok/s"
 
 
 def bench_from(d: dict) -> BenchResult:
