@@ -58,7 +58,7 @@ def choose(candidates: list[tuple[VariantSpec, BenchResult]], baseline: tuple[Va
                       f"best candidate {best_spec.variant_id} ({best_spec.name}: capacity {best.capacity:.2f} req/s, "
                       f"{best.output_tok_s:.1f} tok/s) is not measurably better than static-best (capacity "
                       f"{base.capacity:.2f} req/s, {base.output_tok_s:.1f} tok/s): its capacity bracket overlaps "
-                      f"static-best's and its throughput is within the spreads; kept static-best")
+                      f"static-best's and its throughput is not higher by more than both spreads; kept static-best")
     best_spec, best = max(better, key=lambda c: key(c[1]))
     return Choice(best_spec, best, base,
                   f"{best_spec.variant_id} ({best_spec.name}): capacity {best.capacity:.2f} vs {base.capacity:.2f} "
