@@ -42,20 +42,28 @@ def _md_table(rows: list[dict]) -> dg.MetadataValue:
     return dg.MetadataValue.md("\n".join(lines))
 
 
-def _scatter(points: list[tuple[float, float, str]], width: int = 48, height: int = 12) -> str:
-    """A text plot of output tokens/s (x) against TPOT p50 in ms (y), one letter per variant."""
-    if not points:
-        return ""
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    x0, x1, y0, y1 = min(xs), max(xs) or 1, min(ys), max(ys) or 1
-    grid = [[" "] * width for _ in range(height)]
-    for x, y, label in points:
-        cx = int((x - x0) / ((x1 - x0) or 1) * (width - 1))
-        cy = height - 1 - int((y - y0) / ((y1 - y0) or 1) * (height - 1))
-        grid[cy][cx] = label
-    body = "\n".join("|" + "".join(r) for r in grid)
-    return f"TPOT p50 {y1:.1f} ms (top) .. {y0:.1f} ms (bottom)\n{body}\n+{'-' * width}\n" \
-           f" output tok/s {x0:.1f} .. {x1:.1f}"
+def _plots(context, artifacts: ArtifactStore, search, results: list, cost: dict) -> dict:
+    """The slow tier's figures as PNGs: written to the artifacts (beside the build) and embedded in the
+    asset's metadata as images; returns the metadata entries (the CLI prints the paths)."""
+    import base64
+
+    from ops.plots import attainment_vs_rate, predicted_vs_measured, throughput_vs_tpot
+
+    pngs = {
+        "throughput vs TPOT": throughput_vs_tpot([(v.name, r.output_tok_s, 1e3 * r.tpot_p50) for v, r in results],
+                                                 1e3 * search.cfg.slo_tpot_s),
+        "SLO attainment vs rate": attainment_vs_rate([(v.name, r.rate_probes) for v, r in results]),
+        "cost model vs measured": predicted_vs_measured([(p["name"], p["calibrated"], p["measured"])
+                                                         for p in cost.get("points", [])]),
+    }
+    out, paths = {}, {}
+    for title, png in pngs.items():
+        key = f"plots/{search.id}/{title.replace(' ', '_')}.png"
+        paths[title] = artifacts.put(key, png)
+        out[title] = dg.MetadataValue.md(f"![{title}](data:image/png;base64,{base64.b64encode(png).decode()})")
+    out["plot files"] = dg.MetadataValue.json(paths)
+    context.log.info("plots: " + ", ".join(paths.values()))
+    return out
 
 
 @dg.asset(partitions_def=DEPLOYMENTS,
@@ -184,7 +192,8 @@ def fast_bench_results(context: dg.AssetExecutionContext, variant_candidates: li
                       "fast-tier variants.",
           op_tags={"polyinf/tier": "slow", **GPU_OP_TAGS})
 def slow_bench_results(context: dg.AssetExecutionContext, fast_bench_results: list, hardware_profile,
-                       source: VariantSource, runner: EngineRunner, traffic: TrafficSource) -> list:
+                       source: VariantSource, runner: EngineRunner, traffic: TrafficSource,
+                       artifacts: ArtifactStore) -> list:
     from ops.worker import SLOW
 
     search = source.search(context, runner, traffic, hardware_profile)
@@ -196,18 +205,16 @@ def slow_bench_results(context: dg.AssetExecutionContext, fast_bench_results: li
     context.log.info(f"slow tier: {stats.evaluated} measured, {stats.failed} failed in {stats.seconds:.0f} s")
     results = search.benches(SLOW, chosen)
     cost = search.cost_model_error(search.known_calibration() or search.calibration())
-    letters = "BABCDEFGH"
-    plot = _scatter([(r.output_tok_s, 1e3 * r.tpot_p50, letters[i]) for i, (_, r) in enumerate(results)])
     context.add_output_metadata({
         "SLO": f"TTFT <= {1e3 * search.cfg.slo_ttft_s:.0f} ms, TPOT <= {1e3 * search.cfg.slo_tpot_s:.0f} ms for 90% "
                f"of requests ({search.cfg.slo_source})",
-        "results": _md_table([{"": letters[i], "variant": v.name, "capacity req/s": round(r.capacity, 3),
+        "results": _md_table([{"variant": v.name, "capacity req/s": round(r.capacity, 3),
                                "capacity spread": round(r.capacity_spread, 3), "attainment": round(r.attainment, 2),
                                "output tok/s": round(r.output_tok_s, 1), "spread": round(r.spread, 1),
                                "TTFT p50/p99 ms": f"{1e3 * r.ttft_p50:.0f}/{1e3 * r.ttft_p99:.0f}",
                                "TPOT p50/p99 ms": f"{1e3 * r.tpot_p50:.1f}/{1e3 * r.tpot_p99:.1f}"}
-                              for i, (v, r) in enumerate(results)]),
-        "throughput vs latency": dg.MetadataValue.md(f"```\n{plot}\n```"),
+                              for v, r in results]),
+        **_plots(context, artifacts, search, results, cost),
         "cost model MAPE": dg.MetadataValue.float(float(cost["mape_calibrated"])),
         "Spearman fast vs slow": dg.MetadataValue.float(float(cost["spearman_fast_tier"])),
     })

@@ -167,15 +167,17 @@ class ArtifactStore(dg.ConfigurableResource):
 
         return boto3.client("s3", endpoint_url=self.s3_endpoint_url or None, region_name=self.s3_region)
 
-    def put(self, key: str, text: str) -> str:
+    def put(self, key: str, text: str | bytes) -> str:
+        """Stores ``text`` (or bytes, e.g. a PNG) under ``key``; returns where it went (a path or an s3:// URL)."""
+        body = text.encode() if isinstance(text, str) else text
         if self.s3_bucket:
             name = f"{self.s3_prefix}/{key}"
-            self._s3().put_object(Bucket=self.s3_bucket, Key=name, Body=text.encode())
+            self._s3().put_object(Bucket=self.s3_bucket, Key=name, Body=body)
             return f"s3://{self.s3_bucket}/{name}"
         path = Path(self.root) / key
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(text)
+        tmp.write_bytes(body)
         tmp.replace(path)
         return str(path)
 

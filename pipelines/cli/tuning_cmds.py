@@ -64,6 +64,10 @@ def print_optimize_report(result) -> None:
         print(f"quality: {build.quality['verdict']} (greedy agreement {build.quality['greedy_agreement']}, "
               f"max |dlogit| {build.quality['max_abs_logit_delta']})")
     print(f"deployment: {dep.status} at {dep.endpoint}: {dep.reason}")
+    for mat in result.asset_materializations_for_node("slow_bench_results")[:1]:
+        plots = mat.metadata.get("plot files")
+        for title, path in (plots.value if plots else {}).items():
+            print(f"plot, {title}: {path}")
 
 
 def cmd_tune(args: argparse.Namespace) -> int:

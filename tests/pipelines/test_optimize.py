@@ -49,6 +49,10 @@ def test_materialize_the_whole_graph(tmp_path):
         assert all(r.tier == "fast" and r.layers == 4 and r.output_tok_s > 0 for _, r in fast)
         slow = result.output_for_node("slow_bench_results")
         assert len(slow) == 2 and all(r.tier == "slow" and r.layers == 30 for _, r in slow)  # static-best + the best
+        meta = result.asset_materializations_for_node("slow_bench_results")[0].metadata
+        for title, path in meta["plot files"].value.items():  # each plot embedded and written beside the build
+            assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(tmp_path) in path
+            assert meta[title].value.startswith(f"![{title}](data:image/png;base64,")
         build = result.output_for_node("engine_build")
         assert build.variant.variant_id in {v.variant_id for v, _ in slow} and build.reason
         assert (tmp_path / "artifacts" / "builds" / f"{build.source_hash}.json").is_file()
