@@ -237,6 +237,7 @@ def engine_build(context: dg.AssetExecutionContext, slow_bench_results: list, tr
                         provenance={"run_id": context.run.run_id, "variant_source": "agents on the board",
                                     "board": source.board, "search": search.id,
                                     "decision_message": decision.get("message_id"),
+                                    "slo_source": search.cfg.slo_source,
                                     "result_ids": decision.get("refs", [])})
     path = artifacts.put(f"builds/{build.source_hash}.json", json.dumps(build.to_json(), indent=2))
     context.log.info(f"decision: {choice.reason}")

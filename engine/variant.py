@@ -72,6 +72,13 @@ def _f(scope: str, default: Any = dataclasses.MISSING, schema: dict | None = Non
 _OP_MAP = {"type": "object", "propertyNames": {"enum": list(OP_NAMES)}}
 
 
+def _shown(kind: str, value, fill: str):
+    """A per-op entry of a kernel field as ``changes_from`` prints it (generated source by name only)."""
+    if value == fill or kind == "kernels":
+        return value
+    return "source" if kind == "generated_source" else dict(value)
+
+
 @dataclass(frozen=True)
 class VariantSpec:
     name: str = field(default="default", metadata={"scope": None})  # a label; not part of the id
@@ -216,6 +223,25 @@ class VariantSpec:
             f.metadata["scope"] for f in dataclasses.fields(self)
             if f.metadata.get("scope") and getattr(self, f.name) != getattr(other, f.name)
         }
+
+    def changes_from(self, base: "VariantSpec") -> str:
+        """What differs from ``base``, for a person: 'max_num_seqs 8 -> 4; rms_norm reference -> triton'."""
+        out = []
+        for f in dataclasses.fields(self):
+            old, new = getattr(base, f.name), getattr(self, f.name)
+            if f.name == "name" or old == new:
+                continue
+            if f.name in ("kernels", "kernel_params", "generated_source"):
+                a, b = dict(old), dict(new)
+                fill = "reference" if f.name == "kernels" else "-"
+                label = "" if f.name == "kernels" else " " + f.name
+                for op in sorted(set(a) | set(b)):
+                    if a.get(op) != b.get(op):
+                        out.append(f"{op}{label} {_shown(f.name, a.get(op, fill), fill)} -> "
+                                   f"{_shown(f.name, b.get(op, fill), fill)}")
+            else:
+                out.append(f"{f.name} {old} -> {new}")
+        return "; ".join(out) or "none"
 
     def impl(self, op: str) -> str:
         return dict(self.kernels).get(op, "reference")

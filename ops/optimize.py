@@ -77,6 +77,28 @@ def capacity_line(chosen: BenchResult, static_best: BenchResult) -> str:
             f"{1e3 * static_best.slo_tpot_s:.0f} ms for 90% of requests)")
 
 
+def decision_table(static_best: VariantSpec, measured: list[tuple[VariantSpec, BenchResult]], chosen_id: str,
+                   gate_verdict: str | None = None) -> str:
+    """Every measured variant as a person reads the decision: what differs from static-best, the tier, output
+    tokens/s, capacity at the SLO with its bracket, TTFT and TPOT p50/p99, and the gates' verdict (the chosen
+    variant's; '-' where none ran). Fast-tier rows carry step-time figures only."""
+    head = (f"{'variant':34} {'differs from static-best':44} {'tier':4} {'tok/s':>7} {'capacity req/s':>17} "
+            f"{'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16}  gates")
+    lines = [head, "-" * len(head)]
+    for v, r in measured:
+        slow = r.tier == "slow"
+        cap = f"{r.capacity:.3f} (+{r.capacity_spread:.3f})" if slow else "-"
+        ttft = f"{1e3 * r.ttft_p50:.0f}/{1e3 * r.ttft_p99:.0f}" if slow else "-"
+        tpot = f"{1e3 * r.tpot_p50:.1f}/{1e3 * r.tpot_p99:.1f}" if slow else "-"
+        gates = (gate_verdict or "-") if v.variant_id == chosen_id and v.variant_id != static_best.variant_id else "-"
+        mark = "* " if slow and v.variant_id == chosen_id else "  "
+        lines.append(f"{mark}{v.name[:32]:32} {v.changes_from(static_best)[:44]:44} {r.tier:4} {r.output_tok_s:7.1f} "
+                     f"{cap:>17} {ttft:>16} {tpot:>16}  {gates}")
+    lines.append("(* the chosen variant; capacity: the highest rate passed, + the bracket up to the lowest that failed; "
+                 "fast tier: decode tokens/s of a few layers)")
+    return "\n".join(lines)
+
+
 @dataclass
 class EngineBuild:
     variant: VariantSpec

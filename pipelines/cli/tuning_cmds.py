@@ -33,37 +33,41 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 
 
 def print_optimize_report(result) -> None:
-    """Static-best against the chosen variant, why, the gates and the deployment, from a run's outputs."""
-    from ops.optimize import capacity_line
+    """Every measured variant against static-best, the SLO, the decision and why, the gates, the deployment and
+    where the board, the build and the plots are, from a run's outputs."""
+    from ops.optimize import capacity_line, decision_table
     from ops.worker import bench_from
 
     build = result.output_for_node("engine_build")
     dep = result.output_for_node("deployed_endpoint")
-    checks = {e.asset_check_key.name: e.passed for e in result.get_asset_check_evaluations()}
+    fast, slow = result.output_for_node("fast_bench_results"), result.output_for_node("slow_bench_results")
+    checks = {e.asset_check_key.name: e for e in result.get_asset_check_evaluations()}
     base, best = build.baseline_bench, build.bench
-    print(f"{'':28}{'static-best':>22}{'chosen ' + build.variant.variant_id:>26}")
-    for label, key, scale, fmt in (("capacity at SLO (req/s)", "capacity", 1, ".3f"),
-                                   ("  its spread", "capacity_spread", 1, ".3f"),
-                                   ("SLO attainment, own rate", "attainment", 1, ".2f"),
-                                   ("output tokens/s", "output_tok_s", 1, ".1f"),
-                                   ("TTFT p50 / p99 (ms)", ("ttft_p50", "ttft_p99"), 1e3, ".0f"),
-                                   ("TPOT p50 / p99 (ms)", ("tpot_p50", "tpot_p99"), 1e3, ".1f")):
-        def cell(b):
-            if isinstance(key, tuple):
-                return " / ".join(format(b[k] * scale, fmt) for k in key)
-            return format(b[key] * scale, fmt)
-        print(f"{label:28}{cell(base):>22}{cell(best):>26}")
-    print(f"spread (output tok/s)       {base['spread']:>22.2f}{best['spread']:>26.2f}")
+    static_best = slow[0][0]
+    kept = build.variant.variant_id == static_best.variant_id
+    gate = checks.get("engine_build_gates")
+    verdict = gate.metadata.get("verdict").value if gate and gate.metadata.get("verdict") else None
+    print(f"SLO: TTFT <= {1e3 * base['slo_ttft_s']:.0f} ms and TPOT <= {1e3 * base['slo_tpot_s']:.0f} ms for 90% of "
+          f"requests ({build.provenance.get('slo_source', 'given')})")
+    print(decision_table(static_best, list(fast) + list(slow), build.variant.variant_id, verdict))
+    print()
     print(capacity_line(bench_from(best), bench_from(base)))
-    print(f"why: {build.reason}")
+    print(f"decision: {build.reason}")
+    if kept:
+        print("kept static-best, nothing deployed: no variant was measurably better, so nothing was gated")
+    else:
+        print(f"chosen: {build.variant.name} ({build.variant.variant_id}): {build.variant.changes_from(static_best)}")
     prov = build.provenance
     print(f"board: {prov.get('board')}, search {prov.get('search')}, decision message {prov.get('decision_message')} "
           f"resting on results {prov.get('result_ids')}")
-    print("gates: " + ", ".join(f"{k} {'passed' if v else 'FAILED'}" for k, v in checks.items()))
+    print("checks: " + ", ".join(f"{k} {'passed' if e.passed else 'FAILED'}" for k, e in checks.items()))
     if build.quality:
         print(f"quality: {build.quality['verdict']} (greedy agreement {build.quality['greedy_agreement']}, "
               f"max |dlogit| {build.quality['max_abs_logit_delta']})")
     print(f"deployment: {dep.status} at {dep.endpoint}: {dep.reason}")
+    for mat in result.asset_materializations_for_node("engine_build")[:1]:
+        if mat.metadata.get("artifact"):
+            print(f"build: {mat.metadata['artifact'].value}")
     for mat in result.asset_materializations_for_node("slow_bench_results")[:1]:
         plots = mat.metadata.get("plot files")
         for title, path in (plots.value if plots else {}).items():

@@ -5,7 +5,7 @@ import math
 
 from engine.variant import VariantSpec
 from ops.bench import BenchResult
-from ops.optimize import capacity_line, capacity_ratio, choose
+from ops.optimize import capacity_line, capacity_ratio, choose, decision_table
 
 BASE = VariantSpec(name="static-best")
 CAND = VariantSpec(name="candidate", max_num_seqs=16)
@@ -52,3 +52,18 @@ def test_static_best_measured_best_is_kept_and_a_lower_bound_does_not_win():
     assert choose([(CAND, bench(5.0, 1.0))], (BASE, bench(10.0, 2.0))).reason.startswith("static-best measured best")
     # static-best never failed (a lower bound): nobody passed a rate it failed
     assert choose([(CAND, bench(20.0, 4.0))], (BASE, bench(10.0, math.inf))).variant == BASE
+
+
+def test_the_decision_table_says_what_differs_and_marks_the_choice():
+    base = VariantSpec(name="static-best", max_num_seqs=8)
+    knob = VariantSpec(name="fewer seqs", max_num_seqs=4, block_size=32)
+    kern = VariantSpec(name="triton norm", max_num_seqs=8, kernels=(("rms_norm", "triton"),))
+    assert knob.changes_from(base) == "max_num_seqs 8 -> 4; block_size 16 -> 32"
+    assert kern.changes_from(base) == "rms_norm reference -> triton" and base.changes_from(base) == "none"
+    fast = bench(0.0, 0.0, tok_s=80.0)
+    fast.tier = "fast"
+    rows = [(base, bench(0.28, 0.12, tok_s=15.5)), (knob, bench(0.5, 0.1, tok_s=12.0)), (kern, fast)]
+    text = decision_table(base, rows, knob.variant_id, "pass").splitlines()
+    assert text[2].startswith("  static-best") and " none " in text[2] and text[2].endswith("  -")
+    assert text[3].startswith("* fewer seqs") and "0.500 (+0.100)" in text[3] and text[3].endswith("  pass")
+    assert text[4].startswith("  triton norm") and " fast " in text[4] and " 80.0 " in text[4]

@@ -29,7 +29,7 @@ def test_definitions_load():
 
 
 @pytest.mark.slow
-def test_materialize_the_whole_graph(tmp_path):
+def test_materialize_the_whole_graph(tmp_path, capsys):
     from pipelines.wiring import run_optimize
     from assets.resources import stop_embedded_servers
 
@@ -70,6 +70,16 @@ def test_materialize_the_whole_graph(tmp_path):
         assert active == dep.build_id  # the real server runs what the deployment says it runs
         if dep.status == "deployed":
             assert active == build.variant.variant_id
+        from pipelines.cli.tuning_cmds import print_optimize_report
+
+        capsys.readouterr()
+        print_optimize_report(result)  # what `polyinf optimize` prints at the end
+        out = capsys.readouterr().out
+        assert out.startswith("SLO: TTFT <= ") and "derived" in out.splitlines()[0]
+        assert sum(v.name[:32] in out for v in candidates) == len(candidates)  # every measured variant
+        assert "capacity at SLO, chosen / static-best: " in out and f"decision: {build.reason}" in out
+        assert ("kept static-best, nothing deployed" in out) == (build.variant.variant_id == slow[0][0].variant_id)
+        assert out.count("plot, ") == 3 and "build: " in out
     finally:
         stop_embedded_servers()
 
