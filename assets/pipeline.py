@@ -66,7 +66,7 @@ def _plots(context, artifacts: ArtifactStore, search, results: list, cost: dict)
     return out
 
 
-@dg.asset(partitions_def=DEPLOYMENTS,
+@dg.asset(partitions_def=DEPLOYMENTS, group_name="traffic", kinds={"python"},
           description="The traffic this optimization run tunes for: a trace file's slice, or the records the "
                       "deployment captured since its last build (set through the run's config by the sensors).")
 def traffic_traces(context: dg.AssetExecutionContext, traffic: TrafficSource) -> list:
@@ -83,7 +83,7 @@ def traffic_traces(context: dg.AssetExecutionContext, traffic: TrafficSource) ->
     return records
 
 
-@dg.asset(partitions_def=DEPLOYMENTS,
+@dg.asset(partitions_def=DEPLOYMENTS, group_name="traffic", kinds={"python"},
           description="Arrival rate, burstiness, length percentiles and prefix reuse of the traffic.")
 def traffic_profile(context: dg.AssetExecutionContext, traffic_traces: list, traffic: TrafficSource):
     from ops.traces import profile
@@ -95,7 +95,7 @@ def traffic_profile(context: dg.AssetExecutionContext, traffic_traces: list, tra
     return prof
 
 
-@dg.asset(partitions_def=DEPLOYMENTS,
+@dg.asset(partitions_def=DEPLOYMENTS, group_name="plan", kinds={"pytorch"},
           description="The served model's shape, bytes per token and weights hash.")
 def model_spec(context: dg.AssetExecutionContext, runner: EngineRunner):
     from engine import resolve
@@ -106,7 +106,7 @@ def model_spec(context: dg.AssetExecutionContext, runner: EngineRunner):
     return spec
 
 
-@dg.asset(partitions_def=DEPLOYMENTS,
+@dg.asset(partitions_def=DEPLOYMENTS, group_name="plan", kinds={"pytorch"},
           description="Measured memory bandwidth, matmul FLOP/s and launch overhead of this machine.")
 def hardware_profile(context: dg.AssetExecutionContext, runner: EngineRunner):
     from ops.hardware import probe
@@ -118,7 +118,7 @@ def hardware_profile(context: dg.AssetExecutionContext, runner: EngineRunner):
     return hw
 
 
-@dg.asset(partitions_def=DEPLOYMENTS,
+@dg.asset(partitions_def=DEPLOYMENTS, group_name="plan", kinds={"python"},
           description="Knob variants and parallel layouts ranked by the cost model (a simulated batching of "
                       "the trace slice with roofline step times) for this model, machine and traffic.")
 def cost_model_plan(context: dg.AssetExecutionContext, model_spec, hardware_profile, traffic_profile,
@@ -140,7 +140,7 @@ def cost_model_plan(context: dg.AssetExecutionContext, model_spec, hardware_prof
     return p
 
 
-@dg.asset(partitions_def=DEPLOYMENTS,
+@dg.asset(partitions_def=DEPLOYMENTS, group_name="plan", kinds={"sqlite"},
           description="Agents read the board and propose; their proposals wait in the experiment queue.")
 def variant_candidates(context: dg.AssetExecutionContext, cost_model_plan, hardware_profile, source: VariantSource,
                        runner: EngineRunner, traffic: TrafficSource) -> list:
@@ -167,7 +167,7 @@ def _variant_of(row: dict):
     return VariantSpec.from_json(json.loads(row["variant"]))
 
 
-@dg.asset(partitions_def=DEPLOYMENTS,
+@dg.asset(partitions_def=DEPLOYMENTS, group_name="measure", kinds={"pytorch"},
           description="Fast tier: step times of the traffic's shape mix on a few layers, one hot-swapped engine "
                       "draining the queue.",
           op_tags={"polyinf/tier": "fast", **GPU_OP_TAGS})
@@ -187,7 +187,7 @@ def fast_bench_results(context: dg.AssetExecutionContext, variant_candidates: li
     return results
 
 
-@dg.asset(partitions_def=DEPLOYMENTS,
+@dg.asset(partitions_def=DEPLOYMENTS, group_name="measure", kinds={"pytorch"},
           description="Slow tier: the trace slice replayed through the full model for the baseline and the best "
                       "fast-tier variants.",
           op_tags={"polyinf/tier": "slow", **GPU_OP_TAGS})
@@ -221,7 +221,7 @@ def slow_bench_results(context: dg.AssetExecutionContext, fast_bench_results: li
     return results
 
 
-@dg.asset(partitions_def=DEPLOYMENTS,
+@dg.asset(partitions_def=DEPLOYMENTS, group_name="ship", kinds={"json"},
           description="The chosen variant, why, and its measurements; gated by the quality checks.")
 def engine_build(context: dg.AssetExecutionContext, slow_bench_results: list, traffic_profile, model_spec,
                  hardware_profile, artifacts: ArtifactStore, source: VariantSource, runner: EngineRunner,
@@ -298,7 +298,7 @@ def engine_build_gates(context: dg.AssetCheckExecutionContext, engine_build,
         "seconds": report.seconds})
 
 
-@dg.asset(partitions_def=DEPLOYMENTS,
+@dg.asset(partitions_def=DEPLOYMENTS, group_name="ship", kinds={"fastapi"},
           description="The build hot-swapped into the serving endpoint, watched, and rolled back on regression.")
 def deployed_endpoint(context: dg.AssetExecutionContext, engine_build, runner: EngineRunner, endpoint: Endpoint,
                       artifacts: ArtifactStore):

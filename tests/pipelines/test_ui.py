@@ -18,6 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"
 ASSETS = ["traffic_traces", "traffic_profile", "model_spec", "hardware_profile", "cost_model_plan",
           "variant_candidates", "fast_bench_results", "slow_bench_results", "engine_build", "deployed_endpoint"]
+GROUPS = {"traffic": ["traffic_traces", "traffic_profile"],
+          "plan": ["model_spec", "hardware_profile", "cost_model_plan", "variant_candidates"],
+          "measure": ["fast_bench_results", "slow_bench_results"], "ship": ["engine_build", "deployed_endpoint"]}
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--window-size=1600,1000",
                   "--virtual-time-budget=30000"]
@@ -57,13 +60,15 @@ def test_asset_graph_in_the_dagster_ui(tmp_path):
         shot = ARTIFACTS / "dagster-asset-graph.png"
         shot.unlink(missing_ok=True)
         subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--screenshot={shot}",
-                        url + "/locations/pipelines.definitions/asset-groups/default"], capture_output=True,
+                        url + "/locations/pipelines.definitions/asset-groups/measure"], capture_output=True,
                        timeout=120)
         assert shot.is_file() and shot.stat().st_size > 20_000
-        graph_dom = subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--dump-dom",
-                                    url + "/locations/pipelines.definitions/asset-groups/default"],
-                                   capture_output=True, text=True, timeout=120).stdout
-        assert "engine_build" in graph_dom and "deployed_endpoint" in graph_dom
+        # the graph in groups by stage, left to right: traffic, plan, measure, ship
+        for group, members in GROUPS.items():
+            graph_dom = subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--dump-dom",
+                                        url + f"/locations/pipelines.definitions/asset-groups/{group}"],
+                                       capture_output=True, text=True, timeout=120).stdout
+            assert all(a in graph_dom for a in members), (group, [a for a in members if a not in graph_dom])
     finally:
         web.terminate()
         web.wait(timeout=20)
