@@ -36,17 +36,26 @@ def resources(model: str = "smollm2", trace: str | None = None, requests: int = 
 def run_optimize(model: str, trace: str, requests: int, max_input: int, max_output: int, time_scale: float,
                  candidates: int, device: str = "cpu", dtype: str = "float32", fast_layers: int = 4,
                  artifacts: str = ".polyinf/artifacts", endpoint_url: str = "", admin_token: str = "",
-                 llm_base_url: str = "", llm_model: str = "polyinf", log_level: str = "DEBUG"):
+                 llm_base_url: str = "", llm_model: str = "polyinf", log_level: str = "DEBUG",
+                 dagster_home: str | None = None):
     """Materializes the whole graph in-process for one deployment partition; returns the Dagster result.
-    ``log_level``: the console's event log (the CLI's default is INFO: the steps, not every input loaded)."""
+    ``log_level``: the console's event log (the CLI's default is INFO: the steps, not every input loaded).
+    The run is recorded in a persistent Dagster instance: ``dagster_home``, else $DAGSTER_HOME, else
+    ``dagster`` beside the artifacts folder (``.polyinf/dagster``), so that `dagster dev` started with that
+    DAGSTER_HOME shows its runs, materializations, metadata and plots afterwards."""
     if admin_token:
         os.environ["POLYINF_ADMIN_TOKEN"] = admin_token  # resources read it through dg.EnvVar
     res = resources(model, trace, requests, max_input, max_output, time_scale, candidates, device, dtype, fast_layers,
                     artifacts, endpoint_url, llm_base_url, llm_model)
     res.pop("drift")  # the sensors' configuration; no asset uses it
     definitions = [*dg.load_assets_from_modules([pipeline]), *dg.load_asset_checks_from_modules([pipeline])]
-    instance = dg.DagsterInstance.ephemeral()
+    home = Path(dagster_home or os.environ.get("DAGSTER_HOME") or Path(artifacts).parent / "dagster").resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    if not (home / "dagster.yaml").exists():
+        (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\nnux:\n  enabled: false\n")
+    instance = dg.DagsterInstance.local_temp(tempdir=str(home))
     key = pipeline.deployment_key(model, device, endpoint_url)
-    instance.add_dynamic_partitions(pipeline.DEPLOYMENTS.name, [key])
+    if not instance.has_dynamic_partition(pipeline.DEPLOYMENTS.name, key):
+        instance.add_dynamic_partitions(pipeline.DEPLOYMENTS.name, [key])
     return dg.materialize(definitions, resources=res, raise_on_error=False, instance=instance, partition_key=key,
                           run_config={"loggers": {"console": {"config": {"log_level": log_level}}}})

@@ -35,8 +35,15 @@ def test_materialize_the_whole_graph(tmp_path, capsys):
 
     try:
         result = run_optimize("smollm2", str(AZURE), requests=6, max_input=96, max_output=6, time_scale=0.02,
-                              candidates=3, artifacts=str(tmp_path / "artifacts"))
+                              candidates=3, artifacts=str(tmp_path / "artifacts"), dagster_home=str(tmp_path / "dh"))
         assert result.success
+        # recorded in a persistent instance: another process's instance on that home (`dagster dev`) sees it
+        import dagster as dg
+
+        seen = dg.DagsterInstance.local_temp(tempdir=str(tmp_path / "dh"))
+        event = seen.get_latest_materialization_event(dg.AssetKey("slow_bench_results"))
+        assert event is not None and event.run_id == result.run_id
+        assert "SLO attainment vs rate" in event.asset_materialization.metadata
         assert result.dagster_run.tags.get("dagster/partition") == "smollm2|cpu|embedded"  # one per deployment
         profile = result.output_for_node("traffic_profile")
         assert profile.requests == 6
