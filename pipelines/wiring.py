@@ -33,6 +33,12 @@ def resources(model: str = "smollm2", trace: str | None = None, requests: int = 
     }
 
 
+def dagster_home_for(artifacts: str, given: str | None = None) -> str:
+    """The Dagster instance folder `optimize` records into: ``given``, else $DAGSTER_HOME, else ``dagster``
+    beside the artifacts folder."""
+    return str(Path(given or os.environ.get("DAGSTER_HOME") or Path(artifacts).parent / "dagster").resolve())
+
+
 def run_optimize(model: str, trace: str, requests: int, max_input: int, max_output: int, time_scale: float,
                  candidates: int, device: str = "cpu", dtype: str = "float32", fast_layers: int = 4,
                  artifacts: str = ".polyinf/artifacts", endpoint_url: str = "", admin_token: str = "",
@@ -49,7 +55,7 @@ def run_optimize(model: str, trace: str, requests: int, max_input: int, max_outp
                     artifacts, endpoint_url, llm_base_url, llm_model)
     res.pop("drift")  # the sensors' configuration; no asset uses it
     definitions = [*dg.load_assets_from_modules([pipeline]), *dg.load_asset_checks_from_modules([pipeline])]
-    home = Path(dagster_home or os.environ.get("DAGSTER_HOME") or Path(artifacts).parent / "dagster").resolve()
+    home = Path(dagster_home_for(artifacts, dagster_home))
     home.mkdir(parents=True, exist_ok=True)
     if not (home / "dagster.yaml").exists():
         (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\nnux:\n  enabled: false\n")

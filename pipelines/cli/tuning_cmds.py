@@ -12,20 +12,21 @@ from pipelines.cli.args import add_search_args, positive, seconds
 
 def cmd_optimize(args: argparse.Namespace) -> int:
     from assets.resources import stop_embedded_servers
-    from pipelines.wiring import run_optimize
+    from pipelines.wiring import dagster_home_for, run_optimize
 
     t0 = time.perf_counter()
     try:
         result = run_optimize(args.model, args.trace, args.requests, args.max_input, args.max_output, args.time_scale,
                               args.candidates, args.device, args.dtype, args.fast_layers, args.artifacts,
                               args.endpoint_url, args.admin_token or "", args.llm_base_url, args.llm_model,
-                              log_level="DEBUG" if args.verbose else "INFO")
+                              log_level="DEBUG" if args.verbose else "INFO", dagster_home=args.dagster_home)
         if not result.success:
             failed = [e.message for e in result.all_events if e.is_failure][:3]
             print("polyinf: error: the optimization run failed: " + " | ".join(failed), file=sys.stderr)
             return 1
         print_optimize_report(result)
-        print(f"[optimization run took {time.perf_counter() - t0:.0f} s]")
+        print(f"[optimization run took {time.perf_counter() - t0:.0f} s; recorded in the Dagster instance at "
+              f"{dagster_home_for(args.artifacts, args.dagster_home)}]")
         return 0
     finally:
         if not args.keep_serving:
@@ -155,6 +156,9 @@ def add_parsers(sub) -> None:
     op.add_argument("--llm-base-url", default="", help="an OpenAI-compatible server for the LLM agent (off if empty)")
     op.add_argument("--llm-model", default="polyinf", help="the model name on that server")
     op.add_argument("--verbose", action="store_true", help="Dagster's event log at DEBUG (default: INFO)")
+    op.add_argument("--dagster-home", default=None,
+                    help="the Dagster instance that records the run (default: $DAGSTER_HOME, else "
+                         "dagster/ beside --artifacts); `DAGSTER_HOME=<it> dagster dev` shows it afterwards")
     op.set_defaults(func=cmd_optimize)
 
     tn = sub.add_parser("tune", help="search for a better variant outside Dagster: agents propose, the fast and "
