@@ -1,5 +1,6 @@
 """The continuous-compilation graph: thin assets over ops/ and checks/ (design section 1)."""
 
+import base64
 import json
 import re
 import warnings
@@ -45,8 +46,6 @@ def _md_table(rows: list[dict]) -> dg.MetadataValue:
 def _plots(context, artifacts: ArtifactStore, search, results: list, cost: dict) -> dict:
     """The slow tier's figures as PNGs: written to the artifacts (beside the build) and embedded in the
     asset's metadata as images; returns the metadata entries (the CLI prints the paths)."""
-    import base64
-
     from ops.plots import attainment_vs_rate, predicted_vs_measured, throughput_vs_tpot
 
     pngs = {
@@ -56,13 +55,18 @@ def _plots(context, artifacts: ArtifactStore, search, results: list, cost: dict)
         "cost model vs measured": predicted_vs_measured([(p["name"], p["calibrated"], p["measured"])
                                                          for p in cost.get("points", [])]),
     }
-    out, paths = {}, {}
-    for title, png in pngs.items():
-        key = f"plots/{search.id}/{title.replace(' ', '_')}.png"
-        paths[title] = artifacts.put(key, png)
-        out[title] = dg.MetadataValue.md(f"![{title}](data:image/png;base64,{base64.b64encode(png).decode()})")
-    out["plot files"] = dg.MetadataValue.json(paths)
+    paths = {title: artifacts.put(f"plots/{search.id}/{title.replace(' ', '_')}.png", png)
+             for title, png in pngs.items()}
     context.log.info("plots: " + ", ".join(paths.values()))
+    return plot_metadata(pngs, paths)
+
+
+def plot_metadata(pngs: dict[str, bytes], paths: dict[str, str]) -> dict:
+    """Each PNG as a metadata entry the Dagster UI renders as an image (markdown with a data URI: the asset's
+    page shows it under '[Show Markdown]'), and where the files are."""
+    out = {title: dg.MetadataValue.md(f"![{title}](data:image/png;base64,{base64.b64encode(png).decode()})")
+           for title, png in pngs.items()}
+    out["plot files"] = dg.MetadataValue.json(paths)
     return out
 
 
