@@ -82,7 +82,7 @@ def main() -> int:
         ratio, low, high = capacity_ratio(got["B"], got["A"])
         rows.append({"round": k + 1, "A": got["A"].to_json(), "B": got["B"].to_json(), "ratio": ratio, "low": low,
                      "high": high})
-    print(f"\n| round | A capacity (bracket) | B capacity (bracket) | B / A | range |\n|---|---|---|---|---|")
+    print("\n| round | A capacity (bracket) | B capacity (bracket) | B / A | range |\n|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['round']} | {row['A']['capacity']:.3f} ({row['A']['capacity_spread']:.3f}) | "
               f"{row['B']['capacity']:.3f} ({row['B']['capacity_spread']:.3f}) | {row['ratio']:.2f}x | "
