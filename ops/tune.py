@@ -261,6 +261,7 @@ class Search:
             stats.evaluated += first.evaluated
             stats.failed += first.failed
             stats.result_ids = first.result_ids + stats.result_ids
+            stats.seconds += first.seconds
         return stats
 
     def known_calibration(self) -> Calibration | None:
@@ -344,7 +345,7 @@ class Search:
 def tune(cfg: SearchConfig, board_path: str | Path, agents: list[Agent] | None = None, budget: Budget = Budget(),
          slow_top: int = 2, per_agent: int = 1, hardware: HardwareProfile | None = None,
          baseline: VariantSpec | None = None, gate: bool = False, search: str | None = None,
-         log=lambda msg: None) -> TuneReport:
+         log: Callable[[str], None] = _quiet) -> TuneReport:
     """Agents propose in rounds (``per_agent`` each, so that a small budget still hears every agent) and the
     fast tier measures until the budget's fast share is spent or nobody proposes anything new; then the slow tier measures the baseline and the best, and the
     decision is recorded."""
