@@ -3,7 +3,8 @@
 Each request's greedy tokens are compared with its run alone (no prefix caching) when batched;
 interleaved with requests that share its prefix, with prefix caching on and every newly handed
 out block poisoned with NaN; on a second pass that hits the cache; across preemption and
-resume in a pool too small for all; and across a kv_layout + scheduler hot swap.
+resume in a pool too small for all; and across a kv_layout + scheduler hot swap. The run alone does not
+speculate, so a variant with prompt-lookup speculation must reproduce plain decoding in every scenario.
 
 Exact in float32. In bfloat16 and float16 a batched matmul rounds differently from a single one,
 so greedy tokens can flip at near-ties without any contamination; there a scenario whose tokens
@@ -121,7 +122,8 @@ def contamination_checks(candidate: EngineFactory, prompts: list[list[int]], max
     # holds only the largest request must preempt; greedy runs are prefixes of longer ones
     long_tokens = max(max_tokens, block_size + 2)
     big = len(prompts) * (blocks_needed(prompts, long_tokens, block_size) + 2) * 2 + 16
-    solo = candidate(GateSettings(big * 2, enable_prefix_caching=False))
+    # the run alone does not speculate: a speculating variant's tokens must equal plain decoding's
+    solo = candidate(GateSettings(big * 2, enable_prefix_caching=False, speculate=False))
 
     def alone_of(ps: list[list[int]], n: int) -> tuple[list[list[int]], list | None]:
         toks = [_run(solo, [p], n)[0][0] for p in ps]

@@ -16,6 +16,7 @@ from engine.variant import VariantSpec
 class GateSettings:
     num_kv_blocks: int
     enable_prefix_caching: bool
+    speculate: bool = True  # False: the variant's speculation off (the contamination gate's run alone)
 
 
 EngineFactory = Callable[[GateSettings], LLMEngine]
@@ -24,7 +25,8 @@ EngineFactory = Callable[[GateSettings], LLMEngine]
 def factory_for(base: LLMEngine, spec: VariantSpec) -> EngineFactory:
     """Engines of ``spec`` over ``base``'s loaded weights (no reload)."""
     def make(s: GateSettings) -> LLMEngine:
-        variant = dataclasses.replace(spec, enable_prefix_caching=s.enable_prefix_caching)
+        variant = dataclasses.replace(spec, enable_prefix_caching=s.enable_prefix_caching,
+                                      speculative_tokens=spec.speculative_tokens if s.speculate else 0)
         return LLMEngine(dataclasses.replace(base.config, num_kv_blocks=s.num_kv_blocks, variant=variant), base.loaded)
     return make
 

@@ -121,6 +121,17 @@ class BlockManager:
             self.on_allocate(seq.block_table[first_new:])
         return True
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Releases the sequence's blocks beyond those ``num_tokens`` tokens need (after rejected draft tokens:
+        those blocks hold no computed token, so no prefix hash covers them)."""
+        keep = -(-num_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            bid = seq.block_table.pop()
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            assert block.ref_count == 0 and block.hash is None, "a trimmed block is the sequence's own and unhashed"
+            self._free[bid] = None
+
     def commit(self, seq: Sequence) -> None:
         """After a step: registers the sequence's newly completed blocks in the prefix cache."""
         hashes = self._seq_hashes.setdefault(seq.request_id, [])

@@ -15,14 +15,14 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
-from engine import variant_swap
+from engine import speculation, variant_swap
 from engine.errors import RequestError
 from engine.forward_ops import ForwardOps
 from engine.loader import load_model
@@ -30,7 +30,7 @@ from engine.parallel import current_group, shard_model
 from engine.model_runner import KVCache, ModelRunner
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.tokenizer import Tokenizer
 from engine.variant import VariantSpec
@@ -55,8 +55,9 @@ class _Launched:
 
     batch: SchedulerOutput
     starts: list[int]  # per scheduled row: the sequence's num_computed_tokens when this step's results apply
-    tokens: list[int] | None  # sampled on the host at launch (sampling params, forced tokens, a logits sink)
-    host_tokens: torch.Tensor | None  # (N,) int64 greedy tokens, filled by a copy queued behind the step
+    # per sampling row, its tokens, sampled on the host at launch (sampling params, forced tokens, a logits sink)
+    tokens: list[list[int]] | None
+    host_tokens: torch.Tensor | None  # (rows,) int64 greedy tokens, filled by a copy queued behind the step
     ready: torch.cuda.Event | None  # recorded after that copy (GPU only)
 
 
@@ -67,6 +68,22 @@ class EngineStats:
     generation_tokens: int = 0
     preemptions: int = 0
     forward_seconds: float = 0.0
+    # prompt-lookup speculation (vLLM's spec_decode counters): drafts verified, their tokens, those accepted,
+    # and accepted tokens by position in the draft
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens emitted per verified draft: the accepted ones plus the target's own (vLLM's mean
+        acceptance length)."""
+        return 1 + self.spec_accepted_tokens / self.spec_drafts if self.spec_drafts else 0.0
 
 
 @dataclass
@@ -111,6 +128,7 @@ class LLMEngine:
                                  model_cfg.max_position_embeddings)
         self.block_manager = BlockManager(num_blocks, variant.block_size, variant.enable_prefix_caching)
         self.scheduler = Scheduler(variant, self.block_manager)
+        self.scheduler.max_model_len = self.max_model_len
         self.runner = ModelRunner(self.model, model_cfg, self.kv, self.max_model_len, self.device)
         self.variant: VariantSpec = variant
         self.previous_variant: VariantSpec | None = None
@@ -235,8 +253,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         logits = self.runner.run(batch, self.ops, ahead)
         starts = [s.seq.num_computed_tokens + int(ahead) for s in batch.scheduled]
-        samplers = [s.seq for s in batch.scheduled if s.samples]
-        if samplers and self.logits_sink is None and all(s.params.greedy and not s.params.forced_tokens
+        samplers = [s for s in batch.scheduled if s.samples]
+        if samplers and self.logits_sink is None and all(s.seq.params.greedy and not s.seq.params.forced_tokens
                                                          for s in samplers):
             greedy = self.runner.greedy(logits)
             cuda = self.device.type == "cuda"
@@ -247,14 +265,36 @@ class LLMEngine:
                 ready.record()
             launched = _Launched(batch, starts, None, host, ready)
         else:
-            if self.logits_sink is not None:
-                self.logits_sink([s.request_id for s in samplers], logits)
-            tokens = sample(logits, [s.params for s in samplers],
-                            [self._generators.get(s.request_id) for s in samplers],
-                            [len(s.output_token_ids) for s in samplers])
-            launched = _Launched(batch, starts, tokens, None, None)
+            launched = _Launched(batch, starts, self._host_tokens(samplers, logits), None, None)
         self.stats.forward_seconds += time.perf_counter() - t0
         return launched
+
+    def _host_tokens(self, samplers: list[ScheduledSequence], logits: torch.Tensor) -> list[list[int]]:
+        """Per sampling row, its tokens: one sampled (or forced) token, or a draft's verified tokens
+        (engine/speculation.py). The logits sink sees the logits of each emitted token's position."""
+        offsets = list(itertools.accumulate((1 + len(s.draft) for s in samplers), initial=0))
+        out: list[list[int]] = [[] for _ in samplers]
+        plain = [i for i, s in enumerate(samplers) if not s.draft]
+        if plain:
+            rows = logits if len(plain) == logits.shape[0] else logits[
+                torch.tensor([offsets[i] for i in plain], device=logits.device)]
+            seqs = [samplers[i].seq for i in plain]
+            tokens = sample(rows, [s.params for s in seqs], [self._generators.get(s.request_id) for s in seqs],
+                            [len(s.output_token_ids) for s in seqs])
+            for i, tok in zip(plain, tokens):
+                out[i] = [tok]
+        for i, item in enumerate(samplers):
+            if item.draft:
+                rows, params = logits[offsets[i]:offsets[i + 1]], item.seq.params
+                out[i] = (speculation.accept_greedy(list(item.draft), rows.argmax(dim=-1).tolist()) if params.greedy
+                          else speculation.accept_sampled(rows, list(item.draft), params,
+                                                          self._generators.get(item.seq.request_id)))
+        if self.logits_sink is not None and samplers:
+            ids = [s.seq.request_id for s, toks in zip(samplers, out) for _ in toks]
+            idx = [offsets[i] + j for i, toks in enumerate(out) for j in range(len(toks))]
+            self.logits_sink(ids, logits if len(idx) == logits.shape[0] else logits[
+                torch.tensor(idx, device=logits.device)])
+        return out
 
     def _live(self, launched: _Launched) -> list[bool]:
         """Per row: its sequence still runs from where the step expects (not stopped, aborted or preempted)."""
@@ -276,13 +316,16 @@ class LLMEngine:
 
     def _collect(self, launched: _Launched) -> list[RequestOutput]:
         """Reads the step's tokens (waiting for the device if needed) and postprocesses its live rows."""
+        samplers = [item for item in launched.batch.scheduled if item.samples]
         tokens = launched.tokens
         if tokens is None:
             if launched.ready is not None:
                 launched.ready.synchronize()
-            tokens = launched.host_tokens.tolist()
-        samplers = [item for item in launched.batch.scheduled if item.samples]
-        new_tokens = {item.seq.request_id: tok for item, tok in zip(samplers, tokens)}
+            flat, tokens, at = launched.host_tokens.tolist(), [], 0
+            for item in samplers:  # greedy: a draft's rows verified against their argmax
+                rows, at = flat[at:at + 1 + len(item.draft)], at + 1 + len(item.draft)
+                tokens.append(speculation.accept_greedy(list(item.draft), rows) if item.draft else rows)
+        new_tokens = {item.seq.request_id: toks for item, toks in zip(samplers, tokens)}
         live = self._live(launched)
         batch = launched.batch
         if not all(live):
@@ -296,16 +339,20 @@ class LLMEngine:
             self._drained.extend(self._collect(launched))
         self.runner.greedy_tokens = None
 
-    def _postprocess(self, batch: SchedulerOutput, new_tokens: dict[str, int]) -> list[RequestOutput]:
+    def _postprocess(self, batch: SchedulerOutput, new_tokens: dict[str, list[int]]) -> list[RequestOutput]:
         self.stats.steps += 1
         self.stats.preemptions += len(batch.preempted)
+        before = [len(item.seq.output_token_ids) for item in batch.scheduled]
+        for item in batch.scheduled:
+            if item.draft:
+                self._record_draft(item, len(new_tokens[item.seq.request_id]) - 1)
         self.scheduler.update(batch, new_tokens, self._check_stop)
         outputs = []
-        for item in batch.scheduled:
+        for item, n in zip(batch.scheduled, before):
             seq = item.seq
             self.stats.tokens_computed += item.num_new_tokens
             if item.samples:
-                self.stats.generation_tokens += 1
+                self.stats.generation_tokens += len(seq.output_token_ids) - n
                 if seq.first_token_time is None:
                     seq.first_token_time = time.perf_counter()
             if seq.finish_reason is not None:
@@ -313,6 +360,21 @@ class LLMEngine:
                 self._generators.pop(seq.request_id, None)
             outputs.append(self._output(seq))
         return outputs
+
+    def _record_draft(self, item: ScheduledSequence, accepted: int) -> None:
+        """Speculation's counters, and the request's adaptive draft length and acceptance."""
+        proposed, st = len(item.draft), self.stats
+        st.spec_drafts += 1
+        st.spec_draft_tokens += proposed
+        st.spec_accepted_tokens += accepted
+        if len(st.spec_accepted_per_pos) < proposed:
+            st.spec_accepted_per_pos.extend([0] * (proposed - len(st.spec_accepted_per_pos)))
+        for pos in range(accepted):
+            st.spec_accepted_per_pos[pos] += 1
+        seq, v = item.seq, self.variant
+        if seq.spec is not None:
+            seq.spec.record(proposed, accepted, v.speculative_tokens, v.speculative_min_acceptance,
+                            len(seq.output_token_ids) + accepted + 1)
 
     def _check_stop(self, seq: Sequence) -> None:
         p, last = seq.params, seq.output_token_ids[-1]

@@ -86,14 +86,20 @@ class ModelRunner:
         for item in batch.scheduled:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens + int(ahead)
-            ids.extend(seq.token_ids[start : start + n] if not ahead else [0] * n)
+            if ahead:
+                ids.extend([0] * n)
+            elif item.draft:  # the last token, then the draft to verify
+                ids.append(seq.token_ids[start])
+                ids.extend(item.draft)
+            else:
+                ids.extend(seq.token_ids[start : start + n])
             for p in range(start, start + n):
                 pos.append(p)
                 slots.append(seq.block_table[p // bs] * bs + p % bs)
             ctx_lens.append(start + n)
             qsl.append(qsl[-1] + n)
-            if item.samples:
-                logits_idx.append(qsl[-1] - 1)
+            if item.samples:  # the last position; with a draft, every position
+                logits_idx.extend(range(qsl[-1] - 1 - len(item.draft), qsl[-1]))
         width = max(len(item.seq.block_table) for item in batch.scheduled)
         tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch.scheduled]
         dev = self.device
@@ -106,7 +112,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput, ops: ForwardOps, ahead: bool = False) -> torch.Tensor:
-        """Returns float32 logits for the sequences that sample, in schedule order: (N, vocab).
+        """Returns float32 logits for the sequences that sample, in schedule order: (N, vocab); a row with a
+        draft has 1 + len(draft) of them, one per position.
 
         ``ahead``: a decode batch of the same rows as the step before, launched before that step's
         tokens reached the host; its input tokens are that step's ``greedy_tokens``.

@@ -24,19 +24,24 @@ def sample(
     return tokens
 
 
-def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+def processed_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution ``p`` samples from, per row of ``logits`` ((..., vocab) float32): temperature, then
+    top-k, then top-p."""
     # the largest logit subtracted first: a tiny temperature then gives 0 for the best and -inf for the rest
     # (a draw of the argmax), never inf / inf
-    x = (logits - logits.max()) / p.temperature
+    x = (logits - logits.max(dim=-1, keepdim=True).values) / p.temperature
     if p.top_k and p.top_k < x.shape[-1]:
-        kth = torch.topk(x, p.top_k).values[-1]
+        kth = torch.topk(x, p.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if p.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = torch.softmax(sorted_x, dim=-1)
         # drop a token when the tokens ranked above it already reach top_p; the first always stays
         drop = (probs.cumsum(-1) - probs) >= p.top_p
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        x = torch.full_like(x, float("-inf")).scatter(0, order, sorted_x)
-    probs = torch.softmax(x, dim=-1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=gen).item())
+        x = torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x)
+    return torch.softmax(x, dim=-1)
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    return int(torch.multinomial(processed_probs(logits, p).cpu(), 1, generator=gen).item())

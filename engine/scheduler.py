@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine import speculation
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
 from engine.variant import VariantSpec
@@ -22,6 +23,9 @@ class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int  # tokens computed for this sequence in this step
     samples: bool  # the step reaches the end of the sequence's tokens, so a token is sampled
+    # prompt-lookup draft run after the sequence's last token (num_new_tokens = 1 + len(draft)); logits are read
+    # at every one of those positions and the draft verified (engine/speculation.py)
+    draft: tuple[int, ...] = ()
 
 
 @dataclass
@@ -45,6 +49,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.max_model_len: int | None = None  # set by the engine: a draft never runs past the context
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -67,15 +72,17 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._chunk(seq, budget)
+            n = self._chunk(seq, budget)  # a draft takes only budget the sequences after this one can spare
             while not bm.ensure_slots(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]  # the most recently admitted; never one scheduled already
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSequence(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
-                budget -= n
+                samples = seq.num_computed_tokens + n == seq.num_tokens
+                draft = self._draft(seq, budget - n - (len(self.running) - i - 1)) if samples and n == 1 else ()
+                out.scheduled.append(ScheduledSequence(seq, n + len(draft), samples, draft))
+                budget -= n + len(draft)
                 i += 1
         if out.preempted:
             return out  # blocks are short: admit nothing new this step
@@ -93,6 +100,19 @@ class Scheduler:
             out.scheduled.append(ScheduledSequence(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
             budget -= n
         return out
+
+    def _draft(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """A prompt-lookup draft for the decoding ``seq`` that fits the budget, its context, its max_tokens and
+        the free blocks; () when it should not speculate."""
+        if self.config.speculative_tokens < 1:
+            return ()
+        room = min(budget, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - seq.num_tokens)
+        draft = speculation.draft_for(seq, self.config, len(self.running), room)
+        if not draft or not self.block_manager.ensure_slots(seq, seq.num_tokens + len(draft)):
+            return ()
+        return tuple(draft)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -113,21 +133,32 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: -s.arrival):
             self._preempt(seq, out)
 
-    def update(self, batch: SchedulerOutput, new_tokens: dict[str, int], check_stop) -> None:
+    def update(self, batch: SchedulerOutput, new_tokens: dict[str, list[int]], check_stop) -> None:
         """Takes a step's results: each scheduled sequence advances by its tokens; where the step sampled, its
-        token is appended and ``check_stop(seq)`` sets the finish reason; full blocks are committed to the
-        prefix cache; finished sequences release their blocks. The engine and the cost model's simulation
-        both advance sequences here."""
+        tokens (one, or a verified draft's accepted tokens and one more) are appended one at a time, each
+        followed by ``check_stop(seq)``, which sets the finish reason; full blocks are committed to the prefix
+        cache; blocks holding only rejected draft positions are released; finished sequences release their
+        blocks. The engine and the cost model's simulation both advance sequences here."""
         for item in batch.scheduled:
             seq = item.seq
             seq.num_tokens_run += item.num_new_tokens
-            seq.num_computed_tokens += item.num_new_tokens
             if item.samples:
-                seq.output_token_ids.append(new_tokens[seq.request_id])
-                check_stop(seq)
+                emitted = 0
+                for tok in new_tokens[seq.request_id]:
+                    seq.output_token_ids.append(tok)
+                    emitted += 1
+                    check_stop(seq)
+                    if seq.finish_reason is not None:
+                        break
+                # the last token and the accepted draft tokens are computed; the rejected ones are not
+                seq.num_computed_tokens += item.num_new_tokens - len(item.draft) + emitted - 1
+            else:
+                seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.commit(seq)
             if seq.finish_reason is not None:
                 self.finish(seq)
+            elif item.draft:
+                self.block_manager.trim(seq, seq.num_tokens)
 
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.sampling_params import SamplingParams
 
@@ -36,6 +37,7 @@ class Sequence:
     num_tokens_run: int = 0  # tokens of this sequence run through the model, recompute included
     output_text: str = ""
     first_token_time: float | None = None
+    spec: Any = None  # engine.speculation.SpecState while the active variant speculates
 
     @property
     def token_ids(self) -> list[int]:

@@ -89,6 +89,17 @@ class VariantSpec:
                                      "most tokens in one step (the token budget)")
     prefill_chunk_size: int | None = _f(SCHEDULER, None, {"type": ["integer", "null"], "minimum": 1, "maximum": 65536},
                                         "most prompt tokens of one sequence per step (null: the budget)")
+    # prompt-lookup speculation (engine/speculation.py): drafts from the request's own tokens
+    speculative_tokens: int = _f(SCHEDULER, 0, {"type": "integer", "minimum": 0, "maximum": 16},
+                                 "most tokens one request speculates per step by prompt lookup (0: off)")
+    prompt_lookup_max: int = _f(SCHEDULER, 3, {"type": "integer", "minimum": 1, "maximum": 8},
+                                "longest n-gram of the request's last tokens looked up in its earlier tokens")
+    prompt_lookup_min: int = _f(SCHEDULER, 1, {"type": "integer", "minimum": 1, "maximum": 8},
+                                "shortest n-gram looked up")
+    speculative_max_batch: int = _f(SCHEDULER, 8, {"type": "integer", "minimum": 1, "maximum": 1024},
+                                    "no speculation while more sequences than this run")
+    speculative_min_acceptance: float = _f(SCHEDULER, 0.2, {"type": "number", "minimum": 0, "maximum": 1},
+                                           "a request pauses speculating when its running acceptance falls below")
     block_size: int = _f(KV_LAYOUT, 16, {"type": "integer", "enum": [8, 16, 32, 64]}, "tokens per KV-cache block")
     enable_prefix_caching: bool = _f(KV_LAYOUT, True, {"type": "boolean"}, "reuse cached KV blocks of shared prefixes")
     cuda_graph_batch_sizes: tuple[int, ...] = _f(FORWARD, (), {"type": "array", "maxItems": 32, "items": {
@@ -131,6 +142,17 @@ class VariantSpec:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"variant field {name} must be a positive integer, got {v!r}")
+        for name in ("speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "speculative_max_batch"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "speculative_tokens" else 1):
+                kind = "non-negative" if name == "speculative_tokens" else "positive"
+                raise ConfigError(f"variant field {name} must be a {kind} integer, got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
+                              f"({self.prompt_lookup_max})")
+        a = self.speculative_min_acceptance
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a <= 1:
+            raise ConfigError(f"speculative_min_acceptance must be a number in [0, 1], got {a!r}")
         if self.prefill_chunk_size is not None and (not isinstance(self.prefill_chunk_size, int)
                                                     or isinstance(self.prefill_chunk_size, bool)
                                                     or self.prefill_chunk_size < 1):
@@ -209,7 +231,9 @@ class VariantSpec:
 
     @property
     def variant_id(self) -> str:
-        body = {k: v for k, v in dataclasses.asdict(self).items() if k != "name"}
+        # fields added after ids were first recorded count only when set, so recorded ids stay valid
+        body = {k: v for k, v in dataclasses.asdict(self).items()
+                if k != "name" and not (k in _LATER_FIELDS and v == _DEFAULTS[k])}
         return hashlib.sha256(json.dumps(body, sort_keys=True, default=list).encode()).hexdigest()[:16]
 
     # ---- scopes ---------------------------------------------------------------------------------
@@ -250,4 +274,7 @@ class VariantSpec:
         return dict(dict(self.kernel_params).get(op, ()))
 
 
+_LATER_FIELDS = ("speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "speculative_max_batch",
+                 "speculative_min_acceptance")
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(VariantSpec)}
 REFERENCE_VARIANT = VariantSpec(name="reference")

@@ -244,7 +244,9 @@ def simulate(spec: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], v
         steps += 1
         if steps_out is not None:
             steps_out.append(shape)
-        sched.update(batch, {item.seq.request_id: 1 for item in batch.scheduled}, stop_at_length)
+        # a draft's tokens are modelled as rejected: the simulation knows no model's outputs, so speculation
+        # shows here as its cost only (its gain is measured, on the tiers)
+        sched.update(batch, {item.seq.request_id: [1] for item in batch.scheduled}, stop_at_length)
         for item in batch.scheduled:
             seq = item.seq
             if item.samples and seq.request_id not in first:
