@@ -158,6 +158,8 @@ class AsyncEngine:
         m.kv_usage.set(eng.block_manager.usage())
         stats = eng.block_manager.stats
         m.sync_prefix_cache(stats.queries, stats.hits)
+        es = eng.stats
+        m.sync_speculation(es.spec_drafts, es.spec_draft_tokens, es.spec_accepted_tokens, es.spec_accepted_per_pos)
 
 
 def prefix_hashes(token_ids: list[int], block_size: int) -> tuple[int, ...]:

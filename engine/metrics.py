@@ -26,7 +26,16 @@ class EngineMetrics:
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens of finished requests.",
                                          registry=r)
         self.request_success = Counter("vllm:request_success", "Finished requests.", ["finished_reason"], registry=r)
+        # prompt-lookup speculation, under vLLM's spec-decode names
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Drafts verified.", registry=r)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", registry=r)
+        self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r)
+        self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted, by position in the draft.", ["position"],
+                                             registry=r)
         self._seen_queries = self._seen_hits = 0
+        self._seen_spec = (0, 0, 0)
+        self._seen_pos: list[int] = []
 
     def sync_prefix_cache(self, queries: int, hits: int) -> None:
         """The block manager keeps running totals; counters take the increase (a rebuilt pool restarts at 0)."""
@@ -38,3 +47,16 @@ class EngineMetrics:
         if hits > self._seen_hits:
             self.prefix_hits.inc(hits - self._seen_hits)
             self._seen_hits = hits
+
+    def sync_speculation(self, drafts: int, draft_tokens: int, accepted: int, per_pos: list[int]) -> None:
+        """The engine keeps running totals; counters take the increase."""
+        for counter, now, seen in zip((self.spec_drafts, self.spec_draft_tokens, self.spec_accepted),
+                                      (drafts, draft_tokens, accepted), self._seen_spec):
+            if now > seen:
+                counter.inc(now - seen)
+        self._seen_spec = (drafts, draft_tokens, accepted)
+        for pos, n in enumerate(per_pos):
+            seen = self._seen_pos[pos] if pos < len(self._seen_pos) else 0
+            if n > seen:
+                self.spec_accepted_per_pos.labels(position=str(pos)).inc(n - seen)
+        self._seen_pos = list(per_pos)

@@ -54,6 +54,10 @@ class BenchResult:
     # slow tier: every engine step of the median run as [new tokens, KV tokens, sequences, attended pairs, seconds]
     step_samples: list[list[float]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    # prompt-lookup speculation over the timed replays: accepted / drafted tokens, and tokens emitted per
+    # verified draft (vLLM's mean acceptance length); 0 when the variant did not speculate
+    spec_acceptance: float = 0.0
+    spec_accepted_length: float = 0.0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -225,9 +229,12 @@ def slow_tier(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[
     # untimed: a new variant's first steps compile and capture (Triton, CUDA graphs); no timed repeat pays for it
     engine.generate([prompts[0][:16], prompts[-1][:8]], SamplingParams(max_tokens=2, ignore_eos=True))
     runs = []
+    st = engine.stats
+    drafts, drafted, accepted = st.spec_drafts, st.spec_draft_tokens, st.spec_accepted_tokens
     for _ in range(repeats):
         engine.block_manager.reset_prefix_cache()
         runs.append(_replay_once(engine, records, prompts, max_output, time_scale, slo))
+    drafts, drafted, accepted = st.spec_drafts - drafts, st.spec_draft_tokens - drafted, st.spec_accepted_tokens - accepted
     rates = [r["out"] / r["wall"] for r in runs]
     mid = sorted(range(repeats), key=lambda i: rates[i])[repeats // 2]
     m = runs[mid]
@@ -242,6 +249,7 @@ def slow_tier(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[
         goodput_spread=max(r["good"] / r["wall"] for r in runs) - min(r["good"] / r["wall"] for r in runs),
         step_samples=m["samples"], attainment=m["good"] / len(records), slo_ttft_s=slo.ttft_s, slo_tpot_s=slo.tpot_s,
         hardware=hardware_label(engine.device), wall_s=time.perf_counter() - t0,
+        spec_acceptance=accepted / drafted if drafted else 0.0, spec_accepted_length=1 + accepted / drafts if drafts else 0.0,
     )
     if capacity_guess is not None:
         # below one request per median latency the requests run one at a time: no lower rate does better; above

@@ -58,7 +58,23 @@ def add_knob_args(p: argparse.ArgumentParser) -> None:
         if f.metadata["schema"].get("type") == "boolean":
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=what)
         else:
-            p.add_argument(flag, type=positive, default=None, help=what)
+            p.add_argument(flag, type=_knob_type(f.metadata["schema"]), default=None, help=what)
+
+
+def _knob_type(schema: dict):
+    """argparse type of a knob from its JSON schema: a number in its range, or an integer >= its minimum."""
+    low, high = schema.get("minimum", 1), schema.get("maximum")
+
+    def parse(text: str):
+        try:
+            v = float(text) if schema.get("type") == "number" else int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'a number' if schema.get('type') == 'number' else 'an integer'}"
+                                             f", got {text!r}") from None
+        if v < low or (high is not None and v > high):
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high if high is not None else 'inf'}], got {v}")
+        return v
+    return parse
 
 
 def engine_config(args: argparse.Namespace, with_variant_file: bool = True):

@@ -328,3 +328,25 @@ def _offline_tokens(model_dir, prompt, n):
             if o.request_id == rid and o.finished:
                 out = o.token_ids
     return out
+
+
+def test_speculation_swapped_in_shows_in_metrics_and_rolls_back(server, client):
+    url, auth = server["url"], {"Authorization": f"Bearer {TOKEN}"}
+    active = httpx.get(url + "/admin/variant", headers=auth).json()["active"]
+    spec = {**active, "speculative_tokens": 4}
+    spec.pop("variant_id")
+    r = httpx.post(url + "/admin/variant", headers=auth, json=spec, timeout=60)
+    assert r.status_code == 200 and r.json()["scopes"] == ["scheduler"]
+    before = _metric(url, "vllm:spec_decode_num_drafts_total")
+    text = "the cat sat on the mat, " * 6
+    out = client.completions.create(model="smollm2", prompt="Repeat: " + text + "\nAgain: " + text[:40],
+                                    max_tokens=24, temperature=0)
+    assert out.usage.completion_tokens >= 1
+    drafts = _metric(url, "vllm:spec_decode_num_drafts_total") - before
+    drafted = _metric(url, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = _metric(url, "vllm:spec_decode_num_accepted_tokens_total")
+    assert drafts > 0 and 0 < accepted <= drafted
+    assert _metric(url, "vllm:spec_decode_num_accepted_tokens_per_pos_total") == accepted
+    r = httpx.post(url + "/admin/rollback", headers=auth, timeout=60)
+    assert r.status_code == 200
+    assert httpx.get(url + "/admin/variant", headers=auth).json()["active"]["speculative_tokens"] == 0
