@@ -201,8 +201,9 @@ def slow_bench_results(context: dg.AssetExecutionContext, fast_bench_results: li
     from ops.worker import SLOW
 
     search = source.search(context, runner, traffic, hardware_profile)
-    chosen = search.queue_slow(source.slow_top)
-    context.log.info(f"slow tier: {len(chosen)} variants queued (static-best and the fast tier's best), the full "
+    chosen = search.queue_slow(source.slow_top, source.speculation)
+    context.log.info(f"slow tier: {len(chosen)} variants queued (static-best, the fast tier's best"
+                     f"{', static-best with speculation' if len(chosen) > source.slow_top + 1 else ''}), the full "
                      f"model; SLO TTFT <= {1e3 * search.cfg.slo_ttft_s:.0f} ms, TPOT <= "
                      f"{1e3 * search.cfg.slo_tpot_s:.0f} ms ({search.cfg.slo_source})")
     stats = search.measure(SLOW)

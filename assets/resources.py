@@ -113,6 +113,8 @@ class VariantSource(dg.ConfigurableResource):
     # best fast-tier variants replayed on the slow tier beside static-best: one keeps the main job within minutes
     # on a 2-core CPU, where a slow-tier variant (replay and rate probes of the full model) takes one to two
     slow_top: int = 1
+    # static-best with prompt-lookup speculation on the slow tier too, where the replay is real text
+    speculation: bool = True
     llm_base_url: str = ""
     llm_model: str = "polyinf"
     llm_api_key: str = ""  # env_secret("OPENAI_API_KEY")

@@ -31,7 +31,11 @@ from ops.tune import Budget, Search, static_best_of, tune  # noqa: E402
 from ops.worker import SLOW, SearchConfig, bench_from  # noqa: E402
 
 ROWS: list[tuple[str, str]] = []
-DIMENSIONS = {"scheduling knobs": (SCHEDULER, KV_LAYOUT), "kernels and graphs": (FORWARD,)}
+SPECULATION = ("speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "speculative_max_batch",
+               "speculative_min_acceptance")
+# a dimension: the VariantSpec fields of these scopes (speculation's fields apart from the other scheduler knobs)
+DIMENSIONS = {"scheduling knobs": (SCHEDULER, KV_LAYOUT), "kernels and graphs": (FORWARD,),
+              "speculation": ("speculation",)}
 
 
 def row(out: Path, name: str, value: str) -> None:
@@ -44,7 +48,7 @@ def row(out: Path, name: str, value: str) -> None:
 def only(base: VariantSpec, chosen: VariantSpec, scopes: tuple[str, ...]) -> VariantSpec:
     """``base`` with ``chosen``'s fields of the given scopes."""
     fields = {f.name: getattr(chosen, f.name) for f in dataclasses.fields(VariantSpec)
-              if f.metadata.get("scope") in scopes}
+              if ("speculation" if f.name in SPECULATION else f.metadata.get("scope")) in scopes}
     return dataclasses.replace(base, name=f"static-best + {'/'.join(scopes)} of the choice", **fields)
 
 
@@ -92,6 +96,7 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=9, help="experiments per search")
     ap.add_argument("--budget-seconds", type=float, default=900)
     ap.add_argument("--num-kv-blocks", type=int, default=1024)
+    ap.add_argument("--slow-top", type=int, default=2, help="the fast tier's best measured on the slow tier")
     ap.add_argument("--only", nargs="*", default=["azure", "mooncake", "drift"])
     ap.add_argument("--no-gate", action="store_true", help="skip the gates on each choice (to save device time)")
     args = ap.parse_args()
@@ -118,7 +123,7 @@ def main() -> int:
         if name not in args.only:
             continue
         try:
-            rep = reports[name] = tune(cfg(trace), board, budget=budget, slow_top=2, gate=not args.no_gate,
+            rep = reports[name] = tune(cfg(trace), board, budget=budget, slow_top=args.slow_top, gate=not args.no_gate,
                                        log=lambda m, n=name: print(f"[{n}] {m}", flush=True))
             (args.out / f"tune_{name}.json").write_text(json.dumps(rep.to_json(), indent=2, default=str))
             print(rep.text(), flush=True)
@@ -148,7 +153,7 @@ def main() -> int:
                              ("switch to the mooncake shape", mooncake)):
             try:
                 rep = reports.get("mooncake") if trace == mooncake else None
-                rep = rep or tune(cfg(trace), board, budget=budget, slow_top=2, gate=not args.no_gate,
+                rep = rep or tune(cfg(trace), board, budget=budget, slow_top=args.slow_top, gate=not args.no_gate,
                                   log=lambda m: print(f"[{label}] {m}", flush=True))
                 retuned = VariantSpec.from_json(rep.chosen)
                 got = measure(cfg(trace), board, rep.search, [dataclasses.replace(stale, name="stale")], "stale")

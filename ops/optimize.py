@@ -94,6 +94,10 @@ def decision_table(static_best: VariantSpec, measured: list[tuple[VariantSpec, B
         mark = "* " if slow and v.variant_id == chosen_id else "  "
         lines.append(f"{mark}{v.name[:32]:32} {v.changes_from(static_best)[:44]:44} {r.tier:4} {r.output_tok_s:7.1f} "
                      f"{cap:>17} {ttft:>16} {tpot:>16}  {gates}")
+    for v, r in measured:
+        if r.tier == "slow" and r.spec_accepted_length:
+            lines.append(f"  {v.name[:32]}: speculation accepted {r.spec_acceptance:.0%} of drafted tokens, "
+                         f"{r.spec_accepted_length:.2f} tokens per verified draft")
     lines.append("(* the chosen variant; capacity: the highest rate passed, + the bracket up to the lowest that failed; "
                  "fast tier: decode tokens/s of a few layers)")
     return "\n".join(lines)

@@ -11,7 +11,7 @@ import json
 import math
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -63,6 +63,10 @@ class TuneReport:
                          f"{r.get('output_tok_s', float('nan')):8.1f} {r.get('spread', float('nan')):7.2f} "
                          f"{r.get('capacity', float('nan')):9.3f} {r.get('capacity_spread', float('nan')):7.3f} "
                          f"{r.get('attainment', float('nan')):6.2f} {str(r.get('result_id', '-')):>6}  {r['status']}")
+        for r in self.rows:
+            if r.get("spec_accepted_length"):
+                lines.append(f"    {r['name']}: speculation accepted {r['spec_acceptance']:.0%} of drafted tokens, "
+                             f"{r['spec_accepted_length']:.2f} tokens per verified draft")
         cm = self.cost_model
         lines += ["", "cost model against the slow tier "
                   f"({cm['variants']} variants): MAPE calibrated {cm['mape_calibrated']:.1%}, roofline "
@@ -203,8 +207,10 @@ class Search:
     def results(self, tier: str) -> list[tuple[Result, VariantSpec]]:
         return self.board.results(self.id, tier)
 
-    def queue_slow(self, top: int) -> list[VariantSpec]:
-        """The baseline and the ``top`` best of the fast tier, queued for the slow tier."""
+    def queue_slow(self, top: int, speculation: bool = False) -> list[VariantSpec]:
+        """The baseline and the ``top`` best of the fast tier, queued for the slow tier; with ``speculation``,
+        also the baseline with prompt-lookup speculation where the slice's prompts are real text (only the slow
+        tier can judge it: the fast tier's shapes carry no text to look up)."""
         fast = self.fast_results()
         base_fast = next((r for r, v in fast if v.variant_id == self.baseline.variant_id), None)
         self.board.enqueue(self.id, self.baseline, SLOW, "tuner", "baseline for the slow tier",
@@ -218,7 +224,20 @@ class Search:
                                f"fast tier rank {len(out)}: implied capacity {cap:.2f} req/s at the SLO, "
                                f"{tps:.1f} tok/s", [r.id])
             out.append(v)
+        spec = self.speculation_candidate() if speculation else None
+        if spec is not None and all(v.variant_id != spec.variant_id for v in out):
+            self.board.enqueue(self.id, spec, SLOW, "tuner",
+                               f"prompt-lookup speculation ({spec.speculative_tokens} tokens) on static-best: its "
+                               "acceptance depends on the text, which only the slow tier's replay carries")
+            out.append(spec)
         return out
+
+    def speculation_candidate(self) -> VariantSpec | None:
+        """The baseline with prompt-lookup speculation, where the replay's prompts are real text (a real model's
+        tokenizer); None for synthetic weights, whose acceptance says nothing about the traffic."""
+        if self.baseline.speculative_tokens or not self.bench.real_text:
+            return None
+        return replace(self.baseline, name="static-best + prompt lookup 4", speculative_tokens=4)
 
     def calibration(self) -> Calibration:
         """Correction factors fitted to forward passes of the full model (the slow tier's engine, baseline
@@ -335,6 +354,9 @@ class Search:
                            capacity=r.bench.get("capacity", 0.0) if e["tier"] == SLOW else fast_score(r.bench)[0],
                            capacity_spread=r.bench.get("capacity_spread", 0.0) if e["tier"] == SLOW else 0.0,
                            attainment=r.bench.get("attainment", 0.0) if e["tier"] == SLOW else fast_score(r.bench)[1])
+                if r.bench.get("spec_accepted_length"):
+                    row.update(spec_acceptance=r.bench["spec_acceptance"],
+                               spec_accepted_length=r.bench["spec_accepted_length"])
             rows.append(row)
         return rows
 
@@ -345,10 +367,11 @@ class Search:
 def tune(cfg: SearchConfig, board_path: str | Path, agents: list[Agent] | None = None, budget: Budget = Budget(),
          slow_top: int = 2, per_agent: int = 1, hardware: HardwareProfile | None = None,
          baseline: VariantSpec | None = None, gate: bool = False, search: str | None = None,
-         log: Callable[[str], None] = _quiet) -> TuneReport:
+         log: Callable[[str], None] = _quiet, speculation: bool = True) -> TuneReport:
     """Agents propose in rounds (``per_agent`` each, so that a small budget still hears every agent) and the
     fast tier measures until the budget's fast share is spent or nobody proposes anything new; then the slow tier measures the baseline and the best, and the
-    decision is recorded."""
+    decision is recorded. With ``speculation``, static-best with prompt-lookup speculation joins the slow tier
+    where the replay is real text (``Search.speculation_candidate``)."""
     t0 = time.time()
     deadline = t0 + budget.seconds
     agents = default_agents() if agents is None else agents
@@ -370,7 +393,7 @@ def tune(cfg: SearchConfig, board_path: str | Path, agents: list[Agent] | None =
         if not queued:
             break
     slow_room = max(1, budget.experiments - s.n_experiments())
-    s.queue_slow(min(slow_top, slow_room - 1))
+    s.queue_slow(min(slow_top, slow_room - 1), speculation)
     s.measure(SLOW)  # the slow tier's share of the budget was kept back; it runs to the end
     log(f"slow tier: {len(s.results(SLOW))} measured")
     cost = s.cost_model_error(cal)

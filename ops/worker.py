@@ -133,12 +133,18 @@ class Workbench:
             eng.apply_variant(variant)
         return eng
 
+    @property
+    def real_text(self) -> bool:
+        """Whether the replay's prompts are real text (a model with a tokenizer, not synthetic weights)."""
+        source = resolve(self.cfg.model)
+        return bool(source.tokenizer_path) and source.kind != "synthetic"
+
     def prompts(self, vocab: int) -> list[list[int]]:
         """The slice's prompts at their recorded lengths: real text from the corpus that fits the trace (code or
         prose, ops/corpus.py) when the model has a tokenizer, random ids for synthetic weights."""
         if self._prompts is None:
             source = resolve(self.cfg.model)
-            tok = Tokenizer(source.tokenizer_path) if source.tokenizer_path and source.kind != "synthetic" else None
+            tok = Tokenizer(source.tokenizer_path) if self.real_text else None
             self._prompts = synthesize_prompts(self.records, vocab, max_input=self.cfg.max_input, tokenizer=tok,
                                                corpus=corpus_for(self.cfg.trace) if tok else None)
         return self._prompts

@@ -39,7 +39,10 @@ def test_tune_with_built_in_and_llm_agents(tmp_path, scripted_server):
     slow = [r for r in rows if r["tier"] == "slow"]
     assert fast[0]["proposer"] == "baseline" and slow[0]["name"].startswith("static-best")
     assert {"cost-model", "llm"} <= {r["proposer"] for r in fast}
-    assert len(slow) == 3 and report.cost_model["variants"] == 3
+    # static-best, the fast tier's two best and static-best with prompt-lookup speculation (real text: SmolLM2)
+    assert len(slow) == 4 and report.cost_model["variants"] == 4
+    spec = next(r for r in slow if r["name"] == "static-best + prompt lookup 4")
+    assert "acceptance depends on the text" in spec["rationale"]
     llm_row = next(r for r in fast if r["proposer"] == "llm")
     assert "chunk prompts" in llm_row["rationale"]
     # the decision rests on slow-tier results that exist on the board, and says why
