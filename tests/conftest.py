@@ -54,7 +54,8 @@ def hf_smollm2(smollm2_path):
 
 # The longest test files first: with one worker per core (scripts/test.sh) they start at once instead of
 # leaving one worker running them alone at the end.
-FIRST = ("pipelines/test_optimize.py", "checks/test_gates.py", "engine/test_variants.py", "ops/test_tune.py")
+FIRST = ("checks/test_gates.py", "pipelines/test_optimize.py", "checks/test_gates_bf16.py", "engine/test_variants.py",
+         "ops/test_tune.py", "engine/test_speculation.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -19,7 +19,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         result = run_optimize(args.model, args.trace, args.requests, args.max_input, args.max_output, args.time_scale,
                               args.candidates, args.device, args.dtype, args.fast_layers, args.artifacts,
                               args.endpoint_url, args.admin_token or "", args.llm_base_url, args.llm_model,
-                              log_level="DEBUG" if args.verbose else "INFO", dagster_home=args.dagster_home)
+                              log_level="DEBUG" if args.verbose else "INFO", dagster_home=args.dagster_home,
+                              speculation=args.speculation)
         if not result.success:
             failed = [e.message for e in result.all_events if e.is_failure][:3]
             print("polyinf: error: the optimization run failed: " + " | ".join(failed), file=sys.stderr)
@@ -103,7 +104,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                        timeout_s=args.llm_timeout, max_tokens=args.llm_max_tokens)
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if not args.quiet else (lambda m: None)
     report = tune(cfg, args.board, default_agents(llm), Budget(args.budget, args.budget_seconds),
-                  slow_top=args.slow_top, gate=args.gate, log=log)
+                  slow_top=args.slow_top, gate=args.gate, log=log, speculation=args.speculation)
     board.close()
     print(report.text())
     if args.json:
@@ -155,6 +156,8 @@ def add_parsers(sub) -> None:
     op.add_argument("--keep-serving", action="store_true", help="leave the embedded server running")
     op.add_argument("--llm-base-url", default="", help="an OpenAI-compatible server for the LLM agent (off if empty)")
     op.add_argument("--llm-model", default="polyinf", help="the model name on that server")
+    op.add_argument("--speculation", action=argparse.BooleanOptionalAction, default=True,
+                    help="static-best with prompt-lookup speculation measured on the slow tier too, where the replay is real text (default: on)")
     op.add_argument("--verbose", action="store_true", help="Dagster's event log at DEBUG (default: INFO)")
     op.add_argument("--dagster-home", default=None,
                     help="the Dagster instance that records the run (default: $DAGSTER_HOME, else "
@@ -176,6 +179,8 @@ def add_parsers(sub) -> None:
     tn.add_argument("--slo-tpot-ms", type=seconds, default=None, help="TPOT target (default: derived likewise)")
     tn.add_argument("--lenient", action="store_true", help="skip malformed trace rows")
     tn.add_argument("--gate", action="store_true", help="run the quality and contamination gates on the choice")
+    tn.add_argument("--speculation", action=argparse.BooleanOptionalAction, default=True,
+                    help="static-best with prompt-lookup speculation measured on the slow tier too, where the replay is real text (default: on)")
     tn.add_argument("--llm-base-url", default="", help="an OpenAI-compatible server for the LLM agent (off if empty)")
     tn.add_argument("--llm-model", default="polyinf", help="the model name on that server")
     tn.add_argument("--llm-api-key-env", default="OPENAI_API_KEY", help="environment variable holding the key")
