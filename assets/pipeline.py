@@ -34,13 +34,31 @@ GPU_OP_TAGS = {"dagster-k8s/config": {
 }}
 
 
-def _md_table(rows: list[dict]) -> dg.MetadataValue:
+def _table(rows: list[dict]) -> dg.MetadataValue:
+    """Rows as a Dagster table (the UI sorts and filters it): the union of the rows' columns in first-seen
+    order, each typed by its values (int, float, bool, else text)."""
     if not rows:
         return dg.MetadataValue.md("(none)")
-    cols = list(dict.fromkeys(c for r in rows for c in r))  # union of columns, first-seen order
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
-    return dg.MetadataValue.md("\n".join(lines))
+    cols = list(dict.fromkeys(c for r in rows for c in r))
+
+    def kind(c: str) -> str:
+        vals = [r[c] for r in rows if r.get(c) is not None]
+        if vals and all(isinstance(v, bool) for v in vals):
+            return "bool"
+        if vals and all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
+            return "int"
+        if vals and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+            return "float"
+        return "string"
+    types = {c: kind(c) for c in cols}
+
+    def cell(c: str, v):
+        if v is None:
+            return None
+        return float(v) if types[c] == "float" else v if types[c] in ("int", "bool") else str(v)
+    return dg.MetadataValue.table(
+        records=[dg.TableRecord({c: cell(c, r.get(c)) for c in cols}) for r in rows],
+        schema=dg.TableSchema(columns=[dg.TableColumn(c, types[c]) for c in cols]))
 
 
 def _plots(context, artifacts: ArtifactStore, search, results: list, cost: dict) -> dict:
@@ -80,7 +98,7 @@ def traffic_traces(context: dg.AssetExecutionContext, traffic: TrafficSource) ->
         raise dg.Failure(f"no traffic to tune on in {source['source kind']} {source['source']}", metadata=source)
     context.add_output_metadata({
         **source,
-        "preview": _md_table([{"arrival_s": round(r.arrival_s, 3), "input": r.input_tokens,
+        "preview": _table([{"arrival_s": round(r.arrival_s, 3), "input": r.input_tokens,
                                "output": r.output_tokens, "prefix blocks": len(r.prefix_block_hashes)}
                               for r in records[:10]]),
     })
@@ -134,12 +152,12 @@ def cost_model_plan(context: dg.AssetExecutionContext, model_spec, hardware_prof
     p = plan(model_spec, hardware_profile, traffic_profile, base, records=traffic_traces[: traffic.max_requests],
              time_scale=traffic.time_scale, max_input=traffic.max_input, max_output=traffic.max_output,
              num_kv_blocks=runner.num_kv_blocks)
-    context.add_output_metadata({"candidates ranked": len(p.entries), "top": _md_table([
+    context.add_output_metadata({"candidates ranked": len(p.entries), "top": _table([
         {"variant": e.variant.name, "id": e.variant.variant_id, "pred tok/s": round(e.prediction.output_tok_s, 1),
          "pred goodput": round(e.prediction.goodput, 2), "pred TTFT ms": round(1e3 * e.prediction.ttft_s),
          "pred TPOT ms": round(1e3 * e.prediction.tpot_s, 1)} for e in p.entries[:10]]),
         "knob ranges": dg.MetadataValue.json(p.ranges),
-        "parallel layouts": _md_table([{"tp": d["tp"], "dp": d["dp"], "fits": d["fits"], "why": d["rationale"]}
+        "parallel layouts": _table([{"tp": d["tp"], "dp": d["dp"], "fits": d["fits"], "why": d["rationale"]}
                                        for d in p.layouts])})
     return p
 
@@ -158,7 +176,7 @@ def variant_candidates(context: dg.AssetExecutionContext, cost_model_plan, hardw
                                     if v.variant_id != search.baseline.variant_id]
     context.log.info(f"{len(variants)} variants to measure (static-best first): "
                      + "; ".join(f"{v.name} ({v.variant_id})" for v in variants))
-    context.add_output_metadata({"board": source.board, "search": search.id, "variants": _md_table([
+    context.add_output_metadata({"board": source.board, "search": search.id, "variants": _table([
         {"name": json.loads(e["variant"])["name"], "id": e["variant_id"], "proposer": e["proposer"],
          "why": e["rationale"]} for e in exps])})
     return variants
@@ -185,7 +203,7 @@ def fast_bench_results(context: dg.AssetExecutionContext, variant_candidates: li
     stats = search.measure_fast()
     results = search.benches(FAST, variant_candidates)
     context.log.info(f"fast tier: {stats.evaluated} measured, {stats.failed} failed in {stats.seconds:.0f} s")
-    context.add_output_metadata({"measured": stats.evaluated, "failed": stats.failed, "results": _md_table([
+    context.add_output_metadata({"measured": stats.evaluated, "failed": stats.failed, "results": _table([
         {"variant": v.name, "decode tok/s": round(r.output_tok_s, 1), "spread": round(r.spread, 1),
          **{k: round(t, 2) for k, t in r.step_times_ms.items()}} for v, r in results][:12])})
     return results
@@ -213,11 +231,13 @@ def slow_bench_results(context: dg.AssetExecutionContext, fast_bench_results: li
     context.add_output_metadata({
         "SLO": f"TTFT <= {1e3 * search.cfg.slo_ttft_s:.0f} ms, TPOT <= {1e3 * search.cfg.slo_tpot_s:.0f} ms for 90% "
                f"of requests ({search.cfg.slo_source})",
-        "results": _md_table([{"variant": v.name, "capacity req/s": round(r.capacity, 3),
+        "results": _table([{"variant": v.name, "capacity req/s": round(r.capacity, 3),
                                "capacity spread": round(r.capacity_spread, 3), "attainment": round(r.attainment, 2),
                                "output tok/s": round(r.output_tok_s, 1), "spread": round(r.spread, 1),
                                "TTFT p50/p99 ms": f"{1e3 * r.ttft_p50:.0f}/{1e3 * r.ttft_p99:.0f}",
-                               "TPOT p50/p99 ms": f"{1e3 * r.tpot_p50:.1f}/{1e3 * r.tpot_p99:.1f}"}
+                               "TPOT p50/p99 ms": f"{1e3 * r.tpot_p50:.1f}/{1e3 * r.tpot_p99:.1f}",
+                               "speculation accepted": (f"{r.spec_acceptance:.0%}, {r.spec_accepted_length:.2f} tokens "
+                                                        "per draft" if r.spec_accepted_length else "-")}
                               for v, r in results]),
         **_plots(context, artifacts, search, results, cost),
         "cost model MAPE": dg.MetadataValue.float(float(cost["mape_calibrated"])),

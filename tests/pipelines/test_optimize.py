@@ -58,6 +58,9 @@ def test_materialize_the_whole_graph(tmp_path, capsys):
         slow = result.output_for_node("slow_bench_results")
         assert len(slow) == 2 and all(r.tier == "slow" and r.layers == 30 for _, r in slow)  # static-best + the best
         meta = result.asset_materializations_for_node("slow_bench_results")[0].metadata
+        table = meta["results"].value  # a Dagster table the UI sorts, typed per column
+        assert isinstance(table, dg.TableMetadataValue) and len(table.records) == 2
+        assert {c.name: c.type for c in table.schema.columns}["capacity req/s"] == "float"
         for title, path in meta["plot files"].value.items():  # each plot embedded and written beside the build
             assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(tmp_path) in path
             assert meta[title].value.startswith(f"![{title}](data:image/png;base64,")
