@@ -376,6 +376,8 @@ def tune(cfg: SearchConfig, board_path: str | Path, agents: list[Agent] | None =
     deadline = t0 + budget.seconds
     agents = default_agents() if agents is None else agents
     s = Search.start(cfg, board_path, search, hardware, baseline, log=log)
+    if hasattr(log, "attach"):  # a progress display (ops/progress.py) reads the search's counts
+        log.attach(s)
     log(f"search {s.id}: cost model ranked {len(s.plan.entries)} knob variants; ranges {s.plan.ranges}")
     fast_budget = max(1, budget.experiments - (slow_top + 1))
     s.measure_fast(deadline)  # the baseline, then the full model's calibration the fast tier scales from

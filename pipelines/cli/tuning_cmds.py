@@ -102,9 +102,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
         key = os.environ.get(args.llm_api_key_env, "") if args.llm_api_key_env else ""
         llm = LLMAgent(base_url=args.llm_base_url, model=args.llm_model, api_key=key or "none", board=board,
                        timeout_s=args.llm_timeout, max_tokens=args.llm_max_tokens)
-    log = (lambda m: print(m, file=sys.stderr, flush=True)) if not args.quiet else (lambda m: None)
-    report = tune(cfg, args.board, default_agents(llm), Budget(args.budget, args.budget_seconds),
-                  slow_top=args.slow_top, gate=args.gate, log=log, speculation=args.speculation)
+    from ops.progress import SearchProgress
+
+    # the log lines, and on a terminal a live line below them: stage, experiments per tier, best, time left
+    progress = SearchProgress(args.budget_seconds)
+    with progress:
+        report = tune(cfg, args.board, default_agents(llm), Budget(args.budget, args.budget_seconds),
+                      slow_top=args.slow_top, gate=args.gate, log=progress if not args.quiet else (lambda m: None),
+                      speculation=args.speculation)
     board.close()
     print(report.text())
     if args.json:
