@@ -34,6 +34,8 @@ PROMPTS = [
 MAX_TOKENS = 24
 SPEC = VariantSpec(speculative_tokens=4, speculative_max_batch=8)
 
+pytestmark = pytest.mark.slow  # SmolLM2 generations, and the contamination gate twice
+
 
 @pytest.fixture(scope="module")
 def plain(smollm2_engine_factory):
