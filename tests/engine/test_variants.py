@@ -94,11 +94,13 @@ def test_all_triton_variant_equals_reference_on_a_tiny_model():
                                                    "act_linear": {"evict": 1},
                                                    "prefetch": {"next_qkv": 1, "defer_join": 1}}, 2))
         assert [o.token_ids for o in _tiny(spec).generate(prompts, params)] == ref, norm_moe
-    # each Triton kernel alone among the references
+    # each Triton kernel alone among the references: a prefill and one decode step each (the kernels' own
+    # tests check them on random inputs of many shapes; this checks each one's place in the forward pass)
+    two = SamplingParams(max_tokens=2, ignore_eos=True)
     for op in ("rotary", "store_kv", "rotary_store_kv", "norm_rotary_store_kv", "rotary_attention", "moe", "linear",
                "norm_linear", "act_linear", "norm_moe", "prefetch"):
         spec = VariantSpec(block_size=4, kernels={op: ALL_TRITON[op]})
-        assert [o.token_ids for o in _tiny(spec).generate(prompts, params)] == ref, op
+        assert [o.token_ids for o in _tiny(spec).generate(prompts, two)] == [r[:2] for r in ref], op
 
 
 def _weights(engine):

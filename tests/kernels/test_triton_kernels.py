@@ -178,6 +178,8 @@ def test_moe_grouped_matmul(t, h, e, k, i, renorm):
     ref = moe_ref(x, logits, w13, w2, k, renorm)
     grouped = moe_triton(x, logits, w13, w2, k, renorm, block_m=16, block_n=16, block_k=16, max_decode_pairs=0)
     torch.testing.assert_close(grouped, ref, rtol=1e-4, atol=1e-4)
+    if t > 8:
+        return  # the decode paths below take two tokens: the two smaller cases (k 2 and 3, renorm or not) cover them
     # the decode paths on a decode batch: up to two tokens (interpreted, every pair is a program)
     t = min(t, 2)
     x, logits = x[:t], logits[:t]
