@@ -34,8 +34,9 @@ def _few(base) -> list[list[int]]:
 
 
 def _gate(base, make, fail_fast=True):
+    """The gates on half the shipped prompts, 8 tokens each (the faults show within them)."""
     report = run_gates(factory_for(base, REFERENCE_VARIANT), make, reference_id="reference", candidate_id="planted",
-                       dtype="float32", fail_fast=fail_fast, prompts=_few(base))
+                       dtype="float32", fail_fast=fail_fast, prompts=_few(base), max_tokens=8)
     print(report.summary())
     return report
 
