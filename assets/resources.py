@@ -113,8 +113,9 @@ class VariantSource(dg.ConfigurableResource):
     # best fast-tier variants replayed on the slow tier beside static-best: one keeps the main job within minutes
     # on a 2-core CPU, where a slow-tier variant (replay and rate probes of the full model) takes one to two
     slow_top: int = 1
-    # static-best with prompt-lookup speculation on the slow tier too, where the replay is real text
-    speculation: bool = True
+    # static-best with prompt-lookup speculation on the slow tier too, where the replay is real text; off by
+    # default: the embedded replay's outputs (16 tokens) leave it little to gain for another slow-tier variant's time
+    speculation: bool = False
     llm_base_url: str = ""
     llm_model: str = "polyinf"
     llm_api_key: str = ""  # env_secret("OPENAI_API_KEY")

@@ -161,8 +161,9 @@ def add_parsers(sub) -> None:
     op.add_argument("--keep-serving", action="store_true", help="leave the embedded server running")
     op.add_argument("--llm-base-url", default="", help="an OpenAI-compatible server for the LLM agent (off if empty)")
     op.add_argument("--llm-model", default="polyinf", help="the model name on that server")
-    op.add_argument("--speculation", action=argparse.BooleanOptionalAction, default=True,
-                    help="static-best with prompt-lookup speculation measured on the slow tier too, where the replay is real text (default: on)")
+    op.add_argument("--speculation", action=argparse.BooleanOptionalAction, default=False,
+                    help="static-best with prompt-lookup speculation measured on the slow tier too, where the replay "
+                         "is real text (default: off: the default replay's short outputs leave it little to gain)")
     op.add_argument("--verbose", action="store_true", help="Dagster's event log at DEBUG (default: INFO)")
     op.add_argument("--dagster-home", default=None,
                     help="the Dagster instance that records the run (default: $DAGSTER_HOME, else "
@@ -185,7 +186,8 @@ def add_parsers(sub) -> None:
     tn.add_argument("--lenient", action="store_true", help="skip malformed trace rows")
     tn.add_argument("--gate", action="store_true", help="run the quality and contamination gates on the choice")
     tn.add_argument("--speculation", action=argparse.BooleanOptionalAction, default=True,
-                    help="static-best with prompt-lookup speculation measured on the slow tier too, where the replay is real text (default: on)")
+                    help="static-best with prompt-lookup speculation measured on the slow tier too, where the replay "
+                         "is real text (default: on)")
     tn.add_argument("--llm-base-url", default="", help="an OpenAI-compatible server for the LLM agent (off if empty)")
     tn.add_argument("--llm-model", default="polyinf", help="the model name on that server")
     tn.add_argument("--llm-api-key-env", default="OPENAI_API_KEY", help="environment variable holding the key")
