@@ -121,7 +121,8 @@ class AsyncEngine:
                 t.first_token = now
                 self.metrics.ttft.observe(now - t.arrival)
             elif t.last_token is not None:
-                self.metrics.itl.observe(now - t.last_token)
+                for _ in range(new):  # a verified draft emits several tokens in one step: each gets its share
+                    self.metrics.itl.observe((now - t.last_token) / new)
             t.last_token = now
             t.tokens = len(out.token_ids)
         if out.finished:

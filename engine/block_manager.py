@@ -131,6 +131,7 @@ class BlockManager:
             block.ref_count -= 1
             assert block.ref_count == 0 and block.hash is None, "a trimmed block is the sequence's own and unhashed"
             self._free[bid] = None
+            self._free.move_to_end(bid, last=False)  # handed out first: it holds no prefix anyone could reuse
 
     def commit(self, seq: Sequence) -> None:
         """After a step: registers the sequence's newly completed blocks in the prefix cache."""

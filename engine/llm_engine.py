@@ -286,9 +286,9 @@ class LLMEngine:
         for i, item in enumerate(samplers):
             if item.draft:
                 rows, params = logits[offsets[i]:offsets[i + 1]], item.seq.params
-                out[i] = (speculation.accept_greedy(list(item.draft), rows.argmax(dim=-1).tolist()) if params.greedy
-                          else speculation.accept_sampled(rows, list(item.draft), params,
-                                                          self._generators.get(item.seq.request_id)))
+                out[i] = self._until_stop(item.seq, speculation.accept_greedy(
+                    list(item.draft), rows.argmax(dim=-1).tolist()) if params.greedy else speculation.accept_sampled(
+                    rows, list(item.draft), params, self._generators.get(item.seq.request_id)))
         if self.logits_sink is not None and samplers:
             ids = [s.seq.request_id for s, toks in zip(samplers, out) for _ in toks]
             idx = [offsets[i] + j for i, toks in enumerate(out) for j in range(len(toks))]
@@ -309,6 +309,9 @@ class LLMEngine:
         if (not self.config.run_ahead or launched.tokens is not None or self.scheduler.waiting
                 or len(rows) != len(self.scheduler.running) or not all(self._live(launched))):
             return False
+        v = self.variant
+        if v.speculative_tokens > 0 and len(rows) <= v.speculative_max_batch:
+            return False  # the next step may draft: it goes through the scheduler
         if any(item.num_new_tokens != 1 or not item.samples or start + 2 > self.max_model_len
                for item, start in zip(rows, launched.starts)):
             return False
@@ -324,7 +327,8 @@ class LLMEngine:
             flat, tokens, at = launched.host_tokens.tolist(), [], 0
             for item in samplers:  # greedy: a draft's rows verified against their argmax
                 rows, at = flat[at:at + 1 + len(item.draft)], at + 1 + len(item.draft)
-                tokens.append(speculation.accept_greedy(list(item.draft), rows) if item.draft else rows)
+                tokens.append(self._until_stop(item.seq, speculation.accept_greedy(list(item.draft), rows))
+                              if item.draft else rows)
         new_tokens = {item.seq.request_id: toks for item, toks in zip(samplers, tokens)}
         live = self._live(launched)
         batch = launched.batch
@@ -360,6 +364,15 @@ class LLMEngine:
                 self._generators.pop(seq.request_id, None)
             outputs.append(self._output(seq))
         return outputs
+
+    def _until_stop(self, seq: Sequence, tokens: list[int]) -> list[int]:
+        """A verified draft's tokens up to the first stop token (EOS or a stop id): those after it are never
+        emitted, so neither counted as accepted nor shown to the logits sink."""
+        p = seq.params
+        for i, tok in enumerate(tokens):
+            if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
+                return tokens[:i + 1]
+        return tokens
 
     def _record_draft(self, item: ScheduledSequence, accepted: int) -> None:
         """Speculation's counters, and the request's adaptive draft length and acceptance."""

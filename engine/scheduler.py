@@ -72,17 +72,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._chunk(seq, budget)  # a draft takes only budget the sequences after this one can spare
+            n = self._chunk(seq, budget)
             while not bm.ensure_slots(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]  # the most recently admitted; never one scheduled already
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
-                samples = seq.num_computed_tokens + n == seq.num_tokens
-                draft = self._draft(seq, budget - n - (len(self.running) - i - 1)) if samples and n == 1 else ()
-                out.scheduled.append(ScheduledSequence(seq, n + len(draft), samples, draft))
-                budget -= n + len(draft)
+                out.scheduled.append(ScheduledSequence(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
+                budget -= n
                 i += 1
         if out.preempted:
             return out  # blocks are short: admit nothing new this step
@@ -99,14 +97,31 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
             budget -= n
+        if self.config.speculative_tokens > 0:
+            self._add_drafts(out, budget)
         return out
+
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Drafts for the step's decoding rows, from what the step leaves over: budget after every running and
+        admitted row, and free blocks (a draft never preempts or holds back anyone)."""
+        for idx, item in enumerate(out.scheduled):
+            if budget <= 0:
+                break
+            if not (item.samples and item.num_new_tokens == 1):
+                continue
+            draft = self._draft(item.seq, budget)
+            if draft:
+                out.scheduled[idx] = ScheduledSequence(item.seq, 1 + len(draft), True, draft)
+                budget -= len(draft)
 
     def _draft(self, seq: Sequence, budget: int) -> tuple[int, ...]:
         """A prompt-lookup draft for the decoding ``seq`` that fits the budget, its context, its max_tokens and
         the free blocks; () when it should not speculate."""
         if self.config.speculative_tokens < 1:
             return ()
-        room = min(budget, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+        bm = self.block_manager
+        slots = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - seq.num_tokens  # own and free slots
+        room = min(budget, seq.params.max_tokens - len(seq.output_token_ids) - 1, slots)
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - seq.num_tokens)
         draft = speculation.draft_for(seq, self.config, len(self.running), room)

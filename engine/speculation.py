@@ -76,7 +76,7 @@ class SpecState:
         self.k = min(max_k, self.k + 1) if accepted == proposed else max(1, accepted + 1)
         if self.acceptance < floor:
             self.paused_until = generated + PAUSE_TOKENS
-            self.acceptance = floor  # a fresh chance after the pause, not a verdict carried forever
+            self.acceptance = (1 + floor) / 2  # a fresh chance after the pause, not a verdict carried forever
             self.k = max(1, max_k // 2)
 
 

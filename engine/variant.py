@@ -153,6 +153,7 @@ class VariantSpec:
         a = self.speculative_min_acceptance
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a <= 1:
             raise ConfigError(f"speculative_min_acceptance must be a number in [0, 1], got {a!r}")
+        object.__setattr__(self, "speculative_min_acceptance", float(a))  # 0 and 0.0 hash alike
         if self.prefill_chunk_size is not None and (not isinstance(self.prefill_chunk_size, int)
                                                     or isinstance(self.prefill_chunk_size, bool)
                                                     or self.prefill_chunk_size < 1):
@@ -232,8 +233,9 @@ class VariantSpec:
     @property
     def variant_id(self) -> str:
         # fields added after ids were first recorded count only when set, so recorded ids stay valid
+        # (and the speculation policy's fields only when it speculates)
         body = {k: v for k, v in dataclasses.asdict(self).items()
-                if k != "name" and not (k in _LATER_FIELDS and v == _DEFAULTS[k])}
+                if k != "name" and not (k in _LATER_FIELDS and (v == _DEFAULTS[k] or not self.speculative_tokens))}
         return hashlib.sha256(json.dumps(body, sort_keys=True, default=list).encode()).hexdigest()[:16]
 
     # ---- scopes ---------------------------------------------------------------------------------

@@ -16,10 +16,11 @@ from kernels.norm import fused_add_rms_norm_ref
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: (T, K), weight: (N, K), bias: (N,) or None -> (T, N)."""
-    if x.device.type == "cpu" and bias is None and 1 < x.shape[0] <= 64 and weight.shape[0] >= 8192:
-        # a few rows against a wide weight (the vocabulary: prefill ends, speculation's verification): with the
-        # weight on the left the CPU's GEMM runs 2-3x faster than F.linear's (bench/RESULTS.md); the same sums
-        return (weight @ x.t()).t()
+    if x.device.type == "cpu" and bias is None and 1 < x.shape[0] <= 64 and weight.shape[0] >= 32768:
+        # a few rows against the vocabulary (prefill ends, speculation's verification): with the weight on the
+        # left the CPU's GEMM runs 2-3x faster than F.linear's (bench/RESULTS.md); the same sums, maybe added in
+        # another order
+        return (weight @ x.t()).t().contiguous()
     return F.linear(x, weight, bias)
 
 

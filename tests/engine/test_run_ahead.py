@@ -46,3 +46,15 @@ def test_abort_while_a_step_runs_ahead():
     got = _run(eng, abort_after=6)
     assert got == want
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_speculation_with_run_ahead_equals_the_plain_loop():
+    """Speculation's steps go through the scheduler (never launched ahead), stop tokens inside a verified draft
+    end the request there, and every token equals the plain loop's."""
+    want = _run(_engine(False))
+    eng = LLMEngine(EngineConfig(source=ModelSource("synthetic", TINY, seed=3), num_kv_blocks=64,
+                                 variant=VariantSpec(block_size=4, speculative_tokens=3), load_tokenizer=False,
+                                 async_decode=True))
+    assert _run(eng) == want
+    assert eng.stats.spec_drafts > 0 and eng.stats.spec_accepted_tokens > 0
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks

@@ -162,6 +162,10 @@ def test_variant_ids_recorded_before_speculation_stay_valid():
     assert VariantSpec(speculative_tokens=4).variant_id != VariantSpec().variant_id
     v = VariantSpec(speculative_tokens=4, prompt_lookup_max=4, speculative_min_acceptance=0.5)
     assert VariantSpec.from_json(v.to_json()) == v
+    # the same behaviour, the same id: policy fields without speculation, 0 and 0.0
+    assert VariantSpec(prompt_lookup_max=5).variant_id == VariantSpec().variant_id
+    assert (VariantSpec(speculative_tokens=2, speculative_min_acceptance=0).variant_id
+            == VariantSpec(speculative_tokens=2, speculative_min_acceptance=0.0).variant_id)
 
 
 @pytest.mark.parametrize("bad", [{"speculative_tokens": -1}, {"prompt_lookup_min": 4, "prompt_lookup_max": 2},
@@ -170,3 +174,22 @@ def test_variant_ids_recorded_before_speculation_stay_valid():
 def test_bad_speculation_fields_are_refused(bad):
     with pytest.raises(ConfigError):
         VariantSpec(**bad)
+
+
+def test_a_draft_never_preempts_or_holds_back_a_running_sequence():
+    """Blocks for drafts come from what the step leaves over: the one free block goes to the later row's decode,
+    and the earlier row drafts only into its own last block's free slot."""
+    bm = BlockManager(7, 4, False)
+    sched = Scheduler(VariantSpec(speculative_tokens=4), bm)
+    r0 = Sequence("r0", [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4], SamplingParams(max_tokens=50), 0)  # "2 3 4" repeats
+    r1 = Sequence("r1", [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13], SamplingParams(max_tokens=50), 1)
+    for seq in (r0, r1):
+        bm.match_prefix(seq)
+        seq.num_computed_tokens = seq.num_tokens - 1
+        assert bm.ensure_slots(seq, seq.num_tokens - 1)  # 3 blocks each; r1's next token needs a 4th
+        sched.running.append(seq)
+    assert bm.num_free_blocks == 1
+    out = sched.schedule()
+    assert not out.preempted and [s.seq.request_id for s in out.scheduled] == ["r0", "r1"]
+    assert out.scheduled[1].num_new_tokens == 1 and len(r1.block_table) == 4
+    assert out.scheduled[0].draft == (5,) and len(r0.block_table) == 3  # one slot left in its last block
