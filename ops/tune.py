@@ -239,6 +239,30 @@ class Search:
             return None
         return replace(self.baseline, name="static-best + prompt lookup 4", speculative_tokens=4)
 
+    def speculation_followup(self) -> VariantSpec | None:
+        """One step of the speculation policy's search, from the slow tier's measurement of the speculation
+        candidate: where it accepted at least half its drafts and did not lose capacity, twice the draft
+        tokens; where it accepted fewer, drafts only from matches of two tokens or more (fewer, surer drafts).
+        Queued on the slow tier; None when there is nothing measured to follow."""
+        first = self.speculation_candidate()
+        if first is None:
+            return None
+        got = {v.variant_id: r.bench for r, v in self.results(SLOW)}
+        spec, base = got.get(first.variant_id), got.get(self.baseline.variant_id)
+        if spec is None or base is None or not spec.get("spec_accepted_length"):
+            return None
+        acc = spec["spec_acceptance"]
+        if acc >= 0.5 and spec.get("capacity", 0.0) >= base.get("capacity", 0.0):
+            nxt = replace(first, name="static-best + prompt lookup 8", speculative_tokens=8)
+            why = f"the 4-token drafts were accepted at {acc:.0%} without losing capacity: longer drafts"
+        else:
+            nxt = replace(first, name="static-best + prompt lookup 4, 2-grams", prompt_lookup_min=2)
+            why = f"the 4-token drafts were accepted at {acc:.0%}: drafts only from matches of two tokens or more"
+        if nxt.variant_id in got:
+            return None
+        self.board.enqueue(self.id, nxt, SLOW, "tuner", why)
+        return nxt
+
     def calibration(self) -> Calibration:
         """Correction factors fitted to forward passes of the full model (the slow tier's engine, baseline
         variant) over a spread of shapes: prefills of several lengths, decodes of several batch sizes."""
@@ -371,7 +395,8 @@ def tune(cfg: SearchConfig, board_path: str | Path, agents: list[Agent] | None =
     """Agents propose in rounds (``per_agent`` each, so that a small budget still hears every agent) and the
     fast tier measures until the budget's fast share is spent or nobody proposes anything new; then the slow tier measures the baseline and the best, and the
     decision is recorded. With ``speculation``, static-best with prompt-lookup speculation joins the slow tier
-    where the replay is real text (``Search.speculation_candidate``)."""
+    where the replay is real text (``Search.speculation_candidate``), then a second setting of its policy chosen
+    from the first one's measured acceptance (``Search.speculation_followup``)."""
     t0 = time.time()
     deadline = t0 + budget.seconds
     agents = default_agents() if agents is None else agents
@@ -379,7 +404,10 @@ def tune(cfg: SearchConfig, board_path: str | Path, agents: list[Agent] | None =
     if hasattr(log, "attach"):  # a progress display (ops/progress.py) reads the search's counts
         log.attach(s)
     log(f"search {s.id}: cost model ranked {len(s.plan.entries)} knob variants; ranges {s.plan.ranges}")
-    fast_budget = max(1, budget.experiments - (slow_top + 1))
+    # the slow tier's share: static-best, the fast tier's best and, where the replay is real text, two settings
+    # of speculation
+    spec_slots = 2 if speculation and s.speculation_candidate() is not None else 0
+    fast_budget = max(1, budget.experiments - (slow_top + 1 + spec_slots))
     s.measure_fast(deadline)  # the baseline, then the full model's calibration the fast tier scales from
     cal = s.cal
     log(f"calibrated on {cal.samples} full-model shapes (fit error {cal.fit_mape:.1%})")
@@ -394,9 +422,11 @@ def tune(cfg: SearchConfig, board_path: str | Path, agents: list[Agent] | None =
             log(f"{agent.name}: {done.evaluated} measured, {done.failed} failed")
         if not queued:
             break
-    slow_room = max(1, budget.experiments - s.n_experiments())
+    slow_room = max(1, budget.experiments - s.n_experiments() - spec_slots)
     s.queue_slow(min(slow_top, slow_room - 1), speculation)
     s.measure(SLOW)  # the slow tier's share of the budget was kept back; it runs to the end
+    if speculation and s.speculation_followup() is not None:
+        s.measure(SLOW)  # the speculation policy's second setting, chosen from the first one's acceptance
     log(f"slow tier: {len(s.results(SLOW))} measured")
     cost = s.cost_model_error(cal)
     choice, decision = s.decide()
