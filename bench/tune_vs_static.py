@@ -24,15 +24,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.variant import FORWARD, KV_LAYOUT, SCHEDULER, VariantSpec  # noqa: E402
+from engine.variant import FORWARD, KV_LAYOUT, SCHEDULER, SPECULATION_FIELDS, VariantSpec  # noqa: E402
 from ops.optimize import capacity_line, capacity_ratio  # noqa: E402
 from ops.traces import load_trace  # noqa: E402
 from ops.tune import Budget, Search, static_best_of, tune  # noqa: E402
 from ops.worker import SLOW, SearchConfig, bench_from  # noqa: E402
 
 ROWS: list[tuple[str, str]] = []
-SPECULATION = ("speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "speculative_max_batch",
-               "speculative_min_acceptance")
 # a dimension: the VariantSpec fields of these scopes (speculation's fields apart from the other scheduler knobs)
 DIMENSIONS = {"scheduling knobs": (SCHEDULER, KV_LAYOUT), "kernels and graphs": (FORWARD,),
               "speculation": ("speculation",)}
@@ -48,7 +46,7 @@ def row(out: Path, name: str, value: str) -> None:
 def only(base: VariantSpec, chosen: VariantSpec, scopes: tuple[str, ...]) -> VariantSpec:
     """``base`` with ``chosen``'s fields of the given scopes."""
     fields = {f.name: getattr(chosen, f.name) for f in dataclasses.fields(VariantSpec)
-              if ("speculation" if f.name in SPECULATION else f.metadata.get("scope")) in scopes}
+              if ("speculation" if f.name in SPECULATION_FIELDS else f.metadata.get("scope")) in scopes}
     return dataclasses.replace(base, name=f"static-best + {'/'.join(scopes)} of the choice", **fields)
 
 

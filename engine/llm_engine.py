@@ -127,8 +127,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
         self.block_manager = BlockManager(num_blocks, variant.block_size, variant.enable_prefix_caching)
-        self.scheduler = Scheduler(variant, self.block_manager)
-        self.scheduler.max_model_len = self.max_model_len
+        self.scheduler = Scheduler(variant, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(self.model, model_cfg, self.kv, self.max_model_len, self.device)
         self.variant: VariantSpec = variant
         self.previous_variant: VariantSpec | None = None
@@ -327,8 +326,7 @@ class LLMEngine:
             flat, tokens, at = launched.host_tokens.tolist(), [], 0
             for item in samplers:  # greedy: a draft's rows verified against their argmax
                 rows, at = flat[at:at + 1 + len(item.draft)], at + 1 + len(item.draft)
-                tokens.append(self._until_stop(item.seq, speculation.accept_greedy(list(item.draft), rows))
-                              if item.draft else rows)
+                tokens.append(speculation.accept_greedy(list(item.draft), rows) if item.draft else rows)
         new_tokens = {item.seq.request_id: toks for item, toks in zip(samplers, tokens)}
         live = self._live(launched)
         batch = launched.batch
@@ -347,16 +345,16 @@ class LLMEngine:
         self.stats.steps += 1
         self.stats.preemptions += len(batch.preempted)
         before = [len(item.seq.output_token_ids) for item in batch.scheduled]
-        for item in batch.scheduled:
-            if item.draft:
-                self._record_draft(item, len(new_tokens[item.seq.request_id]) - 1)
         self.scheduler.update(batch, new_tokens, self._check_stop)
         outputs = []
         for item, n in zip(batch.scheduled, before):
             seq = item.seq
             self.stats.tokens_computed += item.num_new_tokens
             if item.samples:
-                self.stats.generation_tokens += len(seq.output_token_ids) - n
+                emitted = len(seq.output_token_ids) - n  # a stop token ends a verified draft's tokens early
+                self.stats.generation_tokens += emitted
+                if item.draft:
+                    self._record_draft(item, emitted - 1)
                 if seq.first_token_time is None:
                     seq.first_token_time = time.perf_counter()
             if seq.finish_reason is not None:
@@ -366,13 +364,13 @@ class LLMEngine:
         return outputs
 
     def _until_stop(self, seq: Sequence, tokens: list[int]) -> list[int]:
-        """A verified draft's tokens up to the first stop token (EOS or a stop id): those after it are never
-        emitted, so neither counted as accepted nor shown to the logits sink."""
+        """A verified draft's tokens up to the first stop token: those after it are never emitted, so the
+        logits sink does not see them."""
+        return next((tokens[:i + 1] for i, tok in enumerate(tokens) if self._stops_at(seq, tok)), tokens)
+
+    def _stops_at(self, seq: Sequence, token: int) -> bool:
         p = seq.params
-        for i, tok in enumerate(tokens):
-            if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
-                return tokens[:i + 1]
-        return tokens
+        return (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids
 
     def _record_draft(self, item: ScheduledSequence, accepted: int) -> None:
         """Speculation's counters, and the request's adaptive draft length and acceptance."""
@@ -387,11 +385,11 @@ class LLMEngine:
         seq, v = item.seq, self.variant
         if seq.spec is not None:
             seq.spec.record(proposed, accepted, v.speculative_tokens, v.speculative_min_acceptance,
-                            len(seq.output_token_ids) + accepted + 1)
+                            len(seq.output_token_ids))
 
     def _check_stop(self, seq: Sequence) -> None:
-        p, last = seq.params, seq.output_token_ids[-1]
-        if (not p.ignore_eos and last in self.eos_token_ids) or last in p.stop_token_ids:
+        p = seq.params
+        if self._stops_at(seq, seq.output_token_ids[-1]):
             seq.finish_reason = FinishReason.STOP
         elif p.stop and self.tokenizer is not None:
             text = self.tokenizer.decode(seq.output_token_ids)

@@ -43,13 +43,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: VariantSpec, block_manager: BlockManager) -> None:
+    def __init__(self, config: VariantSpec, block_manager: BlockManager, max_model_len: int | None = None) -> None:
         self.config = config  # the active variant: max_num_seqs, max_num_batched_tokens, prefill_chunk_size
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.max_model_len: int | None = None  # set by the engine: a draft never runs past the context
+        self.max_model_len = max_model_len  # a draft never runs past the context
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -117,15 +117,13 @@ class Scheduler:
     def _draft(self, seq: Sequence, budget: int) -> tuple[int, ...]:
         """A prompt-lookup draft for the decoding ``seq`` that fits the budget, its context, its max_tokens and
         the free blocks; () when it should not speculate."""
-        if self.config.speculative_tokens < 1:
-            return ()
         bm = self.block_manager
         slots = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - seq.num_tokens  # own and free slots
         room = min(budget, seq.params.max_tokens - len(seq.output_token_ids) - 1, slots)
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - seq.num_tokens)
         draft = speculation.draft_for(seq, self.config, len(self.running), room)
-        if not draft or not self.block_manager.ensure_slots(seq, seq.num_tokens + len(draft)):
+        if not draft or not bm.ensure_slots(seq, seq.num_tokens + len(draft)):
             return ()
         return tuple(draft)
 

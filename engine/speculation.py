@@ -33,32 +33,15 @@ def propose(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
     """Up to ``k`` tokens following the most recent earlier occurrence of the longest suffix n-gram
     (``n_max`` >= n >= ``n_min``) of ``tokens``; [] when none occurs."""
     size = len(tokens)
-    if k < 1 or size < 2:
+    if k < 1:
         return []
     for n in range(min(n_max, size - 1), n_min - 1, -1):
         suffix = tokens[size - n:]
-        first = suffix[0]
-        # candidate starts, most recent first; the match must end before the suffix itself
-        i = size - n - 1
-        while i >= 0:
-            try:
-                i = _rindex(tokens, first, i)
-            except ValueError:
-                break
-            if tokens[i:i + n] == suffix:
-                draft = tokens[i + n:i + n + k]
-                if draft:
-                    return draft
-            i -= 1
+        # most recent first; a match ends before the suffix itself, so at least one token follows it
+        for i in range(size - n - 1, -1, -1):
+            if tokens[i] == suffix[0] and tokens[i:i + n] == suffix:
+                return tokens[i + n:i + n + k]
     return []
-
-
-def _rindex(tokens: list[int], value: int, end: int) -> int:
-    """The largest index <= ``end`` holding ``value``."""
-    for i in range(end, -1, -1):
-        if tokens[i] == value:
-            return i
-    raise ValueError(value)
 
 
 class SpecState:

@@ -276,7 +276,9 @@ class VariantSpec:
         return dict(dict(self.kernel_params).get(op, ()))
 
 
-_LATER_FIELDS = ("speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "speculative_max_batch",
-                 "speculative_min_acceptance")
+# prompt-lookup speculation's fields (engine/speculation.py), added after ids were first recorded
+SPECULATION_FIELDS = ("speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "speculative_max_batch",
+                      "speculative_min_acceptance")
+_LATER_FIELDS = SPECULATION_FIELDS
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(VariantSpec)}
 REFERENCE_VARIANT = VariantSpec(name="reference")

@@ -14,6 +14,7 @@ import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 
 from engine import EngineConfig, resolve
 from engine.llm_engine import LLMEngine, LoadedModel
@@ -133,7 +134,7 @@ class Workbench:
             eng.apply_variant(variant)
         return eng
 
-    @property
+    @cached_property
     def real_text(self) -> bool:
         """Whether the replay's prompts are real text (a model with a tokenizer, not synthetic weights)."""
         source = resolve(self.cfg.model)
