@@ -13,7 +13,7 @@ from checks.contamination import contamination_checks
 from checks.engines import EngineFactory, GateSettings, factory_for
 from checks.prompts import contamination_prompts, shipped_prompts
 from checks.quality import quality_checks
-from checks.report import DEFAULT_THRESHOLDS, CheckResult, QualityReport, QualityThresholds
+from checks.report import CheckResult, QualityReport, QualityThresholds, thresholds_for
 from engine.llm_engine import LLMEngine
 from engine.variant import VariantSpec
 
@@ -23,24 +23,25 @@ __all__ = ["EngineFactory", "GateSettings", "factory_for", "gate_variant", "run_
 def run_gates(reference: EngineFactory, candidate: EngineFactory, *, reference_id: str, candidate_id: str,
               dtype: str, prompts: list[list[int]] | None = None, contamination: list[list[int]] | None = None,
               max_tokens: int = 12, thresholds: QualityThresholds | None = None, exact: bool = False,
-              block_size: int = 16, fail_fast: bool = True) -> QualityReport:
+              block_size: int = 16, fail_fast: bool = True, weight_dtype: str = "auto") -> QualityReport:
     """Quality, then contamination. With ``fail_fast`` a candidate that fails quality is not run through
-    the contamination scenarios (it is rejected either way); the report says so."""
+    the contamination scenarios (it is rejected either way); the report says so. ``weight_dtype``: the
+    candidate's weight precision, which picks the default thresholds (checks/report.py)."""
     t0 = time.perf_counter()
     probe = candidate(GateSettings(8, enable_prefix_caching=False))
     prompts = prompts or shipped_prompts(probe)
     contamination = contamination or contamination_prompts(probe, block_size)
     report = QualityReport(reference_variant=reference_id, candidate_variant=candidate_id, dtype=dtype,
-                           prompts=len(prompts) + len(contamination), max_tokens=max_tokens, exact=exact)
+                           prompts=len(prompts) + len(contamination), max_tokens=max_tokens, exact=exact,
+                           weight_dtype=weight_dtype)
+    t = thresholds or thresholds_for(dtype, weight_dtype)
     try:
-        quality_checks(reference, candidate, prompts, max_tokens, thresholds or DEFAULT_THRESHOLDS[dtype], exact,
-                       report)
+        quality_checks(reference, candidate, prompts, max_tokens, t, exact, report)
         if fail_fast and not all(c.passed for c in report.quality):
             report.contamination_skipped = True
             report.seconds = time.perf_counter() - t0
             return report
-        t = thresholds or DEFAULT_THRESHOLDS[dtype]
-        tolerance = 0.0 if exact or dtype == "float32" else t.max_rounding_kl
+        tolerance = 0.0 if exact or (dtype == "float32" and weight_dtype == "auto") else t.max_rounding_kl
         contamination_checks(candidate, contamination, max_tokens, block_size, report, tolerance)
     except Exception as e:  # a candidate that crashes is a failed candidate, not a crashed gate
         report.quality.append(CheckResult("runs", False, f"{type(e).__name__}: {e}"))
@@ -56,4 +57,4 @@ def gate_variant(base: LLMEngine, candidate: VariantSpec, reference: VariantSpec
     reference = reference or dataclasses.replace(REFERENCE_VARIANT, block_size=candidate.block_size)
     return run_gates(factory_for(base, reference), factory_for(base, candidate), reference_id=reference.variant_id,
                      candidate_id=candidate.variant_id, dtype=base.config.dtype, block_size=candidate.block_size,
-                     **kwargs)
+                     weight_dtype=candidate.weight_dtype, **kwargs)

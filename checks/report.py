@@ -35,6 +35,26 @@ DEFAULT_THRESHOLDS = {
                                  max_rounding_kl=5e-3),
 }
 
+# A variant with quantized weights (engine/precision.py) is judged by its precision's limits, whatever the
+# checkpoint's dtype: per-channel int8 moves each weight by up to half a step (0.4% of the row's largest
+# |w|; about 1% relative error over a matrix, measured on SmolLM2), e4m3 by up to 1/16 of the value (about
+# 2.6%), and errors of that size shift logits by tenths, so exact float32 limits would refuse any
+# quantization. What must hold is the model's choices: top-1 agreement along the reference's tokens close
+# to what bf16 kernels keep (0.75) and a mean KL an order of magnitude under the entropy of a confident
+# next-token distribution. Contamination tolerates the rounding KL, because the decode kernel and the
+# prefill GEMM round differently, so a row's logits depend slightly on the batch it ran in.
+PRECISION_THRESHOLDS = {
+    "int8": QualityThresholds(min_greedy_agreement=0.85, max_abs_logit_delta=2.0, max_mean_kl=0.02,
+                              max_rounding_kl=0.05),
+    "fp8": QualityThresholds(min_greedy_agreement=0.80, max_abs_logit_delta=3.0, max_mean_kl=0.05,
+                             max_rounding_kl=0.1),
+}
+
+
+def thresholds_for(dtype: str, weight_dtype: str = "auto") -> QualityThresholds:
+    """The default limits for a checkpoint dtype, or for a weight precision when the variant has its own."""
+    return PRECISION_THRESHOLDS[weight_dtype] if weight_dtype in PRECISION_THRESHOLDS else DEFAULT_THRESHOLDS[dtype]
+
 
 @dataclass(frozen=True)
 class CheckResult:
@@ -51,6 +71,7 @@ class QualityReport:
     prompts: int
     max_tokens: int
     exact: bool
+    weight_dtype: str = "auto"  # the candidate's weight precision (its own thresholds when not "auto")
     greedy_agreement: float | None = None  # teacher-forced top-1 agreement, rounding ties excused
     free_running_agreement: float | None = None  # mean share of each prompt's tokens matched before divergence
     tie_margin: float | None = None  # 2x the reference's batch noise: flips within it are ties (or within 2 ulp)
@@ -78,7 +99,8 @@ class QualityReport:
 
     def summary(self) -> str:
         lines = [f"verdict: {self.verdict.upper()}  (candidate {self.candidate_variant} vs reference "
-                 f"{self.reference_variant}, {self.prompts} prompts x {self.max_tokens} tokens, {self.dtype}, "
+                 f"{self.reference_variant}, {self.prompts} prompts x {self.max_tokens} tokens, {self.dtype}"
+                 f"{'' if self.weight_dtype == 'auto' else ', ' + self.weight_dtype + ' weights'}, "
                  f"{self.seconds:.1f} s)"]
         if self.greedy_agreement is not None:
             ties = (f" ({self.excused_ties} rounding ties excused, {self.decided_positions} positions decided)"

@@ -58,6 +58,7 @@ BUILTIN_IMPLS = {
     "prefetch": ("reference", "triton"),
 }
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
+WEIGHT_DTYPES = ("auto", "int8", "fp8")
 
 
 def _f(scope: str, default: Any = dataclasses.MISSING, schema: dict | None = None, help: str = "", **kw):
@@ -114,6 +115,10 @@ class VariantSpec:
         "tunable parameters per operation")
     # generated source, module name -> text
     generated_source: tuple[tuple[str, str], ...] = _f(FORWARD, ())
+    # the dense projections' weights (engine/precision.py): the checkpoint's, or a per-channel quantized copy
+    weight_dtype: str = _f(FORWARD, "auto", {"enum": list(WEIGHT_DTYPES)},
+                           "dense projections' weights: the checkpoint's precision (auto), int8 or fp8 (e4m3), "
+                           "one scale per output channel")
     tp: int = _f(PARALLEL, 1)
     dp: int = _f(PARALLEL, 1)
 
@@ -162,6 +167,8 @@ class VariantSpec:
             raise ConfigError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if not isinstance(self.name, str):
             raise ConfigError(f"variant name must be a string, got {self.name!r}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ConfigError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.weight_dtype!r}")
         if self.compile_mode not in COMPILE_MODES:
             raise ConfigError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
         if any(b < 1 for b in self.cuda_graph_batch_sizes):
@@ -235,7 +242,8 @@ class VariantSpec:
         # fields added after ids were first recorded count only when set, so recorded ids stay valid
         # (and the speculation policy's fields only when it speculates)
         body = {k: v for k, v in dataclasses.asdict(self).items()
-                if k != "name" and not (k in _LATER_FIELDS and (v == _DEFAULTS[k] or not self.speculative_tokens))}
+                if k != "name" and not (k in _LATER_FIELDS and v == _DEFAULTS[k])
+                and not (k in SPECULATION_FIELDS and not self.speculative_tokens)}
         return hashlib.sha256(json.dumps(body, sort_keys=True, default=list).encode()).hexdigest()[:16]
 
     # ---- scopes ---------------------------------------------------------------------------------
@@ -279,6 +287,6 @@ class VariantSpec:
 # prompt-lookup speculation's fields (engine/speculation.py), added after ids were first recorded
 SPECULATION_FIELDS = ("speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "speculative_max_batch",
                       "speculative_min_acceptance")
-_LATER_FIELDS = SPECULATION_FIELDS
+_LATER_FIELDS = (*SPECULATION_FIELDS, "weight_dtype")
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(VariantSpec)}
 REFERENCE_VARIANT = VariantSpec(name="reference")

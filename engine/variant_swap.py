@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine import precision
 from engine.block_manager import BlockManager
 from engine.errors import VariantError
 from engine.forward_ops import ForwardOps, build_ops
@@ -116,8 +117,12 @@ def rollback(engine: "LLMEngine") -> SwapReport:
 
 
 def build_ops_for(engine: "LLMEngine", spec: VariantSpec) -> ForwardOps:
-    """``spec``'s operation table; generated kernels smoke-run at this model's shapes on its device."""
-    return build_ops(spec, engine.model_config.kernel_dims(), str(engine.device))
+    """``spec``'s operation table; generated kernels smoke-run at this model's shapes on its device; with a
+    weight precision of its own, fed the quantized weights (made once per model, engine/precision.py)."""
+    ops = build_ops(spec, engine.model_config.kernel_dims(), str(engine.device))
+    if spec.weight_dtype == precision.CHECKPOINT:
+        return ops
+    return precision.quantized_ops(ops, engine.model, spec.weight_dtype, dict(spec.kernels))
 
 
 def forward_fn(engine: "LLMEngine", spec: VariantSpec):

@@ -12,10 +12,14 @@ import torch.nn.functional as F
 
 from kernels.activation import silu_and_mul_ref
 from kernels.norm import fused_add_rms_norm_ref
+from kernels.quant import QuantizedWeight, qlinear
 
 
-def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: (T, K), weight: (N, K), bias: (N,) or None -> (T, N)."""
+def linear_ref(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """x: (T, K), weight: (N, K), plain or quantized (kernels/quant.py), bias: (N,) or None -> (T, N)."""
+    if isinstance(weight, QuantizedWeight):
+        return qlinear(x, weight, bias)
     if x.device.type == "cpu" and bias is None and 1 < x.shape[0] <= 64 and weight.shape[0] >= 32768:
         # a few rows against the vocabulary (prefill ends, speculation's verification): with the weight on the
         # left the CPU's GEMM runs 2-3x faster than F.linear's (bench/RESULTS.md); the same sums, maybe added in

@@ -9,6 +9,10 @@ a projection (statistics in a first pass over the row, which sits in L2), or SiL
 before the down projection. Batches of more than ``max_m`` rows (prefill) go to the plain-torch
 matrix multiply, after the Triton norm or activation kernel.
 
+Weights may be quantized (``kernels.quant.QuantizedWeight``: int8 or FP8 with a scale per output column):
+the kernel reads the one-byte weights, converts them in registers and applies the scales to the sums;
+larger batches go to ``kernels.quant.qlinear`` (an FP8 tensor-core GEMM, or the dequantized weights).
+
 Tile sizes come from the kernel parameters (``block_n``, ``block_k``, ``num_warps``) when a
 variant fixes them, and otherwise from Triton's autotuner, per (rows, N, K, prologue), timed on
 the device; on CPU (``TRITON_INTERPRET=1``) the default tiles are used. With autotuned tiles on a
@@ -28,12 +32,15 @@ import triton.language as tl
 
 from kernels.activation_triton import silu_mul
 from kernels.pdl import launch_options, pdl_enter
+from kernels.quant import QuantizedWeight, qlinear
 
 NONE, SILU_MUL, ADD_RMS_NORM = 0, 1, 2  # input prologues
 DEFAULT_TILES = {"block_n": 8, "block_k": 512, "num_warps": 4}
 # (BLOCK_N, BLOCK_K, warps): small programs, many per SM, so loads from many programs overlap
 AUTOTUNE_TILES = ((4, 512, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8), (32, 256, 8),
-                  (2, 1024, 4), (32, 512, 8), (64, 256, 8))
+                  (2, 1024, 4), (32, 512, 8), (64, 256, 8),
+                  # longer rows per program keep as many bytes in flight with one-byte (quantized) weights
+                  (4, 2048, 4), (8, 2048, 8), (16, 1024, 8))
 
 
 @triton.jit
@@ -103,10 +110,10 @@ def _gemv_rows(w_ptr, w_first, rn, n_mask, stride_w, x_ptr, r_ptr, nw_ptr, rm, m
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr,
+    x_ptr, r_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sum_ptr,
     M, N, stride_x, stride_r, stride_w, stride_out, stride_sum, eps,
     K: tl.constexpr,  # a compile-time bound keeps the loop a plain counted loop (and the interpreter happy)
-    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr = "",
     PDL: tl.constexpr = 0,
 ):
@@ -126,6 +133,8 @@ def _gemv_kernel(
                              K, BLOCK_M, BLOCK_K)
     acc = _gemv_rows(w_ptr, w_first, rn, n_mask, stride_w, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r,
                      rstd, K, PROLOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVICT)
+    if HAS_SCALE:  # quantized weights: one scale per output column
+        acc *= tl.load(s_ptr + rn, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rm[:, None] * stride_out + rn[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -176,7 +185,7 @@ def _quick_bench(fn, quantiles):
 
 _gemv_tuned = triton.autotune(
     [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in AUTOTUNE_TILES],
-    key=["BLOCK_M", "N", "K", "PROLOGUE", "HAS_BIAS"], do_bench=_quick_bench, cache_results=True,
+    key=["BLOCK_M", "N", "K", "PROLOGUE", "HAS_BIAS", "HAS_SCALE"], do_bench=_quick_bench, cache_results=True,
 )(_gemv_kernel)
 
 
@@ -206,6 +215,8 @@ def _interpreted() -> bool:
 def _gemv(x, weight, bias, prologue, tiles, r=None, norm_weight=None, eps=0.0, k=None, pdl=0, evict=0):
     """Launches the kernel for x's rows (x is the prologue's input); returns (out, summed or None). ``evict``: the
     weights read with the L2 "evict first" policy (streamed through once)."""
+    scale = weight.scale if isinstance(weight, QuantizedWeight) else None
+    weight = weight.q if scale is not None else weight
     m, n = x.shape[0], weight.shape[0]
     k = weight.shape[1] if k is None else k
     assert weight.stride(1) == 1, "weight rows must be contiguous"
@@ -215,9 +226,9 @@ def _gemv(x, weight, bias, prologue, tiles, r=None, norm_weight=None, eps=0.0, k
     r = x if r is None else r
     norm_weight = weight if norm_weight is None else norm_weight
     b = weight if bias is None else bias
-    args = (x, r, norm_weight, weight, b, out, summed, m, n, x.stride(0), r.stride(0), weight.stride(0),
-            out.stride(0), summed.stride(0), eps)
-    meta = dict(K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_M=max(triton.next_power_of_2(m), 1),
+    args = (x, r, norm_weight, weight, weight if scale is None else scale, b, out, summed, m, n, x.stride(0),
+            r.stride(0), weight.stride(0), out.stride(0), summed.stride(0), eps)
+    meta = dict(K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, BLOCK_M=max(triton.next_power_of_2(m), 1),
                 EVICT="evict_first" if evict else "", **launch_options(pdl, x))
     if tiles or _interpreted() or not x.is_cuda:
         t = {**DEFAULT_TILES, **tiles}
@@ -226,6 +237,18 @@ def _gemv(x, weight, bias, prologue, tiles, r=None, norm_weight=None, eps=0.0, k
     else:
         _gemv_tuned[lambda c: (triton.cdiv(n, c["BLOCK_N"]),)](*args, **meta)
     return out, (summed if prologue == ADD_RMS_NORM else None)
+
+
+def _matmul(x: torch.Tensor, weight, bias=None) -> torch.Tensor:
+    """The plain-torch product for batches the kernel does not take (and to time the kernel against)."""
+    if isinstance(weight, QuantizedWeight):
+        return qlinear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _key(x: torch.Tensor, weight, prologue: int) -> tuple:
+    w = weight.q if isinstance(weight, QuantizedWeight) else weight
+    return (x.shape[0], *w.shape, w.dtype, prologue, x.dtype, x.device)
 
 
 def _tiles(block_n, block_k, num_warps) -> dict:
@@ -239,12 +262,11 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     dependent launch (kernels/pdl.py); ``evict``: 1, the weights read with the L2 "evict first" policy."""
     tiles = _tiles(block_n, block_k, num_warps)
     if x.shape[0] > max_m or x.shape[0] == 0:
-        return F.linear(x, weight, bias)
+        return _matmul(x, weight, bias)
     x = x.contiguous()
     if _auto(x, tiles) and not _triton_is_faster(
-            (x.shape[0], *weight.shape, NONE, x.dtype, x.device), lambda: _gemv(x, weight, bias, NONE, tiles),
-            lambda: F.linear(x, weight, bias)):
-        return F.linear(x, weight, bias)
+            _key(x, weight, NONE), lambda: _gemv(x, weight, bias, NONE, tiles), lambda: _matmul(x, weight, bias)):
+        return _matmul(x, weight, bias)
     return _gemv(x, weight, bias, NONE, tiles, pdl=pdl, evict=evict)[0]
 
 
@@ -262,7 +284,7 @@ def norm_linear_triton(
 
     def unfused():
         h, summed = fused_add_rms_norm_triton(x, residual, norm_weight, eps, pdl=pdl)
-        return F.linear(h, weight, bias), summed
+        return _matmul(h, weight, bias), summed
 
     if x.shape[0] > max_m or x.shape[0] == 0:
         return unfused()
@@ -272,8 +294,7 @@ def norm_linear_triton(
         return _gemv(x, weight, bias, ADD_RMS_NORM, tiles, r=residual, norm_weight=norm_weight, eps=eps, pdl=pdl,
                      evict=evict)
 
-    if _auto(x, tiles) and not _triton_is_faster((x.shape[0], *weight.shape, ADD_RMS_NORM, x.dtype, x.device),
-                                                 fused, unfused):
+    if _auto(x, tiles) and not _triton_is_faster(_key(x, weight, ADD_RMS_NORM), fused, unfused):
         return unfused()
     return fused()
 
@@ -288,11 +309,10 @@ def act_linear_triton(x: torch.Tensor, weight: torch.Tensor, *, max_m: int = 4, 
     assert x.shape[1] == 2 * weight.shape[1], f"input {tuple(x.shape)} does not hold [gate | up] for {tuple(weight.shape)}"
     tiles = _tiles(block_n, block_k, num_warps)
     if x.shape[0] > max_m or x.shape[0] == 0:
-        return F.linear(silu_and_mul_triton(x), weight)
+        return _matmul(silu_and_mul_triton(x), weight)
     x = x.contiguous()
     if _auto(x, tiles) and not _triton_is_faster(
-            (x.shape[0], *weight.shape, SILU_MUL, x.dtype, x.device),
-            lambda: _gemv(x, weight, None, SILU_MUL, tiles, k=weight.shape[1]),
-            lambda: F.linear(silu_and_mul_triton(x), weight)):
-        return F.linear(silu_and_mul_triton(x), weight)
+            _key(x, weight, SILU_MUL), lambda: _gemv(x, weight, None, SILU_MUL, tiles, k=weight.shape[1]),
+            lambda: _matmul(silu_and_mul_triton(x), weight)):
+        return _matmul(silu_and_mul_triton(x), weight)
     return _gemv(x, weight, None, SILU_MUL, tiles, k=weight.shape[1], pdl=pdl, evict=evict)[0]

@@ -110,11 +110,11 @@ def cmd_check(args: argparse.Namespace) -> int:
 
         records = load_trace(args.trace, lenient=args.lenient)[: args.trace_prompts]
         prompts += trace_prompts([min(r.input_tokens, args.max_input) for r in records], base.model_config.vocab_size)
-    from checks.report import DEFAULT_THRESHOLDS, QualityThresholds
+    from checks.report import thresholds_for
 
-    t = DEFAULT_THRESHOLDS[config.dtype]
-    thresholds = QualityThresholds(
-        min_greedy_agreement=t.min_greedy_agreement if args.min_agreement is None else args.min_agreement,
+    t = thresholds_for(config.dtype, spec.weight_dtype)
+    thresholds = dataclasses.replace(  # the rounding tolerance of contamination kept from the defaults
+        t, min_greedy_agreement=t.min_greedy_agreement if args.min_agreement is None else args.min_agreement,
         max_abs_logit_delta=t.max_abs_logit_delta if args.max_logit_delta is None else args.max_logit_delta,
         max_mean_kl=t.max_mean_kl if args.max_kl is None else args.max_kl)
     report = gate_variant(base, spec, prompts=prompts, max_tokens=args.max_tokens, exact=args.exact,
