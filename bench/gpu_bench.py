@@ -20,6 +20,8 @@ their engine forms from the named presets of engine/presets.py:
    empty cache, graph capture, first token) against a forward hot swap prepared while serving (swap.py).
 7. Qwen3-30B-A3B-shaped MoE, random bf16 weights: batch-1 decode against the active-parameter roofline
    (moe.py); the experts alone over their tiles (experts.py).
+8. Weight precision (precision.py): the int8 / FP8 kernels against the float64 product; the 8B's batch-1 decode
+   and prefill with int8 and FP8 weights against bf16, each against the roofline of its own bytes.
 
 Every row is appended to DIR/gpu_bench.jsonl as soon as it is measured.
 """

@@ -15,11 +15,12 @@ from bench.gpu.experts import experts_alone
 from bench.gpu.harness import GRAPH_SIZES, ROOT, Llama8B, finish, row, section
 from bench.gpu.machine import attention_bandwidth, gemv_bandwidth, l2_survival, machine
 from bench.gpu.moe import moe_decode
+from bench.gpu.precision import gemv_bandwidth_by_precision, llama8b_precision, quantized_kernel_checks
 from bench.gpu.swap import cold_start_and_swap, cold_start_child
 from bench.gpu.throughput import llama8b_throughput
 from engine.presets import preset_variant
 
-SECTIONS = ("attention", "gemv", "decode", "throughput", "swap", "moe", "experts")  # --only
+SECTIONS = ("attention", "gemv", "decode", "throughput", "swap", "moe", "experts", "precision")  # --only
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -53,21 +54,27 @@ def main(description: str = __doc__.split("\n\n")[0]) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="polyinf_bench_"))
     ok = kernel_checks()
     ok2 = tiny_models_vs_transformers(tmp)
+    if want("precision"):
+        quantized_kernel_checks()  # its rows say what failed; the model figures then show the same failures
     bw, peak = machine() or (4.27e12, 700e12)
     if want("attention"):
         attention_bandwidth()
     if want("gemv") or want("decode"):
         gemv_bandwidth(bw)
+    if want("precision"):
+        gemv_bandwidth_by_precision(bw)
     if want("decode") or want("moe"):
         l2_survival()
     if not (ok and ok2):
         row("model figures", "skipped: correctness checks failed")
     else:
-        if want("decode") or want("throughput") or want("swap"):
+        if want("decode") or want("throughput") or want("swap") or want("precision"):
             m = section(Llama8B)()
             if m is not None:
+                if want("precision"):
+                    llama8b_precision(m, bw)
                 best = llama8b_decode(m, bw, args.decode_quick) if want("decode") else None
-                if best is None:
+                if best is None and (want("throughput") or want("swap")):
                     best = preset_variant("gemv", cuda_graph_batch_sizes=GRAPH_SIZES)
                 if want("throughput"):
                     llama8b_throughput(m, args.trace, peak, args.requests, args.hf_batch)
