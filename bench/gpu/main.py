@@ -32,6 +32,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--hf-batch", type=int, default=32)
     ap.add_argument("--decode-quick", action="store_true",
                     help="8B decode: only the five best forms, without the transformers rows")
+    ap.add_argument("--skip-checks", action="store_true",
+                    help="skip section 1 (kernels and tiny models against their references), for a second call on "
+                         "the same commit; the precision section still checks its own kernels")
     ap.add_argument("--moe-layers", type=int, default=None)
     ap.add_argument("--moe-sweep", action="store_true", help="MoE: also sweep the experts' tiles at batch 1")
     ap.add_argument("--cold-start", default=None, help=argparse.SUPPRESS)
@@ -52,8 +55,8 @@ def main(description: str = __doc__.split("\n\n")[0]) -> None:
     assert torch.cuda.is_available(), "this benchmark needs a GPU"
     row("device", f"{torch.cuda.get_device_name()} torch {torch.__version__}")
     tmp = Path(tempfile.mkdtemp(prefix="polyinf_bench_"))
-    ok = kernel_checks()
-    ok2 = tiny_models_vs_transformers(tmp)
+    ok = args.skip_checks or kernel_checks()
+    ok2 = args.skip_checks or tiny_models_vs_transformers(tmp)
     if want("precision"):
         quantized_kernel_checks()  # its rows say what failed; the model figures then show the same failures
     bw, peak = machine() or (4.27e12, 700e12)

@@ -10,7 +10,7 @@ import traceback
 
 import torch
 
-from bench.gpu.harness import GRAPH_SIZES, Llama8B, decode_tps, graph_timed, row, section
+from bench.gpu.harness import Llama8B, decode_tps, graph_timed, row, section
 from engine.presets import preset_variant
 
 KINDS = ("auto", "int8", "fp8")
@@ -40,8 +40,9 @@ def quantized_kernel_checks() -> bool:
                         ok = False
                         continue
                     worst = max(worst, err)
-                    # bf16 output (8 bits) and, for FP8's GEMM, e4m3 activations (1/16 relative per element)
-                    limit = 0.05 if kind == "fp8" and label == "torch" else 0.01
+                    # bf16 output (8 bits); FP8: the GEMM's e4m3 activations (1/16 relative per element), which
+                    # the GEMV path takes too where the per-shape timing chose the GEMM
+                    limit = 0.05 if kind == "fp8" else 0.01
                     if err > limit:
                         row(f"quantized linear {kind} {n}x{k} rows {m} [{label}]", f"error {err:.3g} > {limit}")
                         ok = False
@@ -105,8 +106,8 @@ def llama8b_precision(m: Llama8B, bw: float, prefill: bool = True):
     kv_bytes = m.mcfg.kv_bytes_per_token(2) * (len(prompt) + new / 2)
     checkpoint_dense = sum(w.numel() * w.element_size() for w in dense_weights(eng.model))
     other = m.weight_bytes - m.embed_bytes - checkpoint_dense  # norms (and a tied head would count once)
-    base_form = preset_variant("dense-decode", m.mcfg.hidden_size, base=eng.variant,
-                               cuda_graph_batch_sizes=GRAPH_SIZES)
+    # batch 1 only: one graph, and the GEMV tiles autotuned for one row
+    base_form = preset_variant("dense-decode", m.mcfg.hidden_size, base=eng.variant, cuda_graph_batch_sizes=(1,))
     eng.config = dataclasses.replace(eng.config, async_decode=True)
     results, ref_logits = {}, None
     for kind in KINDS:
