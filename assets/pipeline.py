@@ -219,9 +219,10 @@ def slow_bench_results(context: dg.AssetExecutionContext, fast_bench_results: li
     from ops.worker import SLOW
 
     search = source.search(context, runner, traffic, hardware_profile)
-    chosen = search.queue_slow(source.slow_top, source.speculation)
+    chosen = search.queue_slow(source.slow_top, source.speculation, source.precision)
+    extra = [v.name for v in chosen[source.slow_top + 1:]]
     context.log.info(f"slow tier: {len(chosen)} variants queued (static-best, the fast tier's best"
-                     f"{', static-best with speculation' if len(chosen) > source.slow_top + 1 else ''}), the full "
+                     f"{''.join(', ' + n for n in extra)}), the full "
                      f"model; SLO TTFT <= {1e3 * search.cfg.slo_ttft_s:.0f} ms, TPOT <= "
                      f"{1e3 * search.cfg.slo_tpot_s:.0f} ms ({search.cfg.slo_source})")
     stats = search.measure(SLOW)

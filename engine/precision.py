@@ -63,12 +63,18 @@ def quantized_bytes(model: CausalLM, kind: str) -> int:
     return sum(q.nbytes for q in quantized_weights(model, kind).values())
 
 
-def quantized_ops(ops: ForwardOps, model: CausalLM, kind: str, impls: dict[str, str]) -> ForwardOps:
-    """``ops`` with its linear operations fed quantized weights. ``impls``: op -> the variant's implementation."""
+def check_kernels(kind: str, impls: dict[str, str]) -> None:
+    """Raises VariantError when a linear operation is generated code: it takes the checkpoint's weights only.
+    ``impls``: op -> the variant's implementation."""
     generated = [op for op in ("linear", "norm_linear", "act_linear") if impls.get(op, "").startswith("generated:")]
     if generated:
         raise VariantError(f"weight_dtype {kind} cannot run generated kernels for {', '.join(generated)}: they "
                            "take the checkpoint's weights")
+
+
+def quantized_ops(ops: ForwardOps, model: CausalLM, kind: str, impls: dict[str, str]) -> ForwardOps:
+    """``ops`` with its linear operations fed quantized weights. ``impls``: op -> the variant's implementation."""
+    check_kernels(kind, impls)
     table = quantized_weights(model, kind)
 
     def q(w):

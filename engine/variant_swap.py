@@ -119,6 +119,8 @@ def rollback(engine: "LLMEngine") -> SwapReport:
 def build_ops_for(engine: "LLMEngine", spec: VariantSpec) -> ForwardOps:
     """``spec``'s operation table; generated kernels smoke-run at this model's shapes on its device; with a
     weight precision of its own, fed the quantized weights (made once per model, engine/precision.py)."""
+    if spec.weight_dtype != precision.CHECKPOINT:
+        precision.check_kernels(spec.weight_dtype, dict(spec.kernels))  # before any generated code is smoke-run
     ops = build_ops(spec, engine.model_config.kernel_dims(), str(engine.device))
     if spec.weight_dtype == precision.CHECKPOINT:
         return ops

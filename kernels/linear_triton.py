@@ -256,6 +256,21 @@ def _matmul(x: torch.Tensor, weight, bias=None) -> torch.Tensor:
     return F.linear(x, weight, bias)
 
 
+def _max_rows(weight, max_m: int) -> int:
+    """int8 weights take the kernel up to 16 rows whatever ``max_m`` says: torch's path for them dequantizes
+    the whole matrix per call (three times the bytes), which costs more than the kernel's extra arithmetic."""
+    return max(max_m, 16) if isinstance(weight, QuantizedWeight) and weight.kind == "int8" else max_m
+
+
+def _after_prologue(h: torch.Tensor, weight, bias, tiles: dict, max_m: int, pdl: int = 0, evict: int = 0):
+    """The product after a separate norm or activation kernel: torch's for plain weights; for quantized ones
+    of at most ``max_m`` rows the kernel without a prologue, since torch has no matrix-vector product for
+    one-byte weights (its FP8 GEMM quantizes the activations first, a pass of its own per call)."""
+    if isinstance(weight, QuantizedWeight) and 0 < h.shape[0] <= max_m and (h.is_cuda or _interpreted()):
+        return _gemv(h.contiguous(), weight, bias, NONE, tiles, pdl=pdl, evict=evict)[0]
+    return _matmul(h, weight, bias)
+
+
 def _key(x: torch.Tensor, weight, prologue: int) -> tuple:
     w = weight.q if isinstance(weight, QuantizedWeight) else weight
     return (x.shape[0], *w.shape, w.dtype, prologue, x.dtype, x.device)
@@ -271,6 +286,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """x: (T, K), weight: (N, K) -> (T, N). T > max_m goes to torch's matrix multiply. ``pdl``: programmatic
     dependent launch (kernels/pdl.py); ``evict``: 1, the weights read with the L2 "evict first" policy."""
     tiles = _tiles(block_n, block_k, num_warps)
+    max_m = _max_rows(weight, max_m)
     if x.shape[0] > max_m or x.shape[0] == 0:
         return _matmul(x, weight, bias)
     x = x.contiguous()
@@ -291,10 +307,11 @@ def norm_linear_triton(
 
     assert residual.shape == x.shape and norm_weight.shape == (x.shape[1],)
     tiles = _tiles(block_n, block_k, num_warps)
+    max_m = _max_rows(weight, max_m)
 
     def unfused():
         h, summed = fused_add_rms_norm_triton(x, residual, norm_weight, eps, pdl=pdl)
-        return _matmul(h, weight, bias), summed
+        return _after_prologue(h, weight, bias, tiles, max_m, pdl, evict), summed
 
     if x.shape[0] > max_m or x.shape[0] == 0:
         return unfused()
@@ -318,11 +335,14 @@ def act_linear_triton(x: torch.Tensor, weight: torch.Tensor, *, max_m: int = 4, 
 
     assert x.shape[1] == 2 * weight.shape[1], f"input {tuple(x.shape)} does not hold [gate | up] for {tuple(weight.shape)}"
     tiles = _tiles(block_n, block_k, num_warps)
+    max_m = _max_rows(weight, max_m)
     if x.shape[0] > max_m or x.shape[0] == 0:
         return _matmul(silu_and_mul_triton(x), weight)
     x = x.contiguous()
+    def unfused():
+        return _after_prologue(silu_and_mul_triton(x), weight, None, tiles, max_m, pdl, evict)
+
     if _auto(x, tiles) and not _triton_is_faster(
-            _key(x, weight, SILU_MUL), lambda: _gemv(x, weight, None, SILU_MUL, tiles, k=weight.shape[1]),
-            lambda: _matmul(silu_and_mul_triton(x), weight)):
-        return _matmul(silu_and_mul_triton(x), weight)
+            _key(x, weight, SILU_MUL), lambda: _gemv(x, weight, None, SILU_MUL, tiles, k=weight.shape[1]), unfused):
+        return unfused()
     return _gemv(x, weight, None, SILU_MUL, tiles, k=weight.shape[1], pdl=pdl, evict=evict)[0]

@@ -63,6 +63,13 @@ class TuneReport:
                          f"{r.get('output_tok_s', float('nan')):8.1f} {r.get('spread', float('nan')):7.2f} "
                          f"{r.get('capacity', float('nan')):9.3f} {r.get('capacity_spread', float('nan')):7.3f} "
                          f"{r.get('attainment', float('nan')):6.2f} {str(r.get('result_id', '-')):>6}  {r['status']}")
+        base_row = next((r for r in self.rows if r["tier"] == SLOW and r["variant_id"] == self.baseline["variant_id"]
+                         and "capacity" in r), None)
+        for r in self.rows:
+            if r.get("weight_dtype", "auto") != "auto" and r["tier"] == SLOW and "capacity" in r and base_row:
+                lines.append(f"    precision: {r['name']}: capacity {r['capacity']:.3f} vs static-best "
+                             f"{base_row['capacity']:.3f} req/s, output {r['output_tok_s']:.1f} vs "
+                             f"{base_row['output_tok_s']:.1f} tok/s ({r['output_tok_s'] / base_row['output_tok_s']:.2f}x)")
         for r in self.rows:
             if r.get("spec_accepted_length"):
                 lines.append(f"    {r['name']}: speculation accepted {r['spec_acceptance']:.0%} of drafted tokens, "
@@ -207,10 +214,11 @@ class Search:
     def results(self, tier: str) -> list[tuple[Result, VariantSpec]]:
         return self.board.results(self.id, tier)
 
-    def queue_slow(self, top: int, speculation: bool = False) -> list[VariantSpec]:
+    def queue_slow(self, top: int, speculation: bool = False, precision: bool = False) -> list[VariantSpec]:
         """The baseline and the ``top`` best of the fast tier, queued for the slow tier; with ``speculation``,
         also the baseline with prompt-lookup speculation where the slice's prompts are real text (only the slow
-        tier can judge it: the fast tier's shapes carry no text to look up)."""
+        tier can judge it: the fast tier's shapes carry no text to look up); with ``precision``, the baseline
+        with quantized weights (``precision_candidate``: its quality is judged on the full model)."""
         fast = self.fast_results()
         base_fast = next((r for r, v in fast if v.variant_id == self.baseline.variant_id), None)
         self.board.enqueue(self.id, self.baseline, SLOW, "tuner", "baseline for the slow tier",
@@ -230,7 +238,43 @@ class Search:
                                f"prompt-lookup speculation ({spec.speculative_tokens} tokens) on static-best: its "
                                "acceptance depends on the text, which only the slow tier's replay carries")
             out.append(spec)
+        quant = self.precision_candidate() if precision else None
+        if quant is not None and all(v.variant_id != quant.variant_id for v in out):
+            self.board.enqueue(self.id, quant, SLOW, "tuner",
+                               f"{quant.weight_dtype} weights on static-best: a decode step reads a quarter to half "
+                               "the bytes; the quality gate decides whether it may be chosen")
+            out.append(quant)
         return out
+
+    def precision_candidate(self) -> VariantSpec | None:
+        """The baseline with quantized dense weights: FP8 where the device has FP8 tensor cores, int8 elsewhere;
+        None where static-best already has a precision of its own."""
+        if self.baseline.weight_dtype != "auto":
+            return None
+        import torch
+
+        from kernels.quant import fp8_gemm_supported
+
+        kind = "fp8" if fp8_gemm_supported(torch.device(self.cfg.device)) else "int8"
+        return replace(self.baseline, name=f"static-best + {kind} weights", weight_dtype=kind)
+
+    def gate_precision(self) -> dict | None:
+        """The quality and contamination gates for the precision candidate, where the slow tier measured it at
+        least as good as static-best (otherwise it cannot be chosen and its gate would decide nothing). The
+        verdict goes on the board; None when nothing was gated."""
+        quant = self.precision_candidate()
+        got = {v.variant_id: r.bench for r, v in self.results(SLOW)}
+        q, base = got.get(quant.variant_id) if quant else None, got.get(self.baseline.variant_id)
+        if q is None or base is None or q.get("capacity", 0.0) < base.get("capacity", 0.0) and \
+                q["output_tok_s"] <= base["output_tok_s"]:
+            return None
+        from checks.gates import gate_variant
+
+        report = gate_variant(self.bench.engine(SLOW, self.baseline), quant)
+        self.board.post("gates", "note", {"search": self.id, "variant_id": quant.variant_id,
+                                          "verdict": report.verdict, "reasons": report.reasons})
+        self.log(f"gates for {quant.name}: {report.verdict}")
+        return report.to_json()
 
     def speculation_candidate(self) -> VariantSpec | None:
         """The baseline with prompt-lookup speculation, where the replay's prompts are real text (a real model's
@@ -348,9 +392,11 @@ class Search:
             k: v for k, v in cost.items() if k != "points"}}, [r.id for r, _ in slow])
         return cost
 
-    def decide(self) -> tuple[Choice | None, dict]:
-        """Chooses among the slow-tier results; the decision, its reason and its result ids go on the board."""
-        slow = self.results(SLOW)
+    def decide(self, excluded: dict[str, str] | None = None) -> tuple[Choice | None, dict]:
+        """Chooses among the slow-tier results; the decision, its reason and its result ids go on the board.
+        ``excluded``: variant id -> why it may not be chosen (a failed gate)."""
+        excluded = excluded or {}
+        slow = [(r, v) for r, v in self.results(SLOW) if v.variant_id not in excluded]
         base = next(((r, v) for r, v in slow if v.variant_id == self.baseline.variant_id), None)
         if base is None:
             return None, {"reason": "no slow-tier measurement of the baseline; nothing chosen", "refs": [],
@@ -359,8 +405,8 @@ class Search:
         choice = choose(cands, (self.baseline, bench_from(base[0].bench)))
         ids = {v.variant_id: r.id for r, v in slow}
         refs = sorted({ids[self.baseline.variant_id], ids[choice.variant.variant_id]})
-        decision = {"search": self.id, "reason": choice.reason, "refs": refs,
-                    "variant_id": choice.variant.variant_id}
+        reason = choice.reason + "".join(f"; {vid} excluded: {why}" for vid, why in excluded.items())
+        decision = {"search": self.id, "reason": reason, "refs": refs, "variant_id": choice.variant.variant_id}
         decision["message_id"] = self.board.post("tuner", "decision", decision, refs)
         decision.update(baseline=base[0].bench, chosen=choice.result.to_json())
         return choice, decision
@@ -378,6 +424,7 @@ class Search:
                            capacity=r.bench.get("capacity", 0.0) if e["tier"] == SLOW else fast_score(r.bench)[0],
                            capacity_spread=r.bench.get("capacity_spread", 0.0) if e["tier"] == SLOW else 0.0,
                            attainment=r.bench.get("attainment", 0.0) if e["tier"] == SLOW else fast_score(r.bench)[1])
+                row["weight_dtype"] = json.loads(e["variant"]).get("weight_dtype", "auto")
                 if r.bench.get("spec_accepted_length"):
                     row.update(spec_acceptance=r.bench["spec_acceptance"],
                                spec_accepted_length=r.bench["spec_accepted_length"])
@@ -391,12 +438,14 @@ class Search:
 def tune(cfg: SearchConfig, board_path: str | Path, agents: list[Agent] | None = None, budget: Budget = Budget(),
          slow_top: int = 2, per_agent: int = 1, hardware: HardwareProfile | None = None,
          baseline: VariantSpec | None = None, gate: bool = False, search: str | None = None,
-         log: Callable[[str], None] = _quiet, speculation: bool = True) -> TuneReport:
+         log: Callable[[str], None] = _quiet, speculation: bool = True, precision: bool = True) -> TuneReport:
     """Agents propose in rounds (``per_agent`` each, so that a small budget still hears every agent) and the
     fast tier measures until the budget's fast share is spent or nobody proposes anything new; then the slow tier measures the baseline and the best, and the
     decision is recorded. With ``speculation``, static-best with prompt-lookup speculation joins the slow tier
     where the replay is real text (``Search.speculation_candidate``), then a second setting of its policy chosen
-    from the first one's measured acceptance (``Search.speculation_followup``)."""
+    from the first one's measured acceptance (``Search.speculation_followup``). With ``precision``, static-best
+    with quantized weights joins the slow tier too (``Search.precision_candidate``); where it measures at least
+    as good as static-best the gates judge it before the decision, and a failed gate excludes it."""
     t0 = time.time()
     deadline = t0 + budget.seconds
     agents = default_agents() if agents is None else agents
@@ -406,7 +455,8 @@ def tune(cfg: SearchConfig, board_path: str | Path, agents: list[Agent] | None =
     log(f"search {s.id}: cost model ranked {len(s.plan.entries)} knob variants; ranges {s.plan.ranges}")
     # the slow tier's share: static-best, the fast tier's best and, where the replay is real text, two settings
     # of speculation
-    spec_slots = 2 if speculation and s.speculation_candidate() is not None else 0
+    spec_slots = (2 if speculation and s.speculation_candidate() is not None else 0) + \
+        (1 if precision and s.precision_candidate() is not None else 0)
     fast_budget = max(1, budget.experiments - (slow_top + 1 + spec_slots))
     s.measure_fast(deadline)  # the baseline, then the full model's calibration the fast tier scales from
     cal = s.cal
@@ -423,16 +473,19 @@ def tune(cfg: SearchConfig, board_path: str | Path, agents: list[Agent] | None =
         if not queued:
             break
     slow_room = max(1, budget.experiments - s.n_experiments() - spec_slots)
-    s.queue_slow(min(slow_top, slow_room - 1), speculation)
+    s.queue_slow(min(slow_top, slow_room - 1), speculation, precision)
     s.measure(SLOW)  # the slow tier's share of the budget was kept back; it runs to the end
     if speculation and s.speculation_followup() is not None:
         s.measure(SLOW)  # the speculation policy's second setting, chosen from the first one's acceptance
     log(f"slow tier: {len(s.results(SLOW))} measured")
     cost = s.cost_model_error(cal)
-    choice, decision = s.decide()
+    precision_gate = s.gate_precision() if precision else None
+    excluded = ({precision_gate["candidate_variant"]: "failed the quality gate (" + "; ".join(precision_gate["reasons"])
+                 + ")"} if precision_gate and precision_gate["verdict"] != "pass" else {})
+    choice, decision = s.decide(excluded)
     chosen = choice.variant if choice else s.baseline
-    quality = None
-    if gate and chosen.variant_id != s.baseline.variant_id:
+    quality = precision_gate if precision_gate and chosen.variant_id == precision_gate["candidate_variant"] else None
+    if gate and chosen.variant_id != s.baseline.variant_id and quality is None:
         from checks.gates import gate_variant
 
         report = gate_variant(s.bench.engine(SLOW, s.baseline), chosen)

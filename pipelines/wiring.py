@@ -17,7 +17,7 @@ def resources(model: str = "smollm2", trace: str | None = None, requests: int = 
               max_output: int = 16, time_scale: float = 0.02, candidates: int = 4, device: str = "cpu",
               dtype: str = "float32", fast_layers: int = 4, artifacts: str = ".polyinf/artifacts",
               endpoint_url: str = "", llm_base_url: str = "", llm_model: str = "polyinf",
-              speculation: bool = False) -> dict:
+              speculation: bool = False, precision: bool = False) -> dict:
     """Every resource the graph uses. Secrets (the endpoint's admin token, the LLM key) come from the
     environment through dg.EnvVar; the trace defaults to $POLYINF_TRACE, else the shipped Azure slice."""
     return {
@@ -27,7 +27,8 @@ def resources(model: str = "smollm2", trace: str | None = None, requests: int = 
                                  time_scale=time_scale),
         "source": VariantSource(candidates=candidates, board=str(Path(artifacts) / "board.sqlite"),
                                 llm_base_url=llm_base_url, llm_model=llm_model,
-                                llm_api_key=env_secret("OPENAI_API_KEY"), speculation=speculation),
+                                llm_api_key=env_secret("OPENAI_API_KEY"), speculation=speculation,
+                                precision=precision),
         "artifacts": ArtifactStore(root=artifacts),
         "endpoint": Endpoint(url=endpoint_url, admin_token=env_secret("POLYINF_ADMIN_TOKEN")),
         "drift": DriftConfig(),
@@ -44,7 +45,7 @@ def run_optimize(model: str, trace: str, requests: int, max_input: int, max_outp
                  candidates: int, device: str = "cpu", dtype: str = "float32", fast_layers: int = 4,
                  artifacts: str = ".polyinf/artifacts", endpoint_url: str = "", admin_token: str = "",
                  llm_base_url: str = "", llm_model: str = "polyinf", log_level: str = "DEBUG",
-                 dagster_home: str | None = None, speculation: bool = False):
+                 dagster_home: str | None = None, speculation: bool = False, precision: bool = False):
     """Materializes the whole graph in-process for one deployment partition; returns the Dagster result.
     ``log_level``: the console's event log (the CLI's default is INFO: the steps, not every input loaded).
     The run is recorded in a persistent Dagster instance: ``dagster_home``, else $DAGSTER_HOME, else
@@ -53,7 +54,7 @@ def run_optimize(model: str, trace: str, requests: int, max_input: int, max_outp
     if admin_token:
         os.environ["POLYINF_ADMIN_TOKEN"] = admin_token  # resources read it through dg.EnvVar
     res = resources(model, trace, requests, max_input, max_output, time_scale, candidates, device, dtype, fast_layers,
-                    artifacts, endpoint_url, llm_base_url, llm_model, speculation)
+                    artifacts, endpoint_url, llm_base_url, llm_model, speculation, precision)
     res.pop("drift")  # the sensors' configuration; no asset uses it
     definitions = [*dg.load_assets_from_modules([pipeline]), *dg.load_asset_checks_from_modules([pipeline])]
     home = Path(dagster_home_for(artifacts, dagster_home))

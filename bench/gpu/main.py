@@ -34,7 +34,7 @@ def parser(description: str) -> argparse.ArgumentParser:
                     help="8B decode: only the five best forms, without the transformers rows")
     ap.add_argument("--skip-checks", action="store_true",
                     help="skip section 1 (kernels and tiny models against their references), for a second call on "
-                         "the same commit, with the precision section's kernel checks")
+                         "the same commit (the precision section still checks its own kernels)")
     ap.add_argument("--moe-layers", type=int, default=None)
     ap.add_argument("--moe-sweep", action="store_true", help="MoE: also sweep the experts' tiles at batch 1")
     ap.add_argument("--cold-start", default=None, help=argparse.SUPPRESS)
@@ -57,7 +57,7 @@ def main(description: str = __doc__.split("\n\n")[0]) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="polyinf_bench_"))
     ok = args.skip_checks or kernel_checks()
     ok2 = args.skip_checks or tiny_models_vs_transformers(tmp)
-    if want("precision") and not args.skip_checks:
+    if want("precision"):
         quantized_kernel_checks()  # its rows say what failed; the model figures then show the same failures
     bw, peak = machine() or (4.27e12, 700e12)
     if want("attention"):

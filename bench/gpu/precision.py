@@ -28,7 +28,7 @@ def quantized_kernel_checks() -> bool:
         for n, k in ((4096, 4096), (28672, 4096), (4096, 14336)):
             qw = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, kind)
             worst = 0.0
-            for m in (1, 3, 4, 5, 17, 64, 300):
+            for m in (1, 3, 5, 17, 300):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 exact = qlinear_exact(x, qw)
                 scale = exact.abs().max().item()

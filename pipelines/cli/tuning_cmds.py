@@ -20,7 +20,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
                               args.candidates, args.device, args.dtype, args.fast_layers, args.artifacts,
                               args.endpoint_url, args.admin_token or "", args.llm_base_url, args.llm_model,
                               log_level="DEBUG" if args.verbose else "INFO", dagster_home=args.dagster_home,
-                              speculation=args.speculation)
+                              speculation=args.speculation, precision=args.precision)
         if not result.success:
             failed = [e.message for e in result.all_events if e.is_failure][:3]
             print("polyinf: error: the optimization run failed: " + " | ".join(failed), file=sys.stderr)
@@ -109,7 +109,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     with progress:
         report = tune(cfg, args.board, default_agents(llm), Budget(args.budget, args.budget_seconds),
                       slow_top=args.slow_top, gate=args.gate, log=progress if not args.quiet else (lambda m: None),
-                      speculation=args.speculation)
+                      speculation=args.speculation, precision=args.precision)
     board.close()
     print(report.text())
     if args.json:
@@ -164,6 +164,10 @@ def add_parsers(sub) -> None:
     op.add_argument("--speculation", action=argparse.BooleanOptionalAction, default=False,
                     help="static-best with prompt-lookup speculation measured on the slow tier too, where the replay "
                          "is real text (default: off: the default replay's short outputs leave it little to gain)")
+    op.add_argument("--precision", action=argparse.BooleanOptionalAction, default=False,
+                    help="static-best with quantized weights (int8; FP8 on a GPU with FP8 tensor cores) measured on "
+                         "the slow tier too; the gates judge its quality before it ships (default: off: another "
+                         "slow-tier variant's time)"),
     op.add_argument("--verbose", action="store_true", help="Dagster's event log at DEBUG (default: INFO)")
     op.add_argument("--dagster-home", default=None,
                     help="the Dagster instance that records the run (default: $DAGSTER_HOME, else "
@@ -188,6 +192,10 @@ def add_parsers(sub) -> None:
     tn.add_argument("--speculation", action=argparse.BooleanOptionalAction, default=True,
                     help="static-best with prompt-lookup speculation measured on the slow tier too, where the replay "
                          "is real text (default: on)")
+    tn.add_argument("--precision", action=argparse.BooleanOptionalAction, default=True,
+                    help="static-best with quantized weights (int8; FP8 on a GPU with FP8 tensor cores) measured on "
+                         "the slow tier too; where it measures at least as good as static-best, the gates judge it "
+                         "and a failed gate excludes it (default: on)")
     tn.add_argument("--llm-base-url", default="", help="an OpenAI-compatible server for the LLM agent (off if empty)")
     tn.add_argument("--llm-model", default="polyinf", help="the model name on that server")
     tn.add_argument("--llm-api-key-env", default="OPENAI_API_KEY", help="environment variable holding the key")

@@ -81,12 +81,14 @@ def test_triton_gemv_with_quantized_weights(kind, m, n, k, tiles):
     torch.testing.assert_close(summed, ref_summed)
     gu = torch.randn(m, 2 * k)
     _close(act_linear_triton(gu, qw, **t), qlinear_exact(silu_and_mul_ref(gu), qw), 1e-5)
-    # more rows than max_m: the plain-torch quantized product after the Triton norm / activation
-    x9, r9, gu9 = torch.randn(9, k), torch.randn(9, k), torch.randn(9, 2 * k)
-    _close(linear_triton(x9, qw, b, max_m=4), qlinear_exact(x9, qw, b), 1e-5)
-    _close(norm_linear_triton(x9, r9, nw, 1e-6, qw, b, max_m=4)[0],
-           qlinear_exact(fused_add_rms_norm_ref(x9, r9, nw, 1e-6)[0], qw, b), 1e-5)
-    _close(act_linear_triton(gu9, qw, max_m=4), qlinear_exact(silu_and_mul_ref(gu9), qw), 1e-5)
+    # more rows than max_m: the plain-torch quantized product after the Triton norm / activation (int8 weights
+    # take the kernel up to 16 rows: 9 rows there, 20 through torch)
+    for rows in (9, 20):
+        x9, r9, gu9 = torch.randn(rows, k), torch.randn(rows, k), torch.randn(rows, 2 * k)
+        _close(linear_triton(x9, qw, b, max_m=4), qlinear_exact(x9, qw, b), 1e-5)
+        _close(norm_linear_triton(x9, r9, nw, 1e-6, qw, b, max_m=4)[0],
+               qlinear_exact(fused_add_rms_norm_ref(x9, r9, nw, 1e-6)[0], qw, b), 1e-5)
+        _close(act_linear_triton(gu9, qw, max_m=4), qlinear_exact(silu_and_mul_ref(gu9), qw), 1e-5)
     # the composed references agree too
     _close(norm_linear_ref(x9, r9, nw, 1e-6, qw, b)[0], qlinear_exact(fused_add_rms_norm_ref(x9, r9, nw, 1e-6)[0],
                                                                        qw, b), 1e-5)

@@ -33,15 +33,25 @@ def test_tune_with_built_in_and_llm_agents(tmp_path, scripted_server):
     agents.insert(2, LLMAgent(base_url=url, model="scripted", board=Board(board_path)))
     report = tune(cfg, board_path, agents, Budget(experiments=10, seconds=600), slow_top=2, per_agent=1)
     rows = report.rows
-    assert len(rows) <= 10  # speculation's two slow-tier settings within the budget
+    assert len(rows) <= 10  # speculation's two slow-tier settings and the precision candidate within the budget
     assert all(r["status"] == DONE and r["result_id"] for r in rows)
     fast = [r for r in rows if r["tier"] == "fast"]
     slow = [r for r in rows if r["tier"] == "slow"]
     assert fast[0]["proposer"] == "baseline" and slow[0]["name"].startswith("static-best")
     assert {"cost-model", "llm"} <= {r["proposer"] for r in fast}
-    # static-best, the fast tier's two best, static-best with prompt-lookup speculation (real text: SmolLM2) and
-    # a second setting of its policy chosen from the first one's measured acceptance
-    assert len(slow) == 5 and report.cost_model["variants"] == 5
+    # static-best, the fast tier's two best, static-best with prompt-lookup speculation (real text: SmolLM2),
+    # static-best with int8 weights (no FP8 tensor cores here) and a second setting of speculation's policy
+    # chosen from the first one's measured acceptance
+    assert len(slow) == 6 and report.cost_model["variants"] == 6
+    quant = next(r for r in slow if r["name"] == "static-best + int8 weights")
+    assert quant["weight_dtype"] == "int8" and "the quality gate decides" in quant["rationale"]
+    gated = [m["body"] for m in Board(board_path).messages("note")
+             if m["body"].get("search") == report.search and m["body"].get("variant_id") == quant["variant_id"]]
+    if gated and gated[0]["verdict"] != "pass":  # a failed gate excludes it from the decision
+        assert report.chosen["variant_id"] != quant["variant_id"] and "excluded" in report.decision["reason"]
+    if report.chosen["variant_id"] == quant["variant_id"]:  # chosen only after its gates passed
+        assert gated and gated[0]["verdict"] == "pass" and report.quality["verdict"] == "pass"
+    assert "precision: static-best + int8 weights: capacity" in report.text()
     spec = next(r for r in slow if r["name"] == "static-best + prompt lookup 4")
     assert "acceptance depends on the text" in spec["rationale"] and spec["spec_accepted_length"] >= 1
     follow = slow[-1]
