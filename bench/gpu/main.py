@@ -35,6 +35,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--skip-checks", action="store_true",
                     help="skip section 1 (kernels and tiny models against their references), for a second call on "
                          "the same commit (the precision section still checks its own kernels)")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="precision: the decode rows only (no kernel checks, profile or prefill), for a warm machine")
     ap.add_argument("--moe-layers", type=int, default=None)
     ap.add_argument("--moe-sweep", action="store_true", help="MoE: also sweep the experts' tiles at batch 1")
     ap.add_argument("--cold-start", default=None, help=argparse.SUPPRESS)
@@ -57,7 +59,7 @@ def main(description: str = __doc__.split("\n\n")[0]) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="polyinf_bench_"))
     ok = args.skip_checks or kernel_checks()
     ok2 = args.skip_checks or tiny_models_vs_transformers(tmp)
-    if want("precision"):
+    if want("precision") and not args.decode_only:
         quantized_kernel_checks()  # its rows say what failed; the model figures then show the same failures
     bw, peak = machine() or (4.27e12, 700e12)
     if want("attention"):
@@ -75,7 +77,7 @@ def main(description: str = __doc__.split("\n\n")[0]) -> None:
             m = section(Llama8B)()
             if m is not None:
                 if want("precision"):
-                    llama8b_precision(m, bw)
+                    llama8b_precision(m, bw, prefill=not args.decode_only, profile=not args.decode_only)
                 best = llama8b_decode(m, bw, args.decode_quick) if want("decode") else None
                 if best is None and (want("throughput") or want("swap")):
                     best = preset_variant("gemv", cuda_graph_batch_sizes=GRAPH_SIZES)
