@@ -51,8 +51,11 @@ PRECISION_THRESHOLDS = {
 }
 
 
-def thresholds_for(dtype: str, weight_dtype: str = "auto") -> QualityThresholds:
-    """The default limits for a checkpoint dtype, or for a weight precision when the variant has its own."""
+def thresholds_for(dtype: str, weight_dtype: str = "auto", kv_cache_dtype: str = "auto") -> QualityThresholds:
+    """The default limits for a checkpoint dtype, or for the variant's own precision: FP8 anywhere (weights or
+    KV cache) takes FP8's limits, int8 weights int8's."""
+    if "fp8" in (weight_dtype, kv_cache_dtype):
+        return PRECISION_THRESHOLDS["fp8"]
     return PRECISION_THRESHOLDS[weight_dtype] if weight_dtype in PRECISION_THRESHOLDS else DEFAULT_THRESHOLDS[dtype]
 
 
@@ -72,6 +75,7 @@ class QualityReport:
     max_tokens: int
     exact: bool
     weight_dtype: str = "auto"  # the candidate's weight precision (its own thresholds when not "auto")
+    kv_cache_dtype: str = "auto"  # the candidate's KV cache precision (likewise)
     greedy_agreement: float | None = None  # teacher-forced top-1 agreement, rounding ties excused
     free_running_agreement: float | None = None  # mean share of each prompt's tokens matched before divergence
     tie_margin: float | None = None  # 2x the reference's batch noise: flips within it are ties (or within 2 ulp)
@@ -100,7 +104,8 @@ class QualityReport:
     def summary(self) -> str:
         lines = [f"verdict: {self.verdict.upper()}  (candidate {self.candidate_variant} vs reference "
                  f"{self.reference_variant}, {self.prompts} prompts x {self.max_tokens} tokens, {self.dtype}"
-                 f"{'' if self.weight_dtype == 'auto' else ', ' + self.weight_dtype + ' weights'}, "
+                 f"{'' if self.weight_dtype == 'auto' else ', ' + self.weight_dtype + ' weights'}"
+                 f"{'' if self.kv_cache_dtype == 'auto' else ', ' + self.kv_cache_dtype + ' KV cache'}, "
                  f"{self.seconds:.1f} s)"]
         if self.greedy_agreement is not None:
             ties = (f" ({self.excused_ties} rounding ties excused, {self.decided_positions} positions decided)"

@@ -22,7 +22,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
-from engine import speculation, variant_swap
+from engine import precision, speculation, variant_swap
 from engine.errors import RequestError
 from engine.forward_ops import ForwardOps
 from engine.loader import load_model
@@ -120,10 +120,11 @@ class LLMEngine:
         model_cfg = loaded.config
         self.load_seconds = loaded.load_seconds
         variant = config.initial_variant()
+        kv_dtype = precision.kv_cache_dtype(variant.kv_cache_dtype, self.dtype)
         num_blocks = config.num_kv_blocks or max(
-            1, config.kv_cache_bytes // KVCache.bytes_per_block(model_cfg, variant.block_size, self.dtype)
+            1, config.kv_cache_bytes // KVCache.bytes_per_block(model_cfg, variant.block_size, kv_dtype)
         )
-        self.kv = KVCache(model_cfg, num_blocks, variant.block_size, self.device, self.dtype)
+        self.kv = KVCache(model_cfg, num_blocks, variant.block_size, self.device, kv_dtype)
         self.max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
         self.block_manager = BlockManager(num_blocks, variant.block_size, variant.enable_prefix_caching)

@@ -59,6 +59,7 @@ BUILTIN_IMPLS = {
 }
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
 WEIGHT_DTYPES = ("auto", "int8", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 def _f(scope: str, default: Any = dataclasses.MISSING, schema: dict | None = None, help: str = "", **kw):
@@ -103,6 +104,10 @@ class VariantSpec:
                                            "a request pauses speculating when its running acceptance falls below")
     block_size: int = _f(KV_LAYOUT, 16, {"type": "integer", "enum": [8, 16, 32, 64]}, "tokens per KV-cache block")
     enable_prefix_caching: bool = _f(KV_LAYOUT, True, {"type": "boolean"}, "reuse cached KV blocks of shared prefixes")
+    # the KV cache's element type (engine/precision.py): the checkpoint's, or FP8 e4m3 with a scale per layer
+    kv_cache_dtype: str = _f(KV_LAYOUT, "auto", {"enum": list(KV_CACHE_DTYPES)},
+                             "KV cache elements: the checkpoint's dtype (auto) or fp8 (e4m3, a scale per layer): "
+                             "twice the blocks in the same memory")
     cuda_graph_batch_sizes: tuple[int, ...] = _f(FORWARD, (), {"type": "array", "maxItems": 32, "items": {
         "type": "integer", "minimum": 1, "maximum": 1024}}, "decode batch sizes captured as CUDA graphs")
     compile_mode: str = _f(FORWARD, "none", {"enum": list(COMPILE_MODES)}, "torch.compile mode (GPU)")
@@ -167,6 +172,8 @@ class VariantSpec:
             raise ConfigError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if not isinstance(self.name, str):
             raise ConfigError(f"variant name must be a string, got {self.name!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ConfigError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.weight_dtype!r}")
         if self.compile_mode not in COMPILE_MODES:
@@ -287,6 +294,6 @@ class VariantSpec:
 # prompt-lookup speculation's fields (engine/speculation.py), added after ids were first recorded
 SPECULATION_FIELDS = ("speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "speculative_max_batch",
                       "speculative_min_acceptance")
-_LATER_FIELDS = (*SPECULATION_FIELDS, "weight_dtype")
+_LATER_FIELDS = (*SPECULATION_FIELDS, "weight_dtype", "kv_cache_dtype")
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(VariantSpec)}
 REFERENCE_VARIANT = VariantSpec(name="reference")

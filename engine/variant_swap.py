@@ -52,7 +52,8 @@ def prepare(engine: "LLMEngine", spec: VariantSpec, kv: KVCache | None = None) -
     """
     t0 = time.perf_counter()
     kv = kv or engine.kv
-    ops = build_ops_for(engine, spec) if FORWARD in spec.changed_scopes(engine.variant) else engine.ops
+    rebuild = FORWARD in spec.changed_scopes(engine.variant) or spec.kv_cache_dtype != engine.variant.kv_cache_dtype
+    ops = build_ops_for(engine, spec) if rebuild else engine.ops
     try:
         fn = forward_fn(engine, spec)
         engine.runner.warm_up(ops, kv, fn)
@@ -122,9 +123,11 @@ def build_ops_for(engine: "LLMEngine", spec: VariantSpec) -> ForwardOps:
     if spec.weight_dtype != precision.CHECKPOINT:
         precision.check_kernels(spec.weight_dtype, dict(spec.kernels))  # before any generated code is smoke-run
     ops = build_ops(spec, engine.model_config.kernel_dims(), str(engine.device))
-    if spec.weight_dtype == precision.CHECKPOINT:
-        return ops
-    return precision.quantized_ops(ops, engine.model, spec.weight_dtype, dict(spec.kernels))
+    if spec.weight_dtype != precision.CHECKPOINT:
+        ops = precision.quantized_ops(ops, engine.model, spec.weight_dtype, dict(spec.kernels))
+    if spec.kv_cache_dtype != precision.CHECKPOINT:  # an FP8 cache: keys and values scaled per layer
+        ops = precision.fp8_kv_ops(ops, precision.kv_scales(engine, ops, spec.weight_dtype))
+    return ops
 
 
 def forward_fn(engine: "LLMEngine", spec: VariantSpec):
@@ -153,8 +156,9 @@ def graphs_for(engine: "LLMEngine", spec: VariantSpec, ops: ForwardOps, kv: KVCa
 
 def _build_kv(engine: "LLMEngine", spec: VariantSpec) -> tuple[KVCache, BlockManager]:
     """A new KV pool of the same memory under the new block size, and its block manager."""
-    cfg, dtype = engine.model_config, engine.dtype
-    total = engine.kv.num_blocks * KVCache.bytes_per_block(cfg, engine.kv.block_size, dtype)
+    cfg, old = engine.model_config, engine.kv.pool.dtype
+    dtype = precision.kv_cache_dtype(spec.kv_cache_dtype, engine.dtype)
+    total = engine.kv.num_blocks * KVCache.bytes_per_block(cfg, engine.kv.block_size, old)
     num_blocks = max(1, total // KVCache.bytes_per_block(cfg, spec.block_size, dtype))
     try:
         kv = KVCache(cfg, num_blocks, spec.block_size, engine.device, dtype)

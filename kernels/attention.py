@@ -55,8 +55,9 @@ def paged_attention_ref(
         qs, qe = qsl[i], qsl[i + 1]
         n = qe - qs
         blocks = meta.block_tables[i, : (ctx + block_size - 1) // block_size].long()
-        k = k_cache.index_select(0, blocks).view(-1, kvh, d)[:ctx].permute(1, 2, 0)  # (KVH, D, ctx)
-        v = v_cache.index_select(0, blocks).view(-1, kvh, d)[:ctx].transpose(0, 1)  # (KVH, ctx, D)
+        # an FP8 cache's values widened to the queries' dtype
+        k = k_cache.index_select(0, blocks).view(-1, kvh, d)[:ctx].permute(1, 2, 0).to(q.dtype)  # (KVH, D, ctx)
+        v = v_cache.index_select(0, blocks).view(-1, kvh, d)[:ctx].transpose(0, 1).to(q.dtype)  # (KVH, ctx, D)
         qi = q[qs:qe].view(n, kvh, group, d).permute(1, 0, 2, 3).reshape(kvh, n * group, d)
         scores = torch.matmul(qi, k).float() * scale  # (KVH, n * group, ctx)
         if n > 1:

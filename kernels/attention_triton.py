@@ -27,6 +27,7 @@ import triton.language as tl
 
 from kernels.attention import AttentionMetadata
 from kernels.counters import ArrivalCounters, fresh_counters
+from kernels.kv_store_triton import to_cache
 from kernels.pdl import launch_options, pdl_enter
 from kernels.rotary_triton import _head_norm, _rotary_store_kv
 
@@ -84,8 +85,9 @@ def _decode_kernel(
         slot = blk.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
         kv_off = slot[:, None] * (KVH * D) + kvh * D + offs_d[None, :]
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)  # (BLOCK_N, D_PAD)
-        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        # (BLOCK_N, D_PAD); an FP8 cache's values widened to the queries' dtype
+        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), IEEE) * scale  # (G_PAD, BLOCK_N)
         s = tl.where(mask_n[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
@@ -137,8 +139,8 @@ def _prefill_kernel(
         slot = blk.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
         kv_off = slot[:, None] * (KVH * D) + kvh * D + offs_d[None, :]
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), IEEE) * scale  # (BLOCK_M, BLOCK_N)
         s = tl.where(mask_n[None, :] & (offs_n[None, :] <= pos_m[:, None]), s, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
@@ -338,15 +340,15 @@ def _rotary_decode_kernel(
     k1 = tl.load(kb, mask=kmask, other=0.0)
     k2 = tl.load(kb + HALF, mask=kmask, other=0.0)
     vb = v_ptr + b * stride_vt + kvh * stride_vh + offs_d[None, :]
-    v1 = tl.load(vb, mask=kmask, other=0.0).to(vc_ptr.dtype.element_ty)
-    v2 = tl.load(vb + HALF, mask=kmask, other=0.0).to(vc_ptr.dtype.element_ty)
+    v1 = to_cache(tl.load(vb, mask=kmask, other=0.0), vc_ptr)
+    v2 = to_cache(tl.load(vb + HALF, mask=kmask, other=0.0), vc_ptr)
     # the query heads and the new key normed and rotated as kernels.rotary_triton does
     q1, q2 = _head_norm(q1, q2, qw_ptr, offs_d, mask_d, eps, HALF, NORM)
     c = cos.to(q1.dtype)[None, :]
     s = sin.to(q1.dtype)[None, :]
     q1, q2 = q1 * c - q2 * s, q2 * c + q1 * s
     k1, k2 = _head_norm(k1, k2, kw_ptr, offs_d, mask_d, eps, HALF, NORM)
-    k1, k2 = (k1 * c - k2 * s).to(kc_ptr.dtype.element_ty), (k2 * c + k1 * s).to(kc_ptr.dtype.element_ty)
+    k1, k2 = to_cache(k1 * c - k2 * s, kc_ptr), to_cache(k2 * c + k1 * s, kc_ptr)
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
@@ -355,6 +357,7 @@ def _rotary_decode_kernel(
     n0 = start
     while n0 < cached_end:  # a while loop: the bound is loaded at run time
         mask_n = n0 + tl.arange(0, BLOCK_N) < cached_end
+        ka, kz, va, vz = ka.to(q1.dtype), kz.to(q1.dtype), va.to(q1.dtype), vz.to(q1.dtype)  # an FP8 cache widened
         sc = (_dot(q1, tl.trans(ka), IEEE) + _dot(q2, tl.trans(kz), IEEE)) * scale  # (G_PAD, BLOCK_N)
         sc = tl.where(mask_n[None, :], sc, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i)
@@ -372,7 +375,7 @@ def _rotary_decode_kernel(
         s_new = (tl.sum(q1.to(tl.float32) * k1.to(tl.float32), axis=1)
                  + tl.sum(q2.to(tl.float32) * k2.to(tl.float32), axis=1)) * scale
         p, alpha, m_i, l_i = _softmax_step(s_new[:, None], m_i, l_i)  # a tile of one key
-        pv = p.to(v1.dtype).to(tl.float32)
+        pv = p.to(q1.dtype).to(tl.float32)  # v1 holds the cache's dtype (FP8 included): the value as cached
         acc1 = acc1 * alpha[:, None] + pv * v1.to(tl.float32)
         acc2 = acc2 * alpha[:, None] + pv * v2.to(tl.float32)
     if SPLIT:

@@ -10,5 +10,6 @@ def store_kv_ref(
     """k, v: (T, KVH, D); k_cache, v_cache: (num_blocks, block_size, KVH, D); slot_mapping: (T,) int64,
     slot = block_id * block_size + offset."""
     kvh, d = k.shape[1], k.shape[2]
-    k_cache.view(-1, kvh, d)[slot_mapping] = k
-    v_cache.view(-1, kvh, d)[slot_mapping] = v
+    # an FP8 cache (engine/precision.py) takes values rounded to e4m3, saturating at +-448
+    k_cache.view(-1, kvh, d)[slot_mapping] = k.to(k_cache.dtype)
+    v_cache.view(-1, kvh, d)[slot_mapping] = v.to(v_cache.dtype)

@@ -7,6 +7,22 @@ import triton.language as tl
 
 
 @triton.jit
+def to_cache(x, cache_ptr):
+    """x in the cache's element type. For an FP8 (e4m3) cache, rounded here to the nearest e4m3 value (ties to
+    even) and saturated at +-448, as torch's conversion does, so that the conversion after is exact: the same
+    bytes on every backend (the CPU interpreter's own conversion breaks ties upward, drops the carry into the
+    next binade and flushes subnormals)."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        xf = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+        e = tl.maximum(((xf.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # the binade (subnormals: -6)
+        step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits: 2^(e - 3), exact
+        y = xf / step
+        r = ((y + 12582912.0) - 12582912.0) * step  # round half to even through 1.5 * 2^23
+        x = tl.where(r == 0.0, xf * 0.0, r)  # a zero keeps its sign, as torch's conversion keeps it
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh, H, D,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0)
@@ -17,8 +33,8 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_k
     k = tl.load(k_ptr + t * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
     dst = slot * H * D + offs_h * D + offs_d
-    tl.store(kc_ptr + dst, k, mask=mask)
-    tl.store(vc_ptr + dst, v, mask=mask)
+    tl.store(kc_ptr + dst, to_cache(k, kc_ptr), mask=mask)
+    tl.store(vc_ptr + dst, to_cache(v, vc_ptr), mask=mask)
 
 
 def store_kv_triton(

@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_store_triton import to_cache
 from kernels.pdl import launch_options, pdl_enter
 
 
@@ -107,11 +108,11 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr
     k1, k2 = _head_norm(tl.load(kbase, mask=kmask, other=0.0), tl.load(kbase + HALF, mask=kmask, other=0.0), kw_ptr,
                         offs_d, mask_d, eps, HALF, NORM)
     dst = slot * KVH * 2 * HALF + offs_kh[:, None] * 2 * HALF + offs_d[None, :]
-    tl.store(kc_ptr + dst, k1 * c - k2 * s, mask=kmask)
-    tl.store(kc_ptr + dst + HALF, k2 * c + k1 * s, mask=kmask)
+    tl.store(kc_ptr + dst, to_cache(k1 * c - k2 * s, kc_ptr), mask=kmask)
+    tl.store(kc_ptr + dst + HALF, to_cache(k2 * c + k1 * s, kc_ptr), mask=kmask)
     vbase = v_ptr + t * stride_vt + offs_kh[:, None] * stride_vh + offs_d[None, :]
-    tl.store(vc_ptr + dst, tl.load(vbase, mask=kmask, other=0.0), mask=kmask)
-    tl.store(vc_ptr + dst + HALF, tl.load(vbase + HALF, mask=kmask, other=0.0), mask=kmask)
+    tl.store(vc_ptr + dst, to_cache(tl.load(vbase, mask=kmask, other=0.0), vc_ptr), mask=kmask)
+    tl.store(vc_ptr + dst + HALF, to_cache(tl.load(vbase + HALF, mask=kmask, other=0.0), vc_ptr), mask=kmask)
 
 
 def _rotary_store_kv(q, k, v, q_weight, k_weight, eps, positions, cos_sin, k_cache, v_cache, slot_mapping, pdl=0):

@@ -112,7 +112,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         prompts += trace_prompts([min(r.input_tokens, args.max_input) for r in records], base.model_config.vocab_size)
     from checks.report import thresholds_for
 
-    t = thresholds_for(config.dtype, spec.weight_dtype)
+    t = thresholds_for(config.dtype, spec.weight_dtype, spec.kv_cache_dtype)
     thresholds = dataclasses.replace(  # the rounding tolerance of contamination kept from the defaults
         t, min_greedy_agreement=t.min_greedy_agreement if args.min_agreement is None else args.min_agreement,
         max_abs_logit_delta=t.max_abs_logit_delta if args.max_logit_delta is None else args.max_logit_delta,

@@ -78,3 +78,62 @@ def test_gates_judge_a_precision_by_its_own_thresholds(smollm2_engine_factory):
     assert "(min 0.85)" in agreement.detail  # int8's limit, not float32's 0.95
     assert report.max_abs_logit_delta > 1e-3  # quantization moves logits past what float32 kernels may
     assert report.verdict == "pass", report.summary()
+
+
+def test_fp8_kv_cache_answers_and_swaps_with_twice_the_blocks(smollm2_engine_factory):
+    from engine import precision
+
+    eng = smollm2_engine_factory(num_kv_blocks=16)
+    assert eng.kv.pool.dtype == torch.float32
+    plain = eng.generate([FRANCE], SamplingParams(max_tokens=16), chat=True)[0]
+    report = eng.swap_variant(dataclasses.replace(eng.variant, kv_cache_dtype="fp8"))
+    assert "kv_layout" in report.scopes
+    assert eng.kv.pool.dtype == torch.float8_e4m3fn and eng.kv.num_blocks == 16 * 4  # the same bytes, 1 of 4 each
+    out = eng.generate([FRANCE], SamplingParams(max_tokens=16), chat=True)[0]
+    assert out.text == plain.text == "The capital of France is Paris."
+    scales = precision.kv_scales(eng, eng.ops)
+    assert len(scales) == eng.model_config.num_hidden_layers and all(s >= 1.0 for pair in scales for s in pair)
+    eng.rollback()
+    assert eng.kv.pool.dtype == torch.float32 and eng.kv.num_blocks == 16
+    assert eng.generate([FRANCE], SamplingParams(max_tokens=16), chat=True)[0].token_ids == plain.token_ids
+
+
+def test_fp8_kv_scales_are_applied_and_undone(smollm2_engine_factory):
+    """Keys cached divided by their scale with the scores multiplied back, values divided with the output
+    multiplied back: over a float32 cache, where powers of two divide exactly, the same logits; over the FP8
+    cache the keys really are cached scaled."""
+    from engine import precision
+
+    eng = smollm2_engine_factory(num_kv_blocks=16)
+    layers = eng.model_config.num_hidden_layers
+    sink: list[torch.Tensor] = []
+    eng.logits_sink = lambda ids, logits: sink.append(logits.clone())
+    params = SamplingParams(max_tokens=4)
+    first = eng.generate([FRANCE], params, chat=True)[0].token_ids
+    amax, vmax = eng.kv.pool[0, 0].abs().amax(), eng.kv.pool[0, 1].abs().amax()
+    eng.ops = precision.fp8_kv_ops(eng.ops, [(4.0, 0.25)] * layers)
+    eng.block_manager.reset_prefix_cache()
+    eng.kv.pool.zero_()  # only what the second run caches
+    assert eng.generate([FRANCE], params, chat=True)[0].token_ids == first
+    eng.logits_sink = None
+    torch.testing.assert_close(torch.cat(sink[len(sink) // 2:]), torch.cat(sink[: len(sink) // 2]), rtol=1e-4,
+                               atol=1e-4)
+    torch.testing.assert_close(eng.kv.pool[0, 0].abs().amax(), amax / 4)  # the keys as cached: divided by 4
+    torch.testing.assert_close(eng.kv.pool[0, 1].abs().amax(), 4 * vmax)  # the values: divided by 1/4
+
+
+def test_kv_scales_are_powers_of_two_with_headroom():
+    from engine.precision import _pow2_scale
+
+    assert [_pow2_scale(a) for a in (0.0, 100.0, 224.0, 300.0, 1000.0)] == [1.0, 1.0, 1.0, 2.0, 8.0]
+
+
+def test_gates_judge_an_fp8_kv_cache_by_fp8_thresholds(smollm2_engine_factory):
+    from checks.gates import gate_variant
+
+    base = smollm2_engine_factory(num_kv_blocks=8)
+    report = gate_variant(base, VariantSpec(kv_cache_dtype="fp8"), prompts=[base.encode_prompt(FRANCE, chat=True)],
+                          max_tokens=6)
+    assert report.kv_cache_dtype == "fp8" and "fp8 KV cache" in report.summary()
+    assert "(min 0.8)" in next(c for c in report.quality if c.name == "greedy agreement").detail
+    assert report.greedy_agreement >= 0.8 and report.mean_kl < 0.05
