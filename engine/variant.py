@@ -210,8 +210,9 @@ class VariantSpec:
 
     @classmethod
     def knob_fields(cls) -> list[dataclasses.Field]:
-        """The scheduler and KV-layout knobs: plain values a command-line flag can set."""
-        return [f for f in dataclasses.fields(cls) if f.metadata.get("scope") in (SCHEDULER, KV_LAYOUT)]
+        """The scheduler and KV-layout knobs and the weight precision: plain values a command-line flag can set."""
+        return [f for f in dataclasses.fields(cls)
+                if f.metadata.get("scope") in (SCHEDULER, KV_LAYOUT) or f.name == "weight_dtype"]
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "VariantSpec":

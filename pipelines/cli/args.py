@@ -57,6 +57,8 @@ def add_knob_args(p: argparse.ArgumentParser) -> None:
         what = f"{f.metadata['help']} (default: the variant's; VariantSpec's own is {f.default})"
         if f.metadata["schema"].get("type") == "boolean":
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=what)
+        elif "enum" in f.metadata["schema"] and "type" not in f.metadata["schema"]:
+            p.add_argument(flag, choices=f.metadata["schema"]["enum"], default=None, help=what)
         else:
             p.add_argument(flag, type=_knob_type(f.metadata["schema"]), default=None, help=what)
 
