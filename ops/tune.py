@@ -232,18 +232,19 @@ class Search:
                                f"fast tier rank {len(out)}: implied capacity {cap:.2f} req/s at the SLO, "
                                f"{tps:.1f} tok/s", [r.id])
             out.append(v)
+        extra = []  # static-best along the dimensions only the slow tier can judge
         spec = self.speculation_candidate() if speculation else None
-        if spec is not None and all(v.variant_id != spec.variant_id for v in out):
-            self.board.enqueue(self.id, spec, SLOW, "tuner",
-                               f"prompt-lookup speculation ({spec.speculative_tokens} tokens) on static-best: its "
-                               "acceptance depends on the text, which only the slow tier's replay carries")
-            out.append(spec)
+        if spec is not None:
+            extra.append((spec, f"prompt-lookup speculation ({spec.speculative_tokens} tokens) on static-best: its "
+                                "acceptance depends on the text, which only the slow tier's replay carries"))
         quant = self.precision_candidate() if precision else None
-        if quant is not None and all(v.variant_id != quant.variant_id for v in out):
-            self.board.enqueue(self.id, quant, SLOW, "tuner",
-                               f"{quant.weight_dtype} weights on static-best: a decode step reads a quarter to half "
-                               "the bytes; the quality gate decides whether it may be chosen")
-            out.append(quant)
+        if quant is not None:
+            extra.append((quant, f"{quant.weight_dtype} weights on static-best: a decode step reads a quarter to half "
+                                 "the bytes; the quality gate decides whether it may be chosen"))
+        for v, why in extra:
+            if all(o.variant_id != v.variant_id for o in out):
+                self.board.enqueue(self.id, v, SLOW, "tuner", why)
+                out.append(v)
         return out
 
     def precision_candidate(self) -> VariantSpec | None:

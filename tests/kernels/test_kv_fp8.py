@@ -9,7 +9,7 @@ from kernels.attention import AttentionMetadata, paged_attention_ref
 from kernels.attention_triton import paged_attention_triton, split_kv_attention_triton
 from kernels.kv_store import store_kv_ref
 from kernels.kv_store_triton import store_kv_triton
-from tests.kernels.test_triton_kernels import _paged_case
+from tests.kernels.test_triton_kernels import _paged_case, decode_block_case
 
 FP8 = torch.float8_e4m3fn
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -69,26 +69,12 @@ def test_attention_over_an_fp8_cache(case):
 def test_fused_attention_block_over_an_fp8_cache(norm):
     """Rotary, KV store and split-KV decode attention in one launch: the new token attends to its key and value
     as the cache holds them (rounded to e4m3), as the reference, which stores and then reads, does."""
-    from engine.config import ModelConfig
-    from engine.rope import rope_cos_sin
     from kernels.attention import rotary_attention_ref
     from kernels.attention_triton import rotary_attention_triton
 
     heads, kvh, d, bs, contexts = 9, 3, 64, 16, [37, 16, 70]
-    cfg = ModelConfig(model_type="llama", vocab_size=10, hidden_size=heads * d, intermediate_size=8,
-                      num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kvh, head_dim=d)
-    cs = rope_cos_sin(cfg, 300, "cpu")
-    _, kc, vc, meta = _paged_case(d + 5, heads, kvh, d, bs, [(c, 1) for c in contexts])
+    q, k, v, qw, kw, pos, cs, kc, vc, meta = decode_block_case(heads, kvh, d, bs, contexts, norm, d + 5)
     kc, vc = kc.to(FP8), vc.to(FP8)
-    t = len(contexts)
-    slots = [int(meta.block_tables[i, (c - 1) // bs]) * bs + (c - 1) % bs for i, c in enumerate(contexts)]
-    meta = AttentionMetadata.build(torch.tensor(slots), meta.block_tables, contexts, list(range(t + 1)), "cpu")
-    qkv = torch.randn(t, (heads + 2 * kvh) * d)
-    q = qkv[:, : heads * d].view(t, heads, d)
-    k = qkv[:, heads * d : (heads + kvh) * d].view(t, kvh, d)
-    v = qkv[:, (heads + kvh) * d :].view(t, kvh, d)
-    qw, kw = (torch.randn(d), torch.randn(d)) if norm else (None, None)
-    pos = torch.tensor([c - 1 for c in contexts])
     ref_kc, ref_vc = kc.clone(), vc.clone()
     ref = rotary_attention_ref(q, k, v, qw, kw, 1e-6, pos, cs, ref_kc, ref_vc, meta, d**-0.5)
     for splits in (1, 3):

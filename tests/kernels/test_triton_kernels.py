@@ -477,27 +477,17 @@ def test_prefetch_params_are_checked_when_built():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("norm", [False, True])
-@pytest.mark.parametrize("heads,kvh,d,bs,contexts", [
-    (4, 4, 16, 4, [1, 9, 13]),  # MHA; a context of one token is only the new one
-    (9, 3, 64, 16, [37, 16, 70]),  # GQA 3:1
-    (8, 2, 40, 5, [23, 6, 41, 11]),  # head dim and block size not powers of two
-    (6, 1, 32, 8, [100]),  # multi-query, a longer context
-])
-def test_rotary_attention(heads, kvh, d, bs, contexts, norm):
-    """q/k head norms, rotary, KV store and decode attention with the splits merged by the last of them, in one
-    launch, against the reference composed of its parts; prefill batches take the parts."""
+def decode_block_case(heads, kvh, d, bs, contexts, norm, seed):
+    """Inputs of a decode batch's attention block: strided q/k/v views of a fused projection, head-norm weights
+    (or None), positions, the rotary table, a scattered paged cache and the metadata whose slots are each
+    sequence's last position."""
     from engine.config import ModelConfig
     from engine.rope import rope_cos_sin
-    from kernels.attention import rotary_attention_ref
-    from kernels.attention_triton import rotary_attention_triton
-    from kernels.counters import ArrivalCounters
 
     cfg = ModelConfig(model_type="llama", vocab_size=10, hidden_size=heads * d, intermediate_size=8,
                       num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kvh, head_dim=d)
     cs = rope_cos_sin(cfg, 300, "cpu")
-    specs = [(c, 1) for c in contexts]
-    _, kc, vc, meta = _paged_case(len(contexts) * 7 + d, heads, kvh, d, bs, specs)
+    _, kc, vc, meta = _paged_case(seed, heads, kvh, d, bs, [(c, 1) for c in contexts])
     t = len(contexts)
     # each sequence's new token goes to the slot of its last position
     slots = [int(meta.block_tables[i, (c - 1) // bs]) * bs + (c - 1) % bs for i, c in enumerate(contexts)]
@@ -508,6 +498,24 @@ def test_rotary_attention(heads, kvh, d, bs, contexts, norm):
     v = qkv[:, (heads + kvh) * d :].view(t, kvh, d)
     qw, kw = (torch.randn(d), torch.randn(d)) if norm else (None, None)
     pos = torch.tensor([c - 1 for c in contexts])
+    return q, k, v, qw, kw, pos, cs, kc, vc, meta
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("heads,kvh,d,bs,contexts", [
+    (4, 4, 16, 4, [1, 9, 13]),  # MHA; a context of one token is only the new one
+    (9, 3, 64, 16, [37, 16, 70]),  # GQA 3:1
+    (8, 2, 40, 5, [23, 6, 41, 11]),  # head dim and block size not powers of two
+    (6, 1, 32, 8, [100]),  # multi-query, a longer context
+])
+def test_rotary_attention(heads, kvh, d, bs, contexts, norm):
+    """q/k head norms, rotary, KV store and decode attention with the splits merged by the last of them, in one
+    launch, against the reference composed of its parts; prefill batches take the parts."""
+    from kernels.attention import rotary_attention_ref
+    from kernels.attention_triton import rotary_attention_triton
+    from kernels.counters import ArrivalCounters
+
+    q, k, v, qw, kw, pos, cs, kc, vc, meta = decode_block_case(heads, kvh, d, bs, contexts, norm, len(contexts) * 7 + d)
     ref_kc, ref_vc = kc.clone(), vc.clone()
     ref = rotary_attention_ref(q, k, v, qw, kw, 1e-6, pos, cs, ref_kc, ref_vc, meta, d**-0.5)
     counters = ArrivalCounters()
