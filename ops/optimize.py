@@ -94,6 +94,12 @@ def decision_table(static_best: VariantSpec, measured: list[tuple[VariantSpec, B
         mark = "* " if slow and v.variant_id == chosen_id else "  "
         lines.append(f"{mark}{v.name[:32]:32} {v.changes_from(static_best)[:44]:44} {r.tier:4} {r.output_tok_s:7.1f} "
                      f"{cap:>17} {ttft:>16} {tpot:>16}  {gates}")
+    base = next((r for v, r in measured if r.tier == "slow" and v.variant_id == static_best.variant_id), None)
+    for v, r in measured:  # precision apart from kernels and knobs: static-best keeps the checkpoint's
+        own = [f"{x} {getattr(v, x)}" for x in ("weight_dtype", "kv_cache_dtype") if getattr(v, x) != "auto"]
+        if r.tier == "slow" and own and base is not None:
+            lines.append(f"  precision: {v.name[:32]} ({', '.join(own)}): capacity {r.capacity:.3f} vs static-best "
+                         f"{base.capacity:.3f} req/s, {r.output_tok_s:.1f} vs {base.output_tok_s:.1f} tok/s")
     for v, r in measured:
         if r.tier == "slow" and r.spec_accepted_length:
             lines.append(f"  {v.name[:32]}: speculation accepted {r.spec_acceptance:.0%} of drafted tokens, "

@@ -67,3 +67,9 @@ def test_the_decision_table_says_what_differs_and_marks_the_choice():
     assert text[2].startswith("  static-best") and " none " in text[2] and text[2].endswith("  -")
     assert text[3].startswith("* fewer seqs") and "0.500 (+0.100)" in text[3] and text[3].endswith("  pass")
     assert text[4].startswith("  triton norm") and " fast " in text[4] and " 80.0 " in text[4]
+    # precision on a line of its own, against static-best
+    quant = VariantSpec(name="static-best + int8 weights", max_num_seqs=8, weight_dtype="int8")
+    text = decision_table(base, rows + [(quant, bench(0.4, 0.1, tok_s=18.0))], base.variant_id)
+    assert "weight_dtype auto -> int8" in text
+    assert "  precision: static-best + int8 weights (weight_dtype int8): capacity 0.400 vs static-best 0.280 " \
+           "req/s, 18.0 vs 15.5 tok/s" in text.splitlines()
