@@ -53,7 +53,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from checks.gates import gate_variant
-    from engine import EngineConfig, LLMEngine, SamplingParams, VariantSpec, resolve  # noqa: F401
+    from engine import EngineConfig, LLMEngine, SamplingParams, VariantSpec, resolve
     from engine.precision import dense_weights, quantized_bytes
 
     base = LLMEngine(EngineConfig(source=resolve(args.model), device=args.device, dtype=args.dtype, num_kv_blocks=8))

@@ -23,11 +23,9 @@ import torch
 from engine.errors import VariantError
 from engine.forward_ops import ForwardOps
 from engine.model import MLP, CausalLM
-from kernels.quant import WEIGHT_DTYPES, QuantizedWeight, quantize
+from kernels.quant import FP8_MAX, WEIGHT_DTYPES, QuantizedWeight, quantize
 
 CHECKPOINT = "auto"  # the checkpoint's own precision
-# what a dtype costs per weight, for the tuner and the reports
-BYTES_PER_WEIGHT = {"int8": 1, "fp8": 1}
 
 _cache: "weakref.WeakKeyDictionary[CausalLM, dict[str, dict[int, QuantizedWeight]]]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
@@ -111,7 +109,6 @@ def quantized_ops(ops: ForwardOps, model: CausalLM, kind: str, impls: dict[str, 
 # under 1, which lift small values out of e4m3's subnormal range, were measured on SmolLM2: the gate's figures
 # stayed the same, max |dlogit| 3.08 against 3.19, mean KL 0.0077 against 0.0069, for an extra multiply per
 # layer, so they are not used.)
-FP8_MAX = 448.0
 KV_MARGIN = 2.0  # headroom over the calibration prompt's largest values, for prompts that reach further
 CALIBRATION_TEXT = ("The committee met on Tuesday to review the quarterly budget. Revenue rose 12% to $4.3 "
                     "million, while costs fell. def mean(xs): return sum(xs) / len(xs)  # average of a list. "

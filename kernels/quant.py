@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 WEIGHT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
-_QMAX = {"int8": 127.0, "fp8": 448.0}
+FP8_MAX = 448.0  # e4m3's largest finite value
+_QMAX = {"int8": 127.0, "fp8": FP8_MAX}
 
 
 @dataclass(eq=False)
@@ -78,7 +79,7 @@ def fp8_gemm_supported(device: torch.device) -> bool:
 def _fp8_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x: (T, K) -> (T, N) through an FP8 tensor-core GEMM; x quantized to e4m3 per row."""
     xf = x.to(torch.float32)
-    xs = (xf.abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)  # (T, 1)
+    xs = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)  # (T, 1)
     xq = (xf / xs).to(torch.float8_e4m3fn)
     out = torch._scaled_mm(xq, qw.q.t(), scale_a=xs, scale_b=qw.scale[None, :], out_dtype=x.dtype)
     return out if bias is None else out + bias
