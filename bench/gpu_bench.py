@@ -22,6 +22,10 @@ their engine forms from the named presets of engine/presets.py:
    (moe.py); the experts alone over their tiles (experts.py).
 8. Weight precision (precision.py): the int8 / FP8 kernels against the float64 product; the 8B's batch-1 decode
    and prefill with int8 and FP8 weights against bf16, each against the roofline of its own bytes.
+9. Where a quantized decode step's time goes (precision_step.py): each projection alone by precision, then
+   whole steps of each precision in several decode forms and with tiles timed in the whole step.
+10. The FP8 KV cache (kv_fp8.py): against the bf16 cache on a 4,000-token prompt, then batch decode at
+    32,000 tokens of context and how many such sequences each cache holds.
 
 Every row is appended to DIR/gpu_bench.jsonl as soon as it is measured.
 """

@@ -35,6 +35,10 @@ from kernels.pdl import launch_options, pdl_enter
 from kernels.quant import QuantizedWeight, qlinear
 
 NONE, SILU_MUL, ADD_RMS_NORM = 0, 1, 2  # input prologues
+# elements (rows x columns) of x + residual the norm prologue loads at once for the row's statistics: its
+# pass before the first product waits on each load, so fewer, larger loads start the products sooner; 0: the
+# weights' BLOCK_K
+RSTD_ELEMENTS = 4096
 DEFAULT_TILES = {"block_n": 8, "block_k": 512, "num_warps": 4}
 # (BLOCK_N, BLOCK_K, warps): small programs, many per SM, so loads from many programs overlap
 AUTOTUNE_TILES = ((4, 512, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8), (32, 256, 8),
@@ -125,7 +129,7 @@ def _gemv_kernel(
     K: tl.constexpr,  # a compile-time bound keeps the loop a plain counted loop (and the interpreter happy)
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr = "",
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = 0, RSTD_BLOCK: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
@@ -139,8 +143,12 @@ def _gemv_kernel(
     pdl_enter(PDL)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if PROLOGUE == 2:  # program 0 also writes the sum (the new residual)
-        rstd = _add_rms_rstd(x_ptr, r_ptr, sum_ptr, rm, m_mask, stride_x, stride_r, stride_sum, eps, pid == 0,
-                             K, BLOCK_M, BLOCK_K)
+        if RSTD_BLOCK == 0:  # the row's statistics in the weights' chunks
+            rstd = _add_rms_rstd(x_ptr, r_ptr, sum_ptr, rm, m_mask, stride_x, stride_r, stride_sum, eps, pid == 0,
+                                 K, BLOCK_M, BLOCK_K)
+        else:  # in chunks of their own: the whole row in one or a few loads, not K / BLOCK_K round trips to L2
+            rstd = _add_rms_rstd(x_ptr, r_ptr, sum_ptr, rm, m_mask, stride_x, stride_r, stride_sum, eps, pid == 0,
+                                 K, BLOCK_M, RSTD_BLOCK)
     acc = _gemv_rows(w_ptr, w_first, rn, n_mask, stride_w, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r,
                      rstd, K, PROLOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVICT)
     if HAS_SCALE:  # quantized weights: one scale per output column
@@ -238,8 +246,10 @@ def _gemv(x, weight, bias, prologue, tiles, r=None, norm_weight=None, eps=0.0, k
     b = weight if bias is None else bias
     args = (x, r, norm_weight, weight, weight if scale is None else scale, b, out, summed, m, n, x.stride(0),
             r.stride(0), weight.stride(0), out.stride(0), summed.stride(0), eps)
-    meta = dict(K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, BLOCK_M=max(triton.next_power_of_2(m), 1),
-                EVICT="evict_first" if evict else "", **launch_options(pdl, x))
+    block_m = max(triton.next_power_of_2(m), 1)
+    meta = dict(K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, BLOCK_M=block_m,
+                EVICT="evict_first" if evict else "", **launch_options(pdl, x),
+                RSTD_BLOCK=min(triton.next_power_of_2(k), max(RSTD_ELEMENTS // block_m, 64)) if RSTD_ELEMENTS else 0)
     if tiles or _interpreted() or not x.is_cuda:
         t = {**DEFAULT_TILES, **tiles}
         _gemv_kernel[(triton.cdiv(n, t["block_n"]),)](*args, **meta, BLOCK_N=t["block_n"], BLOCK_K=t["block_k"],

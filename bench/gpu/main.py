@@ -15,12 +15,15 @@ from bench.gpu.experts import experts_alone
 from bench.gpu.harness import GRAPH_SIZES, ROOT, Llama8B, finish, row, section
 from bench.gpu.machine import attention_bandwidth, gemv_bandwidth, l2_survival, machine
 from bench.gpu.moe import moe_decode
+from bench.gpu.kv_fp8 import fp8_kv_cache
 from bench.gpu.precision import gemv_bandwidth_by_precision, llama8b_precision, quantized_kernel_checks
+from bench.gpu.precision_step import decode_forms_by_precision, projections_alone
 from bench.gpu.swap import cold_start_and_swap, cold_start_child
 from bench.gpu.throughput import llama8b_throughput
 from engine.presets import preset_variant
 
-SECTIONS = ("attention", "gemv", "decode", "throughput", "swap", "moe", "experts", "precision")  # --only
+SECTIONS = ("attention", "gemv", "decode", "throughput", "swap", "moe", "experts", "precision", "precision-step",
+            "kv-fp8")  # --only
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -37,6 +40,7 @@ def parser(description: str) -> argparse.ArgumentParser:
                          "the same commit (the precision section still checks its own kernels)")
     ap.add_argument("--decode-only", action="store_true",
                     help="precision: the decode rows only (no kernel checks, profile or prefill), for a warm machine")
+    ap.add_argument("--kv-length", type=int, default=32000, help="kv-fp8: the long prompts' length in tokens")
     ap.add_argument("--moe-layers", type=int, default=None)
     ap.add_argument("--moe-sweep", action="store_true", help="MoE: also sweep the experts' tiles at batch 1")
     ap.add_argument("--cold-start", default=None, help=argparse.SUPPRESS)
@@ -68,16 +72,22 @@ def main(description: str = __doc__.split("\n\n")[0]) -> None:
         gemv_bandwidth(bw)
     if want("precision"):
         gemv_bandwidth_by_precision(bw)
+    if want("precision-step"):
+        projections_alone()
     if want("decode") or want("moe"):
         l2_survival()
     if not (ok and ok2):
         row("model figures", "skipped: correctness checks failed")
     else:
-        if want("decode") or want("throughput") or want("swap") or want("precision"):
+        if any(want(s) for s in ("decode", "throughput", "swap", "precision", "precision-step", "kv-fp8")):
             m = section(Llama8B)()
             if m is not None:
                 if want("precision"):
                     llama8b_precision(m, bw, prefill=not args.decode_only, profile=not args.decode_only)
+                if want("precision-step"):
+                    decode_forms_by_precision(m)
+                if want("kv-fp8"):
+                    fp8_kv_cache(m, bw, args.kv_length)
                 best = llama8b_decode(m, bw, args.decode_quick) if want("decode") else None
                 if best is None and (want("throughput") or want("swap")):
                     best = preset_variant("gemv", cuda_graph_batch_sizes=GRAPH_SIZES)

@@ -325,6 +325,21 @@ def test_linear_kernels(m, n, k, bias, tiles):
     torch.testing.assert_close(act_linear_triton(gu5, w, max_m=4), act_linear_ref(gu5, w), **tol)
 
 
+@pytest.mark.parametrize("rstd_elements", [0, 64])
+def test_norm_linear_statistics_in_chunks(monkeypatch, rstd_elements):
+    """The norm prologue's row statistics in the weights' chunks (0) or in chunks smaller than the row (64
+    elements: at least 64 columns per load, 6 loads for the row of 330)."""
+    import kernels.linear_triton as lt
+    from kernels.linear import norm_linear_ref
+
+    monkeypatch.setattr(lt, "RSTD_ELEMENTS", rstd_elements)
+    x, r, w, nw = torch.randn(3, 330), torch.randn(3, 330), torch.randn(20, 330), torch.randn(330)
+    out, summed = lt.norm_linear_triton(x, r, nw, 1e-6, w, block_n=8, block_k=128, num_warps=4)
+    ref_out, ref_summed = norm_linear_ref(x, r, nw, 1e-6, w)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(summed, ref_summed)
+
+
 def test_dependent_launch_options():
     """pdl is 0, 1 or 2; off the GPU (and under the interpreter) kernels launch as usual."""
     from kernels.pdl import launch_options
