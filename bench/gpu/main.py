@@ -40,6 +40,8 @@ def parser(description: str) -> argparse.ArgumentParser:
                          "the same commit (the precision section still checks its own kernels)")
     ap.add_argument("--decode-only", action="store_true",
                     help="precision: the decode rows only (no kernel checks, profile or prefill), for a warm machine")
+    ap.add_argument("--step-quick", action="store_true",
+                    help="precision-step: each precision in the dense-decode form only (no other forms, no tile sweep)")
     ap.add_argument("--kv-length", type=int, default=32000, help="kv-fp8: the long prompts' length in tokens")
     ap.add_argument("--moe-layers", type=int, default=None)
     ap.add_argument("--moe-sweep", action="store_true", help="MoE: also sweep the experts' tiles at batch 1")
@@ -85,7 +87,7 @@ def main(description: str = __doc__.split("\n\n")[0]) -> None:
                 if want("precision"):
                     llama8b_precision(m, bw, prefill=not args.decode_only, profile=not args.decode_only)
                 if want("precision-step"):
-                    decode_forms_by_precision(m)
+                    decode_forms_by_precision(m, sweep=() if args.step_quick else ("auto", "fp8"))
                 if want("kv-fp8"):
                     fp8_kv_cache(m, bw, args.kv_length)
                 best = llama8b_decode(m, bw, args.decode_quick) if want("decode") else None

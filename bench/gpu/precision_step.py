@@ -79,6 +79,12 @@ def projections_alone(kinds=("auto", "fp8")) -> None:
                         extra = f"; kernel with the statistics in the weights' chunks {1e3 * graph_time(fused):.1f} us"
                     finally:
                         lt.RSTD_ELEMENTS = saved
+                if kind == "fp8":
+                    try:
+                        lt.FP8_BITS = 0
+                        extra += f"; kernel with the FP8 conversion instruction {1e3 * graph_time(fused):.1f} us"
+                    finally:
+                        lt.FP8_BITS = 1
             except Exception as e:
                 traceback.print_exc()
                 row(f"{name} {n}x{k} b=1, {kind}", f"FAILED {type(e).__name__}: {str(e)[:160]}")
@@ -115,21 +121,27 @@ def _forms(m: Llama8B) -> dict:
 def _measure(eng, spec, prompt, new) -> float:
     from engine import SamplingParams
 
+    t = time.perf_counter()
     eng.apply_variant(spec)
     eng.block_manager.reset_prefix_cache()
     eng.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
-    return max(decode_tps(eng, prompt, new, SamplingParams) for _ in range(2))
+    prepared = time.perf_counter() - t
+    tps = max(decode_tps(eng, prompt, new, SamplingParams) for _ in range(2))
+    print(f"[prepared in {prepared:.1f} s, measured in {time.perf_counter() - t - prepared:.1f} s]", flush=True)
+    return tps
 
 
 @section
 def decode_forms_by_precision(m: Llama8B, kinds=("auto", "fp8", "int8"), sweep=("auto", "fp8"),
-                              budget_s: float = 200.0) -> None:
+                              budget_s: float = 200.0, forms: int | None = None) -> None:
+    """Each precision in each decode form (int8 and any kind not in ``sweep``: the first form only; ``forms``: the
+    first that many for all), then the tiles of each kind in ``sweep`` timed in the whole step."""
     eng = m.engine
     eng.config = dataclasses.replace(eng.config, async_decode=True)
     prompt, new = list(range(1, 129)), 96
     best: dict[str, tuple[float, str, object]] = {}
     for kind in kinds:
-        for form, spec in list(_forms(m).items())[: 1 if kind not in sweep else None]:
+        for form, spec in list(_forms(m).items())[: 1 if kind not in sweep else forms]:
             spec = dataclasses.replace(spec, weight_dtype=kind)
             try:
                 tps = _measure(eng, spec, prompt, new)

@@ -95,6 +95,29 @@ def test_triton_gemv_with_quantized_weights(kind, m, n, k, tiles):
     _close(act_linear_ref(gu9, qw), qlinear_exact(silu_and_mul_ref(gu9), qw), 1e-5)
 
 
+def test_gemv_reads_every_fp8_code():
+    """The GEMV reads e4m3 weights through their bit pattern (kernels/linear_triton._w_float): every finite code,
+    subnormals, both zeros and both signs among them, gives its value. Each column of an identity-like input
+    picks one code; one weight row holds all 254 finite codes."""
+    from kernels.linear_triton import linear_triton
+
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # 0x7F / 0xFF: NaN
+    q = codes.view(torch.float8_e4m3fn).reshape(1, -1).repeat(3, 1)
+    k = q.shape[1]
+    scale = torch.tensor([1.0, 0.5, 2.0 ** -9])
+    qw = QuantizedWeight("fp8", q.contiguous(), scale, torch.float32)
+    x = torch.eye(k)[:4]  # four columns
+    values = codes.view(torch.float8_e4m3fn).to(torch.float64)
+    for cols in (torch.arange(4), torch.arange(k - 4, k), torch.tensor([0, 1, 7, 8])):  # large, subnormal codes
+        x = torch.zeros(4, k)
+        x[torch.arange(4), cols] = 1.0
+        out = linear_triton(x, qw, block_n=4, block_k=64, num_warps=4)
+        exact = values[cols][:, None] * scale.double()[None, :]
+        torch.testing.assert_close(out.double(), exact, rtol=0, atol=0)
+    xr = torch.randn(2, k)
+    _close(linear_triton(xr, qw, block_n=4, block_k=64, num_warps=4), qlinear_exact(xr, qw), 1e-5)
+
+
 def test_quantized_weight_reports_its_bytes():
     qw = quantize(torch.randn(10, 16), "int8")
     assert isinstance(qw, QuantizedWeight) and qw.nbytes == 10 * 16 + 10 * 4 and qw.shape == (10, 16)
