@@ -35,7 +35,6 @@ from kernels.pdl import launch_options, pdl_enter
 from kernels.quant import QuantizedWeight, qlinear
 
 NONE, SILU_MUL, ADD_RMS_NORM = 0, 1, 2  # input prologues
-FP8_BITS = 1  # 0: FP8 weights through the conversion instruction instead (the bench's comparison)
 # elements (rows x columns) of x + residual the norm prologue loads at once for the row's statistics: its
 # pass before the first product waits on each load, so fewer, larger loads start the products sooner; 0: the
 # weights' BLOCK_K
@@ -49,25 +48,19 @@ AUTOTUNE_TILES = ((4, 512, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256,
 
 
 @triton.jit
-def _w_float(w, FP8_BITS: tl.constexpr = 1):
-    """Weights as float32, without the int-to-float or FP8-to-float conversions, which run at a quarter rate (they
-    capped the int8 GEMV at about half the HBM bandwidth on an H200, and the FP8 one at about 2.9 TB/s:
-    bench/RESULTS.md). int8 through the float bit pattern of 1.5 * 2^23 + w (an integer add and a float
-    subtract, both at full rate). FP8 (e4m3) with FP8_BITS: its sign, exponent and mantissa bits moved into
-    float32's places, which gives the value times 2^-120 exactly (e4m3's subnormals become float32's): the caller
-    multiplies the sums by 2^120."""
+def _w_float(w):
+    """Weights as float32. int8 through the float bit pattern of 1.5 * 2^23 + w (integer adds at full rate)
+    instead of the int-to-float conversion, which runs at a quarter rate and capped the int8 GEMV at about
+    half the HBM bandwidth on an H200 (bench/RESULTS.md). FP8 through the conversion instruction: moving e4m3's
+    bits into float32's places with integer operations measured slower on an H200 (2026-12-02, bench/RESULTS.md)."""
     if w.dtype == tl.int8:
         return (w.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
-    if FP8_BITS and w.dtype == tl.float8e4nv:
-        # sign-extended byte << 20: bits 20-26 hold exponent and mantissa, bit 31 the sign; 0x87F00000 keeps those
-        return ((w.to(tl.int8, bitcast=True).to(tl.int32) << 20) & -2014314496).to(tl.float32, bitcast=True)
     return w.to(tl.float32)
 
 
 @triton.jit
 def _gemv_chunk(acc, acc1, w, k0, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r, rstd,
-                K: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                FP8_BITS: tl.constexpr = 1):
+                K: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """Adds one BLOCK_K chunk of the product (``w`` holds its weights) to the accumulators."""
     rk = k0 + tl.arange(0, BLOCK_K)
     k_mask = rk < K
@@ -84,9 +77,9 @@ def _gemv_chunk(acc, acc1, w, k0, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, st
     else:
         a = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0)
     if BLOCK_M == 1:
-        acc1 += _w_float(w, FP8_BITS) * tl.sum(a.to(tl.float32), axis=0)[None, :]
+        acc1 += _w_float(w) * tl.sum(a.to(tl.float32), axis=0)[None, :]
     else:
-        acc += tl.sum(a.to(tl.float32)[:, None, :] * _w_float(w, FP8_BITS)[None, :, :], axis=2)
+        acc += tl.sum(a.to(tl.float32)[:, None, :] * _w_float(w)[None, :, :], axis=2)
     return acc, acc1
 
 
@@ -111,20 +104,20 @@ def _add_rms_rstd(x_ptr, r_ptr, sum_ptr, rm, m_mask, stride_x, stride_r, stride_
 @triton.jit
 def _gemv_rows(w_ptr, w_first, rn, n_mask, stride_w, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r, rstd,
                K: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, EVICT: tl.constexpr, FP8_BITS: tl.constexpr = 1):
+               BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
     """(BLOCK_M, BLOCK_N) float32: the prologue's input times weight rows rn; ``w_first`` holds their first
     BLOCK_K columns, already loaded; EVICT: the weights' L2 eviction policy ("" or "evict_first")."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # one row: accumulate elementwise and reduce once at the end (no cross-thread sum per chunk)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc, acc1 = _gemv_chunk(acc, acc1, w_first, 0, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r, rstd,
-                            K, PROLOGUE, BLOCK_M, BLOCK_K, FP8_BITS)
+                            K, PROLOGUE, BLOCK_M, BLOCK_K)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0,
                     eviction_policy=EVICT)
         acc, acc1 = _gemv_chunk(acc, acc1, w, k0, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r, rstd,
-                                K, PROLOGUE, BLOCK_M, BLOCK_K, FP8_BITS)
+                                K, PROLOGUE, BLOCK_M, BLOCK_K)
     if BLOCK_M == 1:
         acc = tl.sum(acc1, axis=1)[None, :]
     return acc
@@ -137,7 +130,7 @@ def _gemv_kernel(
     K: tl.constexpr,  # a compile-time bound keeps the loop a plain counted loop (and the interpreter happy)
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr = "",
-    PDL: tl.constexpr = 0, RSTD_BLOCK: tl.constexpr = 0, FP8_BITS: tl.constexpr = 0,
+    PDL: tl.constexpr = 0, RSTD_BLOCK: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
@@ -158,10 +151,8 @@ def _gemv_kernel(
             rstd = _add_rms_rstd(x_ptr, r_ptr, sum_ptr, rm, m_mask, stride_x, stride_r, stride_sum, eps, pid == 0,
                                  K, BLOCK_M, RSTD_BLOCK)
     acc = _gemv_rows(w_ptr, w_first, rn, n_mask, stride_w, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r,
-                     rstd, K, PROLOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVICT, FP8_BITS)
+                     rstd, K, PROLOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVICT)
     if HAS_SCALE:  # quantized weights: one scale per output column
-        if FP8_BITS and w_ptr.dtype.element_ty == tl.float8e4nv:
-            acc *= 1.329227995784916e36  # 2^120: e4m3 bits read as float32 (_w_float) are the value times 2^-120
         acc *= tl.load(s_ptr + rn, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -259,8 +250,7 @@ def _gemv(x, weight, bias, prologue, tiles, r=None, norm_weight=None, eps=0.0, k
     block_m = max(triton.next_power_of_2(m), 1)
     meta = dict(K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, BLOCK_M=block_m,
                 EVICT="evict_first" if evict else "", **launch_options(pdl, x),
-                RSTD_BLOCK=min(triton.next_power_of_2(k), max(RSTD_ELEMENTS // block_m, 64)) if RSTD_ELEMENTS else 0,
-                FP8_BITS=FP8_BITS)
+                RSTD_BLOCK=min(triton.next_power_of_2(k), max(RSTD_ELEMENTS // block_m, 64)) if RSTD_ELEMENTS else 0)
     if tiles or _interpreted() or not x.is_cuda:
         t = {**DEFAULT_TILES, **tiles}
         _gemv_kernel[(triton.cdiv(n, t["block_n"]),)](*args, **meta, BLOCK_N=t["block_n"], BLOCK_K=t["block_k"],

@@ -42,7 +42,8 @@ def _batch_decode_tps(eng, prompts, new) -> tuple[float, float]:
 
 
 @section
-def fp8_kv_cache(m: Llama8B, bw: float, length: int = 32000, batches=(1, 4), new: int = 64) -> None:
+def fp8_kv_cache(m: Llama8B, bw: float, length: int = 32000, batches=(1, 4), new: int = 64, splits: int = 16,
+                 check: bool = True) -> None:
     from bench.gpu.precision import _logits
     from engine import LLMEngine
 
@@ -52,10 +53,16 @@ def fp8_kv_cache(m: Llama8B, bw: float, length: int = 32000, batches=(1, 4), new
     eng.config = dataclasses.replace(eng.config, async_decode=True)
     form = preset_variant("dense-decode", m.mcfg.hidden_size, base=eng.variant, cuda_graph_batch_sizes=tuple(batches),
                           max_num_seqs=max(batches), max_num_batched_tokens=8192)
+    # 16 splits of each context: the automatic 4 at batch 1 (32 programs, sized for short contexts) read a
+    # 32,000-token cache at a quarter of the roofline (measured 2026-12-02)
+    params = {op: dict(p) for op, p in form.kernel_params}
+    for op in ("attention", "rotary_attention"):
+        params[op] = {**params.get(op, {}), "num_splits": splits}
+    form = dataclasses.replace(form, kernel_params=params)
     gen = torch.Generator().manual_seed(0)
     short = torch.randint(0, 128000, (4000,), generator=gen).tolist()
     logits, tokens = {}, {}
-    for kind in ("auto", "fp8"):
+    for kind in ("auto", "fp8") if check else ():
         try:
             eng.apply_variant(dataclasses.replace(form, kv_cache_dtype=kind))
             eng.block_manager.reset_prefix_cache()
@@ -66,12 +73,14 @@ def fp8_kv_cache(m: Llama8B, bw: float, length: int = 32000, batches=(1, 4), new
             traceback.print_exc()
             row(f"8B, {kind} KV cache, 4,000-token prompt", f"FAILED {type(e).__name__}: {str(e)[:200]}")
             return
-    ref, got = logits["auto"], logits["fp8"]
-    kl = torch.nn.functional.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="sum").item()
-    same = next((i for i, (a, b) in enumerate(zip(tokens["auto"], tokens["fp8"])) if a != b), len(tokens["auto"]))
-    row("8B, FP8 KV cache against bf16, 4,000-token prompt",
-        f"last-position logits max |d| {(got - ref).abs().max().item():.3g} (max |logit| {ref.abs().max():.2f}), "
-        f"KL {kl:.3g}; greedy tokens equal for the first {same} of 32")
+    if check:
+        ref, got = logits["auto"], logits["fp8"]
+        kl = torch.nn.functional.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                                        reduction="sum").item()
+        same = next((i for i, (a, b) in enumerate(zip(tokens["auto"], tokens["fp8"])) if a != b), len(tokens["auto"]))
+        row("8B, FP8 KV cache against bf16, 4,000-token prompt",
+            f"last-position logits max |d| {(got - ref).abs().max().item():.3g} (max |logit| {ref.abs().max():.2f}), "
+            f"KL {kl:.3g}; greedy tokens equal for the first {same} of 32")
     per_token = m.mcfg.kv_bytes_per_token(2)
     long_prompts = [torch.randint(0, 128000, (length,), generator=gen).tolist() for _ in range(max(batches))]
     dense = sum(p.numel() * p.element_size() for p in m.loaded.model.parameters()) - m.embed_bytes
@@ -90,7 +99,7 @@ def fp8_kv_cache(m: Llama8B, bw: float, length: int = 32000, batches=(1, 4), new
             roofline = b * bw / (dense + kv)
             results[(b, kind)] = tps
             label = "bf16" if kind == "auto" else "FP8"
-            row(f"8B decode b={b}, prompts of {length:,} tokens, {label} KV cache ({kv / 1e9:.1f} GB of cache a step)",
+            row(f"8B decode b={b}, prompts of {length:,} tokens, {splits} splits, {label} KV cache ({kv / 1e9:.1f} GB of cache a step)",
                 f"{tps:.1f} tok/s = {100 * tps / roofline:.1f}% of its roofline ({roofline:.0f})"
                 + (f"; {tps / results[(b, 'auto')]:.2f}x the bf16 cache" if (b, "auto") in results and kind == "fp8"
                    else "") + f"; prefill {prefill:.1f} s")

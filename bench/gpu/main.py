@@ -89,7 +89,7 @@ def main(description: str = __doc__.split("\n\n")[0]) -> None:
                 if want("precision-step"):
                     decode_forms_by_precision(m, sweep=() if args.step_quick else ("auto", "fp8"))
                 if want("kv-fp8"):
-                    fp8_kv_cache(m, bw, args.kv_length)
+                    fp8_kv_cache(m, bw, args.kv_length, check=not args.skip_checks)
                 best = llama8b_decode(m, bw, args.decode_quick) if want("decode") else None
                 if best is None and (want("throughput") or want("swap")):
                     best = preset_variant("gemv", cuda_graph_batch_sizes=GRAPH_SIZES)

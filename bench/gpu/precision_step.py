@@ -79,12 +79,7 @@ def projections_alone(kinds=("auto", "fp8")) -> None:
                         extra = f"; kernel with the statistics in the weights' chunks {1e3 * graph_time(fused):.1f} us"
                     finally:
                         lt.RSTD_ELEMENTS = saved
-                if kind == "fp8":
-                    try:
-                        lt.FP8_BITS = 0
-                        extra += f"; kernel with the FP8 conversion instruction {1e3 * graph_time(fused):.1f} us"
-                    finally:
-                        lt.FP8_BITS = 1
+
             except Exception as e:
                 traceback.print_exc()
                 row(f"{name} {n}x{k} b=1, {kind}", f"FAILED {type(e).__name__}: {str(e)[:160]}")
