@@ -13,7 +13,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from engine.errors import ConfigError
-from engine.presets import TRITON_ALL, TRITON_GEMV, TRITON_MOE_DECODE, moe_decode_params, with_pdl
+from engine.presets import (
+    LONG_CONTEXT, TRITON_ALL, TRITON_GEMV, TRITON_MOE_DECODE, context_splits, moe_decode_params, with_pdl,
+)
 from engine.variant import VariantSpec
 from kernels.generated import GENERATED_OPS
 from ops import kernel_templates
@@ -225,6 +227,8 @@ class KernelChoices(Agent):
         conc = max(1.0, state.traffic.estimated_concurrency)
         graphs = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= max(v.max_num_seqs, 1) and b <= 4 * conc)
         ctx = min(state.traffic.input_p90, state.max_input or state.traffic.input_p90)
+        # split-KV attention's splits: automatic (sized for short contexts) unless the contexts are long
+        splits = context_splits(ctx) if ctx >= LONG_CONTEXT else 0
         cands = [
             (dataclasses.replace(v, name="kernels: triton", kernels=TRITON_ALL),
              "Triton kernels for every operation (fused rotary + KV store, paged attention)"),
@@ -244,13 +248,13 @@ class KernelChoices(Agent):
         if conc <= 4:
             cands.append((dataclasses.replace(v, name="kernels: triton + graphs + fused GEMV + split-KV",
                                               kernels={**TRITON_ALL, **TRITON_GEMV},
-                                              kernel_params={"attention": {"num_splits": 0, "block_n": 32}},
+                                              kernel_params={"attention": {"num_splits": splits, "block_n": 32}},
                                               cuda_graph_batch_sizes=graphs),
                           f"few sequences at once (concurrency {conc:.1f}): decode attention split so a batch "
                           "of one still spreads over the GPU"))
         cap = state.hardware.compute_capability
         if cap is not None and int(cap.split(".")[0]) >= 9:
-            attn = {"num_splits": 0, "block_n": 32} if conc <= 4 else {"block_n": 128, "num_warps": 8}
+            attn = {"num_splits": splits, "block_n": 32} if conc <= 4 else {"block_n": 128, "num_warps": 8}
             cands.append((dataclasses.replace(v, name="kernels: triton + graphs + fused GEMV + dependent launch",
                                               kernels={**TRITON_ALL, **TRITON_GEMV},
                                               kernel_params=with_pdl({"attention": attn}),
@@ -276,11 +280,13 @@ class KernelChoices(Agent):
                     kernel_params=with_pdl({"attention": attn, "rotary_attention": attn}),
                     cuda_graph_batch_sizes=graphs),
                     f"few sequences at once (concurrency {conc:.1f}): one launch fewer per layer in the attention"))
-        if ctx >= 4096:
+        if ctx >= LONG_CONTEXT:
             cands.append((dataclasses.replace(v, name="kernels: split-KV attention + graphs",
                                               kernels={**TRITON_ALL, "attention": "triton_split_kv"},
+                                              kernel_params={"attention": {"num_splits": splits}},
                                               cuda_graph_batch_sizes=graphs),
-                          f"long contexts (p90 {ctx:.0f} tokens): split-KV decode attention"))
+                          f"long contexts (p90 {ctx:.0f} tokens): split-KV decode attention, {splits} splits "
+                          "per context"))
         return [Proposal(c, why, refs) for c, why in cands if state.fresh(c)][:n]
 
 

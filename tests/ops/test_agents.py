@@ -210,8 +210,12 @@ def test_kernel_choices_follow_device_and_concurrency(tmp_path):
     assert split[0].impl("linear") == "triton" and split[0].cuda_graph_batch_sizes
     busy = dataclasses.replace(gpu, traffic=dataclasses.replace(gpu.traffic, estimated_concurrency=32.0))
     assert not any(p.variant.params("attention").get("num_splits") == 0 for p in KernelChoices().propose(busy, 8))
-    long = dataclasses.replace(gpu, traffic=dataclasses.replace(gpu.traffic, input_p90=8192.0))
-    assert any(p.variant.impl("attention") == "triton_split_kv" for p in KernelChoices().propose(long, 8))
+    long = dataclasses.replace(gpu, traffic=dataclasses.replace(gpu.traffic, input_p90=32000.0), max_input=None)
+    long_split = [p.variant for p in KernelChoices().propose(long, 8) if p.variant.impl("attention") == "triton_split_kv"]
+    assert len(long_split) == 1 and long_split[0].params("attention")["num_splits"] == 16  # sized to the context
+    # the low-concurrency split-KV forms too: 32,000 tokens of context take 16 splits, not the automatic count
+    assert {p.variant.params("attention").get("num_splits") for p in KernelChoices().propose(long, 8)} >= {16}
+    assert not any(p.variant.params("attention").get("num_splits") == 0 for p in KernelChoices().propose(long, 8))
     assert not any(p.variant.impl("attention") == "triton_split_kv" for p in props)
     # programmatic dependent launch on Hopper and later only, for every kernel that takes it
     assert not any(p.variant.params("linear").get("pdl") for p in props)  # the test hardware has no capability
