@@ -17,7 +17,7 @@ def resources(model: str = "smollm2", trace: str | None = None, requests: int = 
               max_output: int = 16, time_scale: float = 0.02, candidates: int = 4, device: str = "cpu",
               dtype: str = "float32", fast_layers: int = 4, artifacts: str = ".polyinf/artifacts",
               endpoint_url: str = "", llm_base_url: str = "", llm_model: str = "polyinf",
-              speculation: bool = False, precision: bool = False) -> dict:
+              speculation: bool = False, precision: bool = True) -> dict:
     """Every resource the graph uses. Secrets (the endpoint's admin token, the LLM key) come from the
     environment through dg.EnvVar; the trace defaults to $POLYINF_TRACE, else the shipped Azure slice."""
     return {
@@ -45,7 +45,7 @@ def run_optimize(model: str, trace: str, requests: int, max_input: int, max_outp
                  candidates: int, device: str = "cpu", dtype: str = "float32", fast_layers: int = 4,
                  artifacts: str = ".polyinf/artifacts", endpoint_url: str = "", admin_token: str = "",
                  llm_base_url: str = "", llm_model: str = "polyinf", log_level: str = "DEBUG",
-                 dagster_home: str | None = None, speculation: bool = False, precision: bool = False):
+                 dagster_home: str | None = None, speculation: bool = False, precision: bool = True):
     """Materializes the whole graph in-process for one deployment partition; returns the Dagster result.
     ``log_level``: the console's event log (the CLI's default is INFO: the steps, not every input loaded).
     The run is recorded in a persistent Dagster instance: ``dagster_home``, else $DAGSTER_HOME, else

@@ -164,10 +164,10 @@ def add_parsers(sub) -> None:
     op.add_argument("--speculation", action=argparse.BooleanOptionalAction, default=False,
                     help="static-best with prompt-lookup speculation measured on the slow tier too, where the replay "
                          "is real text (default: off: the default replay's short outputs leave it little to gain)")
-    op.add_argument("--precision", action=argparse.BooleanOptionalAction, default=False,
+    op.add_argument("--precision", action=argparse.BooleanOptionalAction, default=True,
                     help="static-best with quantized weights (int8; FP8 on a GPU with FP8 tensor cores) measured on "
-                         "the slow tier too; the gates judge its quality before it ships (default: off: another "
-                         "slow-tier variant's time)"),
+                         "the slow tier too; the gates judge its quality before it ships (default: on; "
+                         "--no-precision saves that slow-tier variant's time)")
     op.add_argument("--verbose", action="store_true", help="Dagster's event log at DEBUG (default: INFO)")
     op.add_argument("--dagster-home", default=None,
                     help="the Dagster instance that records the run (default: $DAGSTER_HOME, else "
