@@ -31,9 +31,17 @@ from ops.tune import Budget, Search, static_best_of, tune  # noqa: E402
 from ops.worker import SLOW, SearchConfig, bench_from  # noqa: E402
 
 ROWS: list[tuple[str, str]] = []
-# a dimension: the VariantSpec fields of these scopes (speculation's fields apart from the other scheduler knobs)
+# a dimension: the VariantSpec fields of these scopes (speculation's fields apart from the other scheduler knobs,
+# precision's apart from the other forward and KV-layout fields)
 DIMENSIONS = {"scheduling knobs": (SCHEDULER, KV_LAYOUT), "kernels and graphs": (FORWARD,),
-              "speculation": ("speculation",)}
+              "speculation": ("speculation",), "precision": ("precision",)}
+PRECISION_FIELDS = ("weight_dtype", "kv_cache_dtype")
+
+
+def dimension_of(f: dataclasses.Field) -> str | None:
+    if f.name in SPECULATION_FIELDS:
+        return "speculation"
+    return "precision" if f.name in PRECISION_FIELDS else f.metadata.get("scope")
 
 
 def row(out: Path, name: str, value: str) -> None:
@@ -45,8 +53,7 @@ def row(out: Path, name: str, value: str) -> None:
 
 def only(base: VariantSpec, chosen: VariantSpec, scopes: tuple[str, ...]) -> VariantSpec:
     """``base`` with ``chosen``'s fields of the given scopes."""
-    fields = {f.name: getattr(chosen, f.name) for f in dataclasses.fields(VariantSpec)
-              if ("speculation" if f.name in SPECULATION_FIELDS else f.metadata.get("scope")) in scopes}
+    fields = {f.name: getattr(chosen, f.name) for f in dataclasses.fields(VariantSpec) if dimension_of(f) in scopes}
     return dataclasses.replace(base, name=f"static-best + {'/'.join(scopes)} of the choice", **fields)
 
 
@@ -97,6 +104,10 @@ def main() -> int:
     ap.add_argument("--slow-top", type=int, default=2, help="the fast tier's best measured on the slow tier")
     ap.add_argument("--only", nargs="*", default=["azure", "mooncake", "drift"])
     ap.add_argument("--no-gate", action="store_true", help="skip the gates on each choice (to save device time)")
+    ap.add_argument("--speculation", action=argparse.BooleanOptionalAction, default=True,
+                    help="static-best with prompt-lookup speculation on the slow tier (the search's default: on)")
+    ap.add_argument("--precision", action=argparse.BooleanOptionalAction, default=True,
+                    help="static-best with quantized weights on the slow tier (the search's default: on)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     board = args.out / "board.sqlite"
@@ -122,7 +133,8 @@ def main() -> int:
             continue
         try:
             rep = reports[name] = tune(cfg(trace), board, budget=budget, slow_top=args.slow_top, gate=not args.no_gate,
-                                       log=lambda m, n=name: print(f"[{n}] {m}", flush=True))
+                                       log=lambda m, n=name: print(f"[{n}] {m}", flush=True),
+                                       speculation=args.speculation, precision=args.precision)
             (args.out / f"tune_{name}.json").write_text(json.dumps(rep.to_json(), indent=2, default=str))
             print(rep.text(), flush=True)
             base, chosen = rep.decision.get("baseline"), rep.decision.get("chosen")
@@ -152,7 +164,8 @@ def main() -> int:
             try:
                 rep = reports.get("mooncake") if trace == mooncake else None
                 rep = rep or tune(cfg(trace), board, budget=budget, slow_top=args.slow_top, gate=not args.no_gate,
-                                  log=lambda m: print(f"[{label}] {m}", flush=True))
+                                  log=lambda m: print(f"[{label}] {m}", flush=True), speculation=args.speculation,
+                                  precision=args.precision)
                 retuned = VariantSpec.from_json(rep.chosen)
                 got = measure(cfg(trace), board, rep.search, [dataclasses.replace(stale, name="stale")], "stale")
                 ratio_row(args.out, f"drift, {label}: re-tuned / stale capacity", got[retuned.variant_id],
