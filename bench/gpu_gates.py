@@ -17,8 +17,8 @@ sys.path.insert(0, str(ROOT))
 
 from checks.gates import gate_variant  # noqa: E402
 from engine import EngineConfig, LLMEngine, resolve  # noqa: E402
-from engine.presets import TRITON_ALL, TRITON_GEMV, TRITON_MOE_DECODE, moe_decode_params, with_pdl  # noqa: E402
-from engine.variant import REFERENCE_VARIANT, VariantSpec  # noqa: E402
+from engine.presets import preset_variant  # noqa: E402
+from engine.variant import REFERENCE_VARIANT  # noqa: E402
 
 
 def main() -> int:
@@ -29,29 +29,17 @@ def main() -> int:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--only", default="", help="gate only the variants whose name contains this text")
     args = ap.parse_args()
-    variants = {
-        "reference (against itself)": REFERENCE_VARIANT,
-        "triton": VariantSpec(kernels=TRITON_ALL),
-        "triton + graphs": VariantSpec(kernels=TRITON_ALL, kernel_params={"attention": {"block_n": 128, "num_warps": 8}},
-                                       cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32)),
-        "triton + graphs + GEMV + split-KV": VariantSpec(
-            kernels={**TRITON_ALL, **TRITON_GEMV}, kernel_params={"attention": {"num_splits": 0, "block_n": 32}},
-            cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32)),
-        "... + dependent launch (pdl 1)": VariantSpec(
-            kernels={**TRITON_ALL, **TRITON_GEMV}, kernel_params=with_pdl({"attention": {"num_splits": 0, "block_n": 32}}),
-            cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32)),
-        "... + dependent launch (pdl 1) + rotary_attention": VariantSpec(
-            # the form the kernel agent proposes for dense models at low concurrency
-            kernels={**TRITON_ALL, **TRITON_GEMV, "rotary_attention": "triton"},
-            kernel_params=with_pdl({"attention": {"num_splits": 0, "block_n": 32},
-                                    "rotary_attention": {"num_splits": 0, "block_n": 32}}),
-            cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32)),
-        "... + dependent launch, rotary_attention, whole-row tiles, sum in down, activation in gate/up, o_proj and "
-        "next QKV prefetch": VariantSpec(
-            # the form measured best on the MoE shape (hidden 2,048), on either model
-            kernels=TRITON_MOE_DECODE, kernel_params=moe_decode_params({"num_splits": 0, "block_n": 32}, 2048),
-            cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32)),
-    }
+    graphs = (1, 2, 4, 8, 16, 32)
+    # the validated forms of engine/presets.py (each gated on either model; the MoE form with its whole-row tiles
+    # sized to the MoE shape's hidden 2,048, as measured best there)
+    forms = {"triton": "triton", "triton + graphs": "triton-paged",
+             "triton + graphs + GEMV + split-KV": "gemv-split-kv", "... + dependent launch (pdl 1)": "gemv-split-kv-pdl",
+             "... + dependent launch (pdl 1) + rotary_attention (dense-decode)": "dense-decode",
+             "... + dependent launch, rotary_attention, whole-row tiles, sum in down, activation in gate/up, o_proj "
+             "and next QKV prefetch (moe-decode)": "moe-decode"}
+    variants = {"reference (against itself)": REFERENCE_VARIANT,
+                **{label: preset_variant(name, 2048, cuda_graph_batch_sizes=() if name == "triton" else graphs)
+                   for label, name in forms.items()}}
     variants = {name: v for name, v in variants.items() if args.only in name}
     rows = []
     for dtype in args.dtypes:

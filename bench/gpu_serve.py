@@ -56,12 +56,11 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     env = ensure_serving_packages(Path("/tmp/polyinf-serving-deps"))
     sys.path.insert(0, str(ROOT))
-    from engine.presets import TRITON_ALL
+    from engine.presets import preset_variant
     from engine.variant import VariantSpec
 
-    variant = VariantSpec(name="tuned: triton + graphs", kernels=TRITON_ALL,
-                          kernel_params={"attention": {"block_n": 128, "num_warps": 8}},
-                          cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64))
+    variant = preset_variant("triton-paged", name="tuned: triton + graphs",
+                             cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64))
     if args.reference_kernels:
         variant = VariantSpec(name="default")
     vfile = args.out / "variant.json"

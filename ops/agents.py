@@ -44,8 +44,8 @@ def fast_score(bench: dict) -> tuple[float, float, float]:
 
 @dataclass
 class SearchState:
-    search: str
-    spec: ModelSpec
+    search_id: str
+    model_spec: ModelSpec
     hardware: HardwareProfile
     traffic: TrafficProfile
     plan: CostModelPlan
@@ -59,10 +59,10 @@ class SearchState:
     max_output: int | None = None
 
     @classmethod
-    def read(cls, board: Board, search: str, **kw) -> "SearchState":
-        state = cls(search=search, **kw)
-        state.fast = board.results(search, "fast")
-        state.tried = {e["variant_id"] for e in board.experiments(search)}
+    def read(cls, board: Board, search_id: str, **kw) -> "SearchState":
+        state = cls(search_id=search_id, **kw)
+        state.fast = board.results(search_id, "fast")
+        state.tried = {e["variant_id"] for e in board.experiments(search_id)}
         return state
 
     def best(self) -> tuple[Result, VariantSpec] | None:
@@ -189,7 +189,7 @@ class TrafficRules(Agent):
         def step_s(seqs: int, prefill: int) -> float:
             shape = StepShape(seqs + prefill, seqs * ctx + prefill, seqs + (prefill > 0),
                               seqs * ctx + prefill * (prefill + 1) // 2)
-            return step_time(state.spec, state.hardware, shape, cal)
+            return step_time(state.model_spec, state.hardware, shape, cal)
 
         sizes = [b for b in (256, 128, 64, 32, 16, 8, 4, 2, 1) if b <= base.max_num_seqs]
         seqs = next((b for b in sizes if step_s(b, 0) <= slo / 2), None)
@@ -262,13 +262,13 @@ class KernelChoices(Agent):
                           f"compute capability {cap}: each decode kernel scheduled while the one before it "
                           "finishes (programmatic dependent launch), the projections' first weights requested "
                           "before the wait"))
-            if state.spec.experts and conc <= 4:
+            if state.model_spec.experts and conc <= 4:
                 # measured best for batch-1 MoE decode on an H200 (bench/RESULTS.md): the next kernel scheduled
                 # before the wait, the experts' sum in the down kernel, a program's projection rows whole, and
                 # the output projection and the next layer's QKV read into L2 while the attention runs
                 cands.append((dataclasses.replace(
                     v, name="kernels: MoE decode, dependent launch + experts' sum in down + L2 prefetch",
-                    kernels=TRITON_MOE_DECODE, kernel_params=moe_decode_params(attn, state.spec.hidden_size),
+                    kernels=TRITON_MOE_DECODE, kernel_params=moe_decode_params(attn, state.model_spec.hidden_size),
                     cuda_graph_batch_sizes=graphs),
                     f"mixture of experts at concurrency {conc:.1f}: fewer, overlapped launches per layer"))
             elif conc <= 4:

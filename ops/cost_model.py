@@ -84,33 +84,33 @@ class StepShape:
         return StepShape(batch, batch * ctx, batch, batch * ctx)
 
 
-def _elem(spec: ModelSpec) -> int:
-    return 2 if spec.dtype in ("bfloat16", "float16") else 4
+def _elem(model: ModelSpec) -> int:
+    return 2 if model.dtype in ("bfloat16", "float16") else 4
 
 
-def features(spec: ModelSpec, hw: HardwareProfile, s: StepShape, tp: int = 1) -> tuple[float, float, float, float]:
+def features(model: ModelSpec, hw: HardwareProfile, s: StepShape, tp: int = 1) -> tuple[float, float, float, float]:
     """(memory seconds, compute seconds, launch seconds, sequences) of one step, at the roofline."""
-    params = spec.param_bytes / _elem(spec)
-    moved = (spec.param_bytes + s.kv_tokens * spec.kv_bytes_per_token) / tp
-    flops = (2 * params * s.new_tokens + 4 * spec.layers * spec.heads * spec.head_dim * s.attn_pairs) / tp
-    rate = hw.matmul_flops.get(spec.dtype) or next(iter(hw.matmul_flops.values()))
-    launch = KERNELS_PER_LAYER * spec.layers * hw.launch_overhead_s
+    params = model.param_bytes / _elem(model)
+    moved = (model.param_bytes + s.kv_tokens * model.kv_bytes_per_token) / tp
+    flops = (2 * params * s.new_tokens + 4 * model.layers * model.heads * model.head_dim * s.attn_pairs) / tp
+    rate = hw.matmul_flops.get(model.dtype) or next(iter(hw.matmul_flops.values()))
+    launch = KERNELS_PER_LAYER * model.layers * hw.launch_overhead_s
     if tp > 1:
         bw = hw.interconnect_bandwidth or hw.memory_bandwidth / 10
-        volume = 2 * spec.layers * s.new_tokens * spec.hidden_size * _elem(spec) * 2 * (tp - 1) / tp
-        launch += volume / bw + 2 * spec.layers * ALLREDUCE_LATENCY_S
+        volume = 2 * model.layers * s.new_tokens * model.hidden_size * _elem(model) * 2 * (tp - 1) / tp
+        launch += volume / bw + 2 * model.layers * ALLREDUCE_LATENCY_S
     return moved / hw.memory_bandwidth, flops / rate, launch, float(s.seqs)
 
 
-def step_time(spec: ModelSpec, hw: HardwareProfile, shape: StepShape, cal: Calibration = ROOFLINE,
+def step_time(model: ModelSpec, hw: HardwareProfile, shape: StepShape, cal: Calibration = ROOFLINE,
               tp: int = 1) -> float:
-    mem, comp, launch, seqs = features(spec, hw, shape, tp)
+    mem, comp, launch, seqs = features(model, hw, shape, tp)
     if not cal.fitted:
         return max(mem, comp) + launch
     return cal.mem * mem + cal.compute * comp + cal.launch * launch + cal.per_seq_s * seqs
 
 
-def calibrate(spec: ModelSpec, hw: HardwareProfile, samples: list[tuple[StepShape, float]],
+def calibrate(model: ModelSpec, hw: HardwareProfile, samples: list[tuple[StepShape, float]],
               window: int = 1) -> Calibration:
     """Non-negative factors minimizing the relative squared error over measured (shape, seconds).
 
@@ -121,7 +121,7 @@ def calibrate(spec: ModelSpec, hw: HardwareProfile, samples: list[tuple[StepShap
         return ROOFLINE
     if any(t < 0 for _, t in samples):
         raise ValueError("measured step times must not be negative")
-    feats = np.array([features(spec, hw, s) for s, _ in samples], dtype=np.float64)
+    feats = np.array([features(model, hw, s) for s, _ in samples], dtype=np.float64)
     times = np.array([t for _, t in samples], dtype=np.float64)
     if window > 1:
         n = len(samples) // window * window or len(samples)
@@ -196,7 +196,7 @@ def sim_prompts(records: list[TraceRecord], max_input: int | None) -> list[list[
     return out
 
 
-def simulate(spec: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], v: VariantSpec,
+def simulate(model: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], v: VariantSpec,
              cal: Calibration = ROOFLINE, *, time_scale: float = 1.0, max_input: int | None = None,
              max_output: int | None = None, num_kv_blocks: int = 512, slo_ttft_s: float = 2.0,
              slo_tpot_s: float = 0.2, steps_out: list | None = None) -> Prediction:
@@ -240,7 +240,7 @@ def simulate(spec: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], v
                           len(batch.scheduled),
                           sum(item.num_new_tokens * (item.seq.num_computed_tokens + (item.num_new_tokens + 1) // 2)
                               for item in batch.scheduled))
-        t += step_time(spec, hw, shape, cal, v.tp)
+        t += step_time(model, hw, shape, cal, v.tp)
         steps += 1
         if steps_out is not None:
             steps_out.append(shape)
@@ -267,7 +267,7 @@ def simulate(spec: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], v
                       attainment=good / max(1, len(arrival)))
 
 
-def predicted_capacity(spec: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], v: VariantSpec,
+def predicted_capacity(model: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], v: VariantSpec,
                        cal: Calibration = ROOFLINE, target: float = 0.9, **sim) -> float:
     """The capacity at the SLO the simulation predicts: the slice's arrival pattern replayed at scaled rates
     (as the slow tier measures it, to a finer bracket: simulating costs milliseconds)."""
@@ -275,7 +275,7 @@ def predicted_capacity(spec: ModelSpec, hw: HardwareProfile, records: list[Trace
     sim = {k: v_ for k, v_ in sim.items() if k != "time_scale"}
 
     def attain(rate: float) -> float:
-        return simulate(spec, hw, records, v, cal, time_scale=rate0 / rate, **sim).attainment
+        return simulate(model, hw, records, v, cal, time_scale=rate0 / rate, **sim).attainment
 
     return capacity_search(attain, rate0, target, resolution=1.1, max_probes=12)[0]
 
@@ -302,17 +302,17 @@ def synthetic_requests(traffic: TrafficProfile, n: int = 64, seed: int = 0) -> l
     return out
 
 
-def predict(spec: ModelSpec, hw: HardwareProfile, traffic: TrafficProfile, v: VariantSpec,
+def predict(model: ModelSpec, hw: HardwareProfile, traffic: TrafficProfile, v: VariantSpec,
             cal: Calibration = ROOFLINE, records: list[TraceRecord] | None = None, **sim) -> Prediction:
     """Trace-level prediction, capacity at the SLO included: over ``records`` when given, else over requests
     drawn from the profile. Data parallelism splits the requests round-robin over ``v.dp`` replicas (their
     capacities add up)."""
     records = records or synthetic_requests(traffic)
     if v.dp == 1:
-        return dataclasses.replace(simulate(spec, hw, records, v, cal, **sim),
-                                   capacity=predicted_capacity(spec, hw, records, v, cal, **sim))
+        return dataclasses.replace(simulate(model, hw, records, v, cal, **sim),
+                                   capacity=predicted_capacity(model, hw, records, v, cal, **sim))
     shares = [records[i::v.dp] for i in range(v.dp) if records[i::v.dp]]
-    parts = [simulate(spec, hw, r, v, cal, **sim) for r in shares]
+    parts = [simulate(model, hw, r, v, cal, **sim) for r in shares]
     wall = max(p.wall_s for p in parts)
     out = sum(p.output_tok_s * p.wall_s for p in parts)
     return Prediction(output_tok_s=out / wall, ttft_s=max(p.ttft_s for p in parts), tpot_s=max(p.tpot_s for p in parts),
@@ -321,7 +321,7 @@ def predict(spec: ModelSpec, hw: HardwareProfile, traffic: TrafficProfile, v: Va
                       goodput=sum(p.goodput * p.wall_s for p in parts) / wall, wall_s=wall,
                       steps=sum(p.steps for p in parts),
                       attainment=sum(p.attainment * len(r) for p, r in zip(parts, shares)) / len(records),
-                      capacity=sum(predicted_capacity(spec, hw, r, v, cal, **sim) for r in shares))
+                      capacity=sum(predicted_capacity(model, hw, r, v, cal, **sim) for r in shares))
 
 
 # ---- error measures ---------------------------------------------------------------------------------
@@ -402,26 +402,26 @@ def _rank_key(p: Prediction) -> tuple:
     return (-round(p.capacity, 6), -round(p.attainment, 6), -round(p.output_tok_s, 6), p.ttft_s)
 
 
-def rank_layouts(spec: ModelSpec, hw: HardwareProfile, traffic: TrafficProfile, base: VariantSpec,
+def rank_layouts(model: ModelSpec, hw: HardwareProfile, traffic: TrafficProfile, base: VariantSpec,
                  devices: int, cal: Calibration = ROOFLINE, **sim) -> list[dict]:
     """Every (tp, dp) with tp x dp = devices whose weights fit, ranked by predicted capacity and throughput."""
     out = []
     for tp in [d for d in range(1, devices + 1) if devices % d == 0]:
         dp = devices // tp
-        fits = spec.param_bytes / tp < 0.9 * hw.memory_bytes
-        if tp > 1 and spec.heads % tp:
+        fits = model.param_bytes / tp < 0.9 * hw.memory_bytes
+        if tp > 1 and model.heads % tp:
             fits = False
         v = dataclasses.replace(base, tp=tp, dp=dp)
-        p = predict(spec, hw, traffic, v, cal, **sim) if fits else None
+        p = predict(model, hw, traffic, v, cal, **sim) if fits else None
         out.append({"tp": tp, "dp": dp, "fits": fits, "prediction": asdict(p) if p else None,
-                    "rationale": (f"weights {spec.param_bytes / tp / 2**30:.2f} GiB per device; predicted "
+                    "rationale": (f"weights {model.param_bytes / tp / 2**30:.2f} GiB per device; predicted "
                                   f"capacity {p.capacity:.2f} req/s at the SLO, {p.output_tok_s:.1f} tok/s") if p else
                                  "does not fit (weights per device or heads not divisible)"})
     out.sort(key=lambda d: (not d["fits"],) + (_rank_key(Prediction(**d["prediction"])) if d["prediction"] else ()))
     return out
 
 
-def plan(spec: ModelSpec, hw: HardwareProfile, traffic: TrafficProfile, base: VariantSpec,
+def plan(model: ModelSpec, hw: HardwareProfile, traffic: TrafficProfile, base: VariantSpec,
          cal: Calibration = ROOFLINE, records: list[TraceRecord] | None = None, devices: int | None = None,
          top: float = 0.25, **sim) -> CostModelPlan:
     """Ranks the knob grid by predicted capacity at the SLO, then attainment at the traffic's own rate and output
@@ -429,7 +429,7 @@ def plan(spec: ModelSpec, hw: HardwareProfile, traffic: TrafficProfile, base: Va
     records = records or synthetic_requests(traffic)
     entries = []
     for v in knob_grid(traffic, base):
-        p = predict(spec, hw, traffic, v, cal, records, **sim)
+        p = predict(model, hw, traffic, v, cal, records, **sim)
         entries.append(PlanEntry(v, p, f"predicted capacity {p.capacity:.2f} req/s at the SLO, "
                                        f"{p.output_tok_s:.1f} tok/s, "
                                        f"TTFT p50 {1e3 * p.ttft_s:.0f} ms, TPOT p50 {1e3 * p.tpot_s:.1f} ms "
@@ -437,6 +437,6 @@ def plan(spec: ModelSpec, hw: HardwareProfile, traffic: TrafficProfile, base: Va
     entries.sort(key=lambda e: _rank_key(e.prediction))
     best = entries[:max(1, math.ceil(top * len(entries)))]
     ranges = {k: sorted({getattr(e.variant, k) for e in best}, key=lambda x: (x is None, x)) for k in KNOBS}
-    layouts = rank_layouts(spec, hw, traffic, base, devices or hw.device_count, cal, records=records, **sim)
+    layouts = rank_layouts(model, hw, traffic, base, devices or hw.device_count, cal, records=records, **sim)
     return CostModelPlan(baseline=base, entries=entries, layouts=layouts, ranges=ranges, calibration=cal,
-                         baseline_prediction=predict(spec, hw, traffic, base, cal, records, **sim))
+                         baseline_prediction=predict(model, hw, traffic, base, cal, records, **sim))

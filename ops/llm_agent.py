@@ -144,7 +144,7 @@ class LLMAgent(Agent):
             "cuda_graph_batch_sizes", "kernels")}, "implied_capacity_req_s": fast_score(r.bench)[0],
             "implied_output_tok_s": round(fast_score(r.bench)[2], 2)} for r, v in rows]
         context = {
-            "model": {k: getattr(state.spec, k) for k in ("architecture", "layers", "hidden_size", "heads",
+            "model": {k: getattr(state.model_spec, k) for k in ("architecture", "layers", "hidden_size", "heads",
                                                           "kv_heads", "dtype", "param_bytes")},
             "hardware": {"device": state.hardware.device, "memory_bandwidth_GBps": state.hardware.memory_bandwidth / 1e9},
             "traffic": {k: round(v, 3) if isinstance(v, float) else v for k, v in state.traffic.to_json().items()},
@@ -166,7 +166,7 @@ class LLMAgent(Agent):
     def propose(self, state: SearchState, n: int) -> list[Proposal]:
         from openai import OpenAI, OpenAIError
 
-        self._search = state.search
+        self._search = state.search_id
         client = OpenAI(base_url=self.base_url, api_key=self.api_key or "none", timeout=self.timeout_s, max_retries=0)
         text = None
         try:

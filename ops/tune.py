@@ -109,7 +109,7 @@ class Search:
         return [(v, bench_from(by_id[v.variant_id].bench)) for v in variants if v.variant_id in by_id]
 
     def state(self) -> SearchState:
-        st = SearchState.read(self.board, self.id, spec=self.model_spec, hardware=self.hardware,
+        st = SearchState.read(self.board, self.id, model_spec=self.model_spec, hardware=self.hardware,
                               traffic=self.bench.traffic, plan=self.plan, baseline=self.baseline,
                               device=self.cfg.device, max_input=self.cfg.max_input, calibration=self.cal,
                               slo_tpot_s=self.cfg.slo_tpot_s, max_output=self.cfg.max_output)
@@ -171,9 +171,9 @@ class Search:
                                f"{tps:.1f} tok/s", [r.id])
             out.append(v)
         extra = []  # static-best along the dimensions only the slow tier can judge
-        spec = self.speculation_candidate() if speculation else None
-        if spec is not None:
-            extra.append((spec, f"prompt-lookup speculation ({spec.speculative_tokens} tokens) on static-best: its "
+        draft = self.speculation_candidate() if speculation else None
+        if draft is not None:
+            extra.append((draft, f"prompt-lookup speculation ({draft.speculative_tokens} tokens) on static-best: its "
                                 "acceptance depends on the text, which only the slow tier's replay carries"))
         quant = self.precision_candidate() if precision else None
         if quant is not None:
@@ -231,11 +231,11 @@ class Search:
         if first is None:
             return None
         got = {v.variant_id: r.bench for r, v in self.results(SLOW)}
-        spec, base = got.get(first.variant_id), got.get(self.baseline.variant_id)
-        if spec is None or base is None or not spec.get("spec_accepted_length"):
+        drafted, base = got.get(first.variant_id), got.get(self.baseline.variant_id)
+        if drafted is None or base is None or not drafted.get("spec_accepted_length"):
             return None
-        acc = spec["spec_acceptance"]
-        if acc >= 0.5 and spec.get("capacity", 0.0) >= base.get("capacity", 0.0):
+        acc = drafted["spec_acceptance"]
+        if acc >= 0.5 and drafted.get("capacity", 0.0) >= base.get("capacity", 0.0):
             nxt = replace(first, name="static-best + prompt lookup 8", speculative_tokens=8)
             why = f"the 4-token drafts were accepted at {acc:.0%} without losing capacity: longer drafts"
         else:
@@ -301,16 +301,16 @@ class Search:
         """MAPE and Spearman of the cost model (with ``cal``, and the plain roofline) and of the fast tier's
         ranking, against the slow tier's measured output tokens/s. Computes; measures nothing."""
         slow, fast = self.results(SLOW), self.results(FAST)
-        spec, hw, recs, sim = self.model_spec, self.hardware, self.bench.records, self.cfg.sim
+        model, hw, recs, sim = self.model_spec, self.hardware, self.bench.records, self.cfg.sim
         fast = self.fast_results(fast)
         fast_by_id = {v.variant_id: r for r, v in fast}
         measured = [r.bench["output_tok_s"] for r, _ in slow]
-        pred_cal = [simulate(spec, hw, recs, v, cal, **sim).output_tok_s for _, v in slow]
-        pred_roof = [simulate(spec, hw, recs, v, ROOFLINE, **sim).output_tok_s for _, v in slow]
+        pred_cal = [simulate(model, hw, recs, v, cal, **sim).output_tok_s for _, v in slow]
+        pred_roof = [simulate(model, hw, recs, v, ROOFLINE, **sim).output_tok_s for _, v in slow]
         fast_pred = [fast_score(fast_by_id[v.variant_id].bench)[2] if v.variant_id in fast_by_id else float("nan")
                      for _, v in slow]
         cap_measured = [r.bench.get("capacity", 0.0) for r, _ in slow]
-        cap_pred = [predicted_capacity(spec, hw, recs, v, cal, **sim) for _, v in slow]
+        cap_pred = [predicted_capacity(model, hw, recs, v, cal, **sim) for _, v in slow]
         cap_fast = [fast_score(fast_by_id[v.variant_id].bench)[0] if v.variant_id in fast_by_id else float("nan")
                     for _, v in slow]
         nan = float("nan")

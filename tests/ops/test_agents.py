@@ -37,7 +37,7 @@ def _state(board: Board, search: str, reuse: bool = False, long_prompts: bool = 
     recs = [TraceRecord(arrival_s=i * 0.2, input_tokens=(3000 if long_prompts else 60) + 5 * i, output_tokens=50,
                         prefix_block_hashes=[1, 2] if reuse else [], block_tokens=64, source="t") for i in range(20)]
     prof = profile(recs)
-    return SearchState.read(board, search, spec=SPEC, hardware=HW, traffic=prof,
+    return SearchState.read(board, search, model_spec=SPEC, hardware=HW, traffic=prof,
                             plan=plan(SPEC, HW, prof, BASE, records=recs, max_output=8), baseline=BASE)
 
 
@@ -229,7 +229,7 @@ def test_kernel_choices_follow_device_and_concurrency(tmp_path):
     assert not any(p.variant.impl("rotary_attention") == "triton" for p in KernelChoices().propose(
         dataclasses.replace(hopper, traffic=dataclasses.replace(gpu.traffic, estimated_concurrency=32.0)), 8))
     assert not any(p.variant.impl("prefetch") == "triton" for p in KernelChoices().propose(hopper, 8))  # dense
-    moe = dataclasses.replace(hopper, spec=dataclasses.replace(hopper.spec, experts=128, experts_per_token=8,
+    moe = dataclasses.replace(hopper, model_spec=dataclasses.replace(hopper.model_spec, experts=128, experts_per_token=8,
                                                                hidden_size=2048))
     moe_forms = [p.variant for p in KernelChoices().propose(moe, 8) if p.variant.impl("prefetch") == "triton"]
     assert len(moe_forms) == 1 and moe_forms[0].params("moe")["decode_split_down"] == 2
