@@ -28,7 +28,7 @@ from engine.forward_ops import ForwardOps
 from engine.loader import load_model
 from engine.parallel import current_group, shard_model
 from engine.model_runner import KVCache, ModelRunner
-from engine.sampler import sample
+from engine.sampler import sample, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -47,6 +47,9 @@ class RequestOutput:
     finish_reason: str | None
     num_cached_tokens: int  # prompt tokens served from the prefix cache at the last admission
     num_tokens_run: int  # tokens of this request run through the model (recompute included)
+    # with SamplingParams.logprobs: per generated token (token, its log-probability, [(token, logprob)] of the
+    # most likely ones)
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -201,6 +204,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise RequestError(f"prompt token ids must be in 0..{vocab - 1}")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise RequestError(f"logit_bias token ids must be in 0..{vocab - 1}")
         if len(ids) >= self.max_model_len:
             raise RequestError(
                 f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens"
@@ -254,8 +259,9 @@ class LLMEngine:
         logits = self.runner.run(batch, self.ops, ahead)
         starts = [s.seq.num_computed_tokens + int(ahead) for s in batch.scheduled]
         samplers = [s for s in batch.scheduled if s.samples]
-        if samplers and self.logits_sink is None and all(s.seq.params.greedy and not s.seq.params.forced_tokens
-                                                         for s in samplers):
+        if samplers and self.logits_sink is None and all(
+                s.seq.params.greedy and not s.seq.params.forced_tokens and not s.seq.params.per_token
+                for s in samplers):
             greedy = self.runner.greedy(logits)
             cuda = self.device.type == "cuda"
             host = torch.empty(greedy.shape, dtype=torch.int64, pin_memory=cuda)
@@ -280,9 +286,13 @@ class LLMEngine:
                 torch.tensor([offsets[i] for i in plain], device=logits.device)]
             seqs = [samplers[i].seq for i in plain]
             tokens = sample(rows, [s.params for s in seqs], [self._generators.get(s.request_id) for s in seqs],
-                            [len(s.output_token_ids) for s in seqs])
-            for i, tok in zip(plain, tokens):
+                            [len(s.output_token_ids) for s in seqs],
+                            [(s.prompt_token_ids, s.output_token_ids) for s in seqs])
+            for j, (i, tok) in enumerate(zip(plain, tokens)):
                 out[i] = [tok]
+                k = seqs[j].params.logprobs
+                if k is not None:  # of the model's own distribution (before penalties and temperature), as vLLM's
+                    seqs[j].logprobs.append((tok, *top_logprobs(rows[j], tok, k)))
         for i, item in enumerate(samplers):
             if item.draft:
                 rows, params = logits[offsets[i]:offsets[i + 1]], item.seq.params
@@ -419,6 +429,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason.value if finished else None,
             num_cached_tokens=seq.num_cached_tokens,
             num_tokens_run=seq.num_tokens_run,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
         )
 
     # ---- variants (engine/variant_swap.py) --------------------------------------------------------

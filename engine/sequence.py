@@ -38,6 +38,7 @@ class Sequence:
     output_text: str = ""
     first_token_time: float | None = None
     spec: Any = None  # engine.speculation.SpecState while the active variant speculates
+    logprobs: list = field(default_factory=list)  # with params.logprobs: (token, logprob, top) per output token
 
     @property
     def token_ids(self) -> list[int]:

@@ -1,39 +1,44 @@
 """OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn, imported only here).
 
 Endpoints: /v1/models, /v1/completions, /v1/chat/completions (``stream: true`` as server-sent
-events ending with ``[DONE]``), /health, /metrics (Prometheus), and admin endpoints under
-/admin (active variant, apply, rollback) behind a bearer token. Errors have OpenAI's shape:
-``{"error": {"message", "type", "param", "code"}}``.
+events ending with ``[DONE]``), /tokenize and /detokenize (vLLM's), /health, /metrics (Prometheus), and
+admin endpoints under /admin (active variant, apply, rollback) behind a bearer token. Errors have OpenAI's
+shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Fields a client sends that the server does not know are ignored and logged once per name (as vLLM does:
+ordinary clients send ``user``, ``metadata`` and the like); a field it knows but cannot honour is refused
+with a 400 that says so, never ignored: ``response_format`` other than text (decoding is not constrained),
+``n`` > 1 or ``logprobs`` with ``stream``. Penalties (presence, frequency, repetition), ``logit_bias``,
+``n``, ``logprobs`` / ``top_logprobs`` and content-part message arrays are honoured.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
+import itertools
 import json
+import logging
 import os
 import time
 import uuid
-from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import AsyncEngine
+from engine.openai_protocol import (
+    MAX_N, APIError, ChatMessage, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, SamplingFields,
+    message_text,
+)
 from engine.errors import EngineError, RequestError, VariantError
 from engine.llm_engine import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.variant import VariantSpec
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
 
 def _error(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
@@ -41,40 +46,7 @@ def _error(status: int, message: str, type_: str = "invalid_request_error", para
                         content={"error": {"message": message, "type": type_, "param": param, "code": code}})
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    model: str
-    max_tokens: int | None = Field(default=None)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    n: int = 1
-    ignore_eos: bool = False
-    user: str | None = None
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str]
-    echo: bool = False
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str
-    name: str | None = None
-
-
-class ChatRequest(_Sampling):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    # accepted for compatibility with OpenAI clients; decoding is not constrained to the format
-    response_format: dict[str, Any] | None = None
+log = logging.getLogger("polyinf.server")
 
 
 def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = None) -> FastAPI:
@@ -106,14 +78,38 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
             raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
 
-    def _params(req: _Sampling, max_tokens: int | None) -> SamplingParams:
-        if req.n != 1:
-            raise APIError(400, "only n=1 is supported", param="n")
+    ignored: set[str] = set()
+
+    def _ignore_unknown(req: BaseModel) -> None:
+        """Fields no model of the request knows: ignored, each name logged once per server."""
+        extra = set(req.model_extra or ()) | {f"messages.{k}" for m in getattr(req, "messages", None) or ()
+                                               for k in (m.model_extra or ())}
+        new = sorted(extra - ignored)
+        if new:
+            ignored.update(new)
+            log.warning("ignoring request fields this server does not know: %s", ", ".join(n[:60] for n in new))
+
+    def _params(req: SamplingFields, max_tokens: int | None, logprobs: int | None = None) -> SamplingParams:
+        _ignore_unknown(req)
+        if not 1 <= req.n <= MAX_N:
+            raise APIError(400, f"n must be in 1..{MAX_N}, got {req.n}", param="n")
+        if req.stream and req.n > 1:
+            raise APIError(400, "n > 1 with stream is not supported: send n streaming requests", param="n")
+        if req.stream and logprobs is not None:
+            raise APIError(400, "logprobs with stream is not supported", param="logprobs")
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        try:
+            bias = tuple((int(t), float(b)) for t, b in (req.logit_bias or {}).items())
+        except ValueError:
+            raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
         try:
             return SamplingParams(max_tokens=16 if max_tokens is None else max_tokens, temperature=req.temperature,
                                   top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=stop,
-                                  stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos)
+                                  stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                                  presence_penalty=req.presence_penalty or 0.0,
+                                  frequency_penalty=req.frequency_penalty or 0.0,
+                                  repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                                  logit_bias=bias, logprobs=logprobs)
         except RequestError as e:
             raise APIError(400, str(e)) from None
 
@@ -227,46 +223,114 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(aengine.start_time),
                                             "owned_by": "polyinf", "max_model_len": engine.max_model_len}]}
 
+    def _submit_n(ids: list[int], params: SamplingParams, text: str | None, cid: str, n: int) -> list[tuple]:
+        """``n`` requests for the same prompt (the prefix cache shares its blocks): the first under the response's
+        id (what the capture records), with a seed, choice i draws with seed + i."""
+        subs = []
+        try:
+            for i in range(n):
+                p = params if i == 0 or params.seed is None else dataclasses.replace(
+                    params, seed=(params.seed + i) % 2**64)
+                subs.append(_submit(ids, p, text, cid if i == 0 else f"{cid}-{i}"))
+        except BaseException:
+            for rid, _ in subs:
+                aengine.abort(rid)
+            raise
+        return subs
+
+    async def _collect_all(subs: list[tuple], request: Request) -> list[RequestOutput]:
+        tasks = [asyncio.ensure_future(_collect(rid, q, request)) for rid, q in subs]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            for rid, _ in subs:
+                aengine.abort(rid)
+            raise
+
+    def _token_text(t: int) -> str:
+        return engine.tokenizer.decode([t]) if engine.tokenizer is not None else f"token_id:{t}"
+
+    def _completion_logprobs(out: RequestOutput) -> dict:
+        """The completions API's logprobs object (the legacy layout)."""
+        tokens = [_token_text(t) for t, _, _ in out.logprobs]
+        offsets = list(itertools.accumulate((len(x) for x in tokens), initial=0))[:-1]
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in out.logprobs],
+                "top_logprobs": [{_token_text(t): v for t, v in top} for _, _, top in out.logprobs],
+                "text_offset": offsets}
+
+    def _chat_logprobs(out: RequestOutput) -> dict:
+        def entry(t: int, lp: float) -> dict:
+            text = _token_text(t)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(u, v) for u, v in top]}
+                            for t, lp, top in out.logprobs]}
+
+    def _usage_all(outs: list[RequestOutput]) -> dict:
+        completion = sum(len(o.token_ids) for o in outs)
+        prompt = len(outs[0].prompt_token_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         _check_model(req.model)
         if req.echo:
             raise APIError(400, "echo is not supported: the response holds the completion only", param="echo")
-        params = _params(req, req.max_tokens)
+        params = _params(req, req.max_tokens, req.logprobs)
         ids, text = _prompt_ids(req.prompt)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        rid, queue = _submit(ids, params, text, cid)  # the capture records the response's id
+        subs = _submit_n(ids, params, text, cid, req.n)  # the capture records the response's id
 
         def chunk(delta, finish):
             return {"id": cid, "object": "text_completion", "created": created, "model": model_name,
                     "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}]}
 
         if req.stream:
+            rid, queue = subs[0]
             usage = None
             if (req.stream_options or {}).get("include_usage"):
                 usage = lambda o: {**chunk("", None), "choices": [], "usage": _usage(o)}  # noqa: E731
             return StreamingResponse(_stream(rid, queue, request, chunk, usage_fn=usage),
                                      media_type="text/event-stream")
-        out = await _collect(rid, queue, request)
-        return {**chunk(out.text, out.finish_reason), "usage": _usage(out)}
+        outs = await _collect_all(subs, request)
+        return {"id": cid, "object": "text_completion", "created": created, "model": model_name,
+                "choices": [{"index": i, "text": o.text,
+                             "logprobs": _completion_logprobs(o) if o.logprobs is not None else None,
+                             "finish_reason": o.finish_reason} for i, o in enumerate(outs)],
+                "usage": _usage_all(outs)}
+
+    def _chat_ids(messages: list[ChatMessage]) -> list[int]:
+        if engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer or chat template", param="messages")
+        if not messages:
+            raise APIError(400, "messages must not be empty", param="messages")
+        try:
+            return engine.tokenizer.apply_chat_template([message_text(m) for m in messages])
+        except EngineError as e:
+            raise APIError(400, str(e), param="messages") from None
+        except APIError:
+            raise
+        except Exception as e:  # the model's template refused the conversation (jinja2's raise_exception)
+            raise APIError(400, f"the chat template refused the messages: {type(e).__name__}: {e}",
+                           param="messages") from None
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
         _check_model(req.model)
-        params = _params(req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens)
-        if engine.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer or chat template", param="messages")
-        if not req.messages:
-            raise APIError(400, "messages must not be empty", param="messages")
-        try:
-            ids = engine.tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in req.messages])
-        except EngineError as e:
-            raise APIError(400, str(e), param="messages") from None
-        except Exception as e:  # the model's template refused the conversation (jinja2's raise_exception)
-            raise APIError(400, f"the chat template refused the messages: {type(e).__name__}: {e}",
-                           param="messages") from None
+        kind = (req.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise APIError(400, f"response_format {str(kind)[:40]!r} is not supported: decoding is not constrained "
+                                "to a format here; ask for JSON in the prompt instead", param="response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        ids = _chat_ids(req.messages)
+        limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if limit is None:  # as OpenAI and vLLM: until the end of the answer or of the context
+            limit = max(1, engine.max_model_len - len(ids))
+        params = _params(req, limit, (req.top_logprobs or 0) if req.logprobs else None)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        rid, queue = _submit(ids, params, None, cid)
+        subs = _submit_n(ids, params, None, cid, req.n)
 
         def chunk(delta, finish):
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_name,
@@ -274,6 +338,7 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
                                  "finish_reason": finish}]}
 
         if req.stream:
+            rid, queue = subs[0]
             first = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_name,
                      "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}]}
@@ -282,11 +347,39 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
                 usage = lambda o: {**chunk("", None), "choices": [], "usage": _usage(o)}  # noqa: E731
             return StreamingResponse(_stream(rid, queue, request, chunk, first_chunk=first, usage_fn=usage),
                                      media_type="text/event-stream")
-        out = await _collect(rid, queue, request)
+        outs = await _collect_all(subs, request)
         return {"id": cid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                             "logprobs": None, "finish_reason": out.finish_reason}],
-                "usage": _usage(out)}
+                "choices": [{"index": i, "message": {"role": "assistant", "content": o.text},
+                             "logprobs": _chat_logprobs(o) if o.logprobs is not None else None,
+                             "finish_reason": o.finish_reason} for i, o in enumerate(outs)],
+                "usage": _usage_all(outs)}
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        if req.model is not None:
+            _check_model(req.model)
+        _ignore_unknown(req)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "send either prompt or messages", param="prompt")
+        if req.messages is not None:
+            ids = _chat_ids(req.messages)
+        elif engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", param="prompt")
+        else:
+            ids = engine.tokenizer.encode(req.prompt)
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        if req.model is not None:
+            _check_model(req.model)
+        _ignore_unknown(req)
+        if engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", param="tokens")
+        vocab = engine.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in req.tokens):
+            raise APIError(400, f"token ids must be in 0..{vocab - 1}", param="tokens")
+        return {"prompt": engine.tokenizer.decode(req.tokens)}
 
     # ---- admin ----------------------------------------------------------------------------------
     def _authorize(request: Request) -> None:

@@ -67,7 +67,7 @@ def draft_for(seq, spec, running: int, room: int) -> list[int]:
     """The draft for a decoding ``seq`` under variant ``spec`` with ``running`` sequences in the batch and
     ``room`` tokens to spare (budget, context, max_tokens); [] when it should not speculate."""
     k = spec.speculative_tokens
-    if k < 1 or room < 1 or running > spec.speculative_max_batch or seq.params.forced_tokens:
+    if k < 1 or room < 1 or running > spec.speculative_max_batch or seq.params.forced_tokens or seq.params.per_token:
         return []
     state = seq.spec
     if state is None:

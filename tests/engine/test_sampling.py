@@ -55,3 +55,36 @@ def test_stop_token_ids_and_stop_strings(smollm2_engine_factory):
     assert s.text == "The capital of France" and s.finish_reason == "stop"
     n = eng.generate(["What is the capital of France?"], SamplingParams(max_tokens=3), chat=True)[0]
     assert n.token_ids == full.token_ids[:3] and n.finish_reason == "length"
+
+
+def test_penalties_and_biases_against_independent_references():
+    """The repetition penalty against transformers' logits processor; presence and frequency penalties (OpenAI's
+    definition) and logit biases against a float64 computation; on fresh random logits and histories."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from engine.sampler import adjust_logits, top_logprobs
+
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(5):
+        vocab = 50
+        logits = torch.randn(vocab, generator=gen) * 3
+        prompt = torch.randint(0, vocab, (12,), generator=gen).tolist()
+        output = torch.randint(0, vocab, (9,), generator=gen).tolist()
+        p = SamplingParams(repetition_penalty=1.7)
+        ref = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + output]), logits[None].clone())[0]
+        torch.testing.assert_close(adjust_logits(logits, p, prompt, output), ref)
+        p = SamplingParams(presence_penalty=0.6, frequency_penalty=-0.3, logit_bias=((3, 7.5), (output[0], -2.0)))
+        exp = logits.double().clone()
+        for t in set(output):
+            exp[t] -= 0.6 + (-0.3) * output.count(t)
+        exp[3] += 7.5
+        exp[output[0]] -= 2.0
+        torch.testing.assert_close(adjust_logits(logits, p, prompt, output).double(), exp, rtol=0, atol=1e-5)
+        assert p.adjusts_logits and p.per_token and not SamplingParams().per_token
+        lp, top = top_logprobs(logits, 5, 3)
+        ref_lp = logits.double() - torch.logsumexp(logits.double(), 0)
+        assert abs(lp - ref_lp[5].item()) < 1e-5 and [t for t, _ in top] == ref_lp.topk(3).indices.tolist()
+    # the greedy choice follows the adjusted logits: a bias decides it
+    logits = torch.tensor([[5.0, 0.0, 1.0]])
+    assert sample(logits, [SamplingParams(logit_bias=((1, 10.0),))], [None], [0], [([0], [])]) == [1]
+    assert sample(logits, [SamplingParams()], [None], [0], [([0], [])]) == [0]
