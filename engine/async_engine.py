@@ -161,6 +161,8 @@ class AsyncEngine:
         m.sync_prefix_cache(stats.queries, stats.hits)
         es = eng.stats
         m.sync_speculation(es.spec_drafts, es.spec_draft_tokens, es.spec_accepted_tokens, es.spec_accepted_per_pos)
+        m.sync_preemptions(es.preemptions)
+        m.set_variant(eng.variant.variant_id, eng.variant.name)
 
 
 def prefix_hashes(token_ids: list[int], block_size: int) -> tuple[int, ...]:

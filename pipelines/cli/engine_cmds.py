@@ -74,8 +74,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     engine = LLMEngine(engine_config(args))
     capture = CaptureWriter(args.capture_dir, keep_prompt_text=args.capture_prompts) if args.capture_dir else None
-    aengine = AsyncEngine(engine, EngineMetrics(), capture)
     name = args.served_model_name or args.model
+    aengine = AsyncEngine(engine, EngineMetrics(name), capture)
     app = build_app(aengine, name, admin_token=args.admin_token)
     print(f"polyinf: serving {name!r} on http://{args.host}:{args.port} (variant {engine.variant.variant_id})",
           file=sys.stderr, flush=True)

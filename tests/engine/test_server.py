@@ -155,6 +155,14 @@ def test_what_openai_clients_send(server, client, smollm2_engine_factory):
     assert counted["count"] == plain.usage.prompt_tokens and counted["max_model_len"] > 0
     assert httpx.post(url + "/detokenize", json={"tokens": [10**9]}).status_code == 400
     assert httpx.post(url + "/tokenize", json={}).status_code == 400
+    # /metrics as vLLM's dashboard reads it: every series labelled with the served model's name; preemptions;
+    # the active variant as an info series
+    samples = [ln for ln in httpx.get(url + "/metrics").text.splitlines() if ln and not ln.startswith("#")]
+    assert samples and all('model_name="smollm2"' in ln for ln in samples)
+    assert any(ln.startswith("vllm:num_preemptions_total{") for ln in samples)
+    active = httpx.get(url + "/admin/variant", headers={"Authorization": f"Bearer {TOKEN}"}).json()["active"]
+    assert any(ln.startswith("polyinf:active_variant_info{") and f'variant_id="{active["variant_id"]}"' in ln
+               and ln.endswith(" 1.0") for ln in samples)
 
 
 def _err(resp) -> dict:
