@@ -21,6 +21,9 @@ class EngineConfig:
     layers: int | None = None  # load only the first N decoder layers (fast benchmark tier)
     num_kv_blocks: int | None = None  # None: as many as kv_cache_bytes holds
     kv_cache_bytes: int = 512 * 1024**2
+    # on a GPU: the fraction of its memory weights and KV cache may take; the cache gets what the loaded weights
+    # leave of it (vLLM's --gpu-memory-utilization), instead of kv_cache_bytes
+    gpu_memory_utilization: float | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     load_tokenizer: bool = True
     # Launch a greedy decode step before the previous one's tokens reach the host (see llm_engine).
@@ -40,6 +43,12 @@ class EngineConfig:
             raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_bytes < 1:
             raise ConfigError("kv_cache_bytes must be positive")
+        if self.gpu_memory_utilization is not None:
+            if not 0.0 < self.gpu_memory_utilization <= 1.0:
+                raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            if not str(self.device).startswith("cuda"):
+                raise ConfigError("gpu_memory_utilization applies to a GPU; on a CPU size the cache with "
+                                  "kv_cache_bytes (--kv-cache-mb) or num_kv_blocks")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.layers is not None and self.layers < 1:

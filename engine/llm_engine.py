@@ -23,7 +23,7 @@ from engine.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine import precision, speculation, variant_swap
-from engine.errors import RequestError
+from engine.errors import ConfigError, RequestError
 from engine.forward_ops import ForwardOps
 from engine.loader import load_model
 from engine.parallel import current_group, shard_model
@@ -35,6 +35,17 @@ from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.tokenizer import Tokenizer
 from engine.variant import VariantSpec
 from engine.variant_swap import PreparedVariant, SwapReport
+
+
+def _kv_bytes_left(device: torch.device, utilization: float) -> int:
+    """What ``utilization`` of the GPU's memory leaves for the KV cache after what this process holds now (the
+    weights, loaded)."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    left = int(total * utilization) - torch.cuda.memory_reserved(device)
+    if left <= 0:
+        raise ConfigError(f"gpu_memory_utilization {utilization}: the weights already take "
+                          f"{torch.cuda.memory_reserved(device) / 2**30:.1f} GiB of {total / 2**30:.1f} GiB")
+    return left
 
 
 @dataclass
@@ -124,8 +135,11 @@ class LLMEngine:
         self.load_seconds = loaded.load_seconds
         variant = config.initial_variant()
         kv_dtype = precision.kv_cache_dtype(variant.kv_cache_dtype, self.dtype)
+        kv_bytes = config.kv_cache_bytes
+        if config.gpu_memory_utilization is not None and config.num_kv_blocks is None:
+            kv_bytes = _kv_bytes_left(self.device, config.gpu_memory_utilization)
         num_blocks = config.num_kv_blocks or max(
-            1, config.kv_cache_bytes // KVCache.bytes_per_block(model_cfg, variant.block_size, kv_dtype)
+            1, kv_bytes // KVCache.bytes_per_block(model_cfg, variant.block_size, kv_dtype)
         )
         self.kv = KVCache(model_cfg, num_blocks, variant.block_size, self.device, kv_dtype)
         self.max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings,

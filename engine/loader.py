@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -51,6 +53,25 @@ class ModelSource:
         return None
 
 
+_HF_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def _from_hf_cache(repo_id: str) -> Path | None:
+    """The snapshot folder of a Hugging Face model id already in the local cache ($HF_HUB_CACHE, $HF_HOME), without
+    going to the network; None when it is not there."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:
+        return None
+    home = os.environ.get("HF_HOME")
+    cache = os.environ.get("HF_HUB_CACHE") or (str(Path(home) / "hub") if home else None)  # read now, not at import
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True, cache_dir=cache))
+    except (LocalEntryNotFoundError, ValueError, OSError):
+        return None
+
+
 def resolve(model: str, synthetic: bool = False, seed: int = 0) -> ModelSource:
     """Turns a CLI ``--model`` value (alias, .gguf file, model folder, preset name) into a ModelSource."""
     if model in ALIASES:
@@ -59,8 +80,11 @@ def resolve(model: str, synthetic: bool = False, seed: int = 0) -> ModelSource:
         return ModelSource("synthetic", PRESETS_DIR / f"{model}.json", seed)
     else:
         path = Path(model).expanduser()
+        if not path.exists() and _HF_ID.fullmatch(model):
+            path = _from_hf_cache(model) or path
     if not path.exists():
-        raise WeightsError(f"model not found: {model!r} is neither an alias ({', '.join(ALIASES)}), a preset, nor a path")
+        raise WeightsError(f"model not found: {model!r} is neither an alias ({', '.join(ALIASES)}), a preset, a path, "
+                           "nor a model id in the local Hugging Face cache (nothing is downloaded)")
     if synthetic:
         if path.suffix == ".gguf":
             raise ConfigError("synthetic weights need a config.json folder or a preset, not a GGUF file")

@@ -49,10 +49,24 @@ def _error(status: int, message: str, type_: str = "invalid_request_error", para
 log = logging.getLogger("polyinf.server")
 
 
-def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = None) -> FastAPI:
+def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = None,
+              api_key: str | None = None) -> FastAPI:
+    """``api_key`` (default: $POLYINF_API_KEY, else $VLLM_API_KEY): the bearer token the /v1 routes require, as
+    vLLM's --api-key; none leaves them open."""
     app = FastAPI(title="polyinf", description=__doc__)
     engine = aengine.engine
     admin_token = admin_token or os.environ.get("POLYINF_ADMIN_TOKEN") or None
+    api_key = api_key or os.environ.get("POLYINF_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+
+    if api_key:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def _require_api_key(request: Request, call_next):
+            if request.url.path.startswith("/v1") and not hmac.compare_digest(
+                    request.headers.get("authorization", "").encode(), expected):
+                return _error(401, "missing or wrong API key", "authentication_error", code="invalid_api_key")
+            return await call_next(request)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):

@@ -25,22 +25,43 @@ def seconds(text: str, allow_zero: bool = False) -> float:
     return v
 
 
+def fraction(text: str) -> float:
+    """argparse type: a number in (0, 1]."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return v
+
+
 def scale(text: str) -> float:
     """argparse type: a time scale, a finite number >= 0."""
     return seconds(text, allow_zero=True)
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True,
-                   help="alias (smollm2), a .gguf file, a Hugging Face model folder (config.json + safetensors), "
-                        "or a preset name for synthetic weights (llama-3.1-8b, qwen3-30b-a3b)")
+MODEL_HELP = ("alias (smollm2), a .gguf file, a Hugging Face model folder (config.json + safetensors) or a model id "
+              "already in the local Hugging Face cache (nothing is downloaded), or a preset name for synthetic "
+              "weights (llama-3.1-8b, qwen3-30b-a3b)")
+
+
+def add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> None:
+    """``positional``: the model may also be given as the first argument (vLLM's ``serve MODEL``)."""
+    if positional:
+        p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="the model, as --model")
+    p.add_argument("--model", required=not positional, help=MODEL_HELP)
     p.add_argument("--synthetic", action="store_true", help="random weights from the model's config (fixed seed)")
     p.add_argument("--seed", type=int, default=0, help="seed for synthetic weights")
     p.add_argument("--layers", type=positive, default=None, help="load only the first N decoder layers")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on a GPU, float32 on a CPU")
     p.add_argument("--num-kv-blocks", type=positive, default=None, help="KV-cache blocks (default: fill --kv-cache-mb)")
     p.add_argument("--kv-cache-mb", type=positive, default=512, help="KV-cache memory when --num-kv-blocks is not set")
+    p.add_argument("--gpu-memory-utilization", type=fraction, default=None,
+                   help="on a GPU: the fraction of its memory the weights and the KV cache may take (the KV cache "
+                        "gets what the loaded weights leave of it), instead of --kv-cache-mb")
     p.add_argument("--max-model-len", type=positive, default=None)
     p.add_argument("--variant", default=None,
                    help="a VariantSpec JSON file (see 'polyinf variants show'); default: the model's static-best on "
@@ -48,19 +69,23 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     add_knob_args(p)
 
 
+# vLLM's spellings of knob flags, accepted beside ours
+KNOB_ALIASES = {"weight_dtype": ("--quantization",)}
+
+
 def add_knob_args(p: argparse.ArgumentParser) -> None:
     """One flag per VariantSpec knob (its one definition): set, it overrides the variant's value."""
     from engine.variant import VariantSpec
 
     for f in VariantSpec.knob_fields():
-        flag = "--" + f.name.replace("_", "-")
+        flag = ("--" + f.name.replace("_", "-"), *KNOB_ALIASES.get(f.name, ()))
         what = f"{f.metadata['help']} (default: the variant's; VariantSpec's own is {f.default})"
         if f.metadata["schema"].get("type") == "boolean":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=what)
+            p.add_argument(*flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=what)
         elif "enum" in f.metadata["schema"] and "type" not in f.metadata["schema"]:
-            p.add_argument(flag, choices=f.metadata["schema"]["enum"], default=None, help=what)
+            p.add_argument(*flag, dest=f.name, choices=f.metadata["schema"]["enum"], default=None, help=what)
         else:
-            p.add_argument(flag, type=_knob_type(f.metadata["schema"]), default=None, help=what)
+            p.add_argument(*flag, dest=f.name, type=_knob_type(f.metadata["schema"]), default=None, help=what)
 
 
 def _knob_type(schema: dict):
@@ -85,12 +110,23 @@ def engine_config(args: argparse.Namespace, with_variant_file: bool = True):
     import dataclasses
 
     from engine import EngineConfig, resolve
+    from engine.errors import ConfigError
     from engine.variant import VariantSpec
 
+    model = getattr(args, "model_arg", None)
+    if model is not None and args.model is not None and model != args.model:
+        raise ConfigError(f"the model is given twice: {model!r} and --model {args.model!r}")
+    model = model or args.model
+    if model is None:
+        raise ConfigError("no model: give it as the first argument or --model")
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if str(args.device).startswith("cuda") else "float32"
     config = EngineConfig(
-        source=resolve(args.model, synthetic=args.synthetic, seed=args.seed),
+        source=resolve(model, synthetic=args.synthetic, seed=args.seed),
         device=args.device,
-        dtype=args.dtype,
+        dtype=dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         layers=args.layers,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_bytes=args.kv_cache_mb * 1024**2,

@@ -74,9 +74,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     engine = LLMEngine(engine_config(args))
     capture = CaptureWriter(args.capture_dir, keep_prompt_text=args.capture_prompts) if args.capture_dir else None
-    name = args.served_model_name or args.model
+    name = args.served_model_name or args.model_arg or args.model
     aengine = AsyncEngine(engine, EngineMetrics(name), capture)
-    app = build_app(aengine, name, admin_token=args.admin_token)
+    app = build_app(aengine, name, admin_token=args.admin_token, api_key=args.api_key)
     print(f"polyinf: serving {name!r} on http://{args.host}:{args.port} (variant {engine.variant.variant_id})",
           file=sys.stderr, flush=True)
     try:
@@ -172,8 +172,10 @@ def add_parsers(sub) -> None:
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, prompt_token_ids")
     g.set_defaults(func=cmd_generate)
 
-    sv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
-    add_model_args(sv)
+    sv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (vLLM's flag names: "
+                                      "serve MODEL, --served-model-name, --api-key, --gpu-memory-utilization, "
+                                      "--enable-prefix-caching, --max-num-seqs, --kv-cache-dtype, --quantization)")
+    add_model_args(sv, positional=True)
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
@@ -181,6 +183,9 @@ def add_parsers(sub) -> None:
     sv.add_argument("--capture-prompts", action="store_true", help="also capture prompt text (off by default)")
     sv.add_argument("--admin-token", default=None,
                     help="bearer token for /admin endpoints (default: $POLYINF_ADMIN_TOKEN; none disables them)")
+    sv.add_argument("--api-key", default=None,
+                    help="require 'Authorization: Bearer <key>' on the OpenAI routes (default: $POLYINF_API_KEY, else "
+                         "$VLLM_API_KEY; none: open). On the command line other local users can read it")
     sv.add_argument("--log-level", default="warning")
     sv.set_defaults(func=cmd_serve)
 

@@ -210,3 +210,68 @@ def test_engine_loop_survives_a_request_that_fails_to_add(tmp_path):
         assert len(out.token_ids) == 4 and aeng._thread.is_alive()
     finally:
         aeng.shutdown()
+
+
+def test_hugging_face_ids_from_the_local_cache_only(tmp_path, monkeypatch):
+    """A model id resolves to its snapshot in the local Hugging Face cache; one not there is a clear error, and
+    nothing is fetched (the hub is offline here)."""
+    snap = tmp_path / "hub" / "models--acme--tiny-llama" / "snapshots" / "0123abc"
+    _write_model(snap)
+    (tmp_path / "hub" / "models--acme--tiny-llama" / "refs").mkdir()
+    (tmp_path / "hub" / "models--acme--tiny-llama" / "refs" / "main").write_text("0123abc")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    src = resolve("acme/tiny-llama")
+    assert src.kind == "safetensors" and src.path == snap
+    eng = LLMEngine(EngineConfig(source=src, num_kv_blocks=8, load_tokenizer=False))
+    assert eng.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].token_ids
+    with pytest.raises(WeightsError, match="local Hugging Face cache"):
+        resolve("acme/not-downloaded")
+
+
+def test_vllm_flag_spellings():
+    """serve MODEL (positional), --dtype auto, --quantization as --weight-dtype, --gpu-memory-utilization refused
+    off a GPU with a clear error."""
+    import argparse
+
+    from pipelines.cli.args import add_model_args, engine_config
+
+    p = argparse.ArgumentParser()
+    add_model_args(p, positional=True)
+    cfg = engine_config(p.parse_args(["smollm2", "--dtype", "auto", "--quantization", "int8"]))
+    assert cfg.dtype == "float32" and cfg.variant.weight_dtype == "int8" and cfg.source.kind == "gguf"
+    with pytest.raises(ConfigError, match="given twice"):
+        engine_config(p.parse_args(["smollm2", "--model", "llama-3.1-8b"]))
+    with pytest.raises(ConfigError, match="no model"):
+        engine_config(p.parse_args([]))
+    with pytest.raises(ConfigError, match="applies to a GPU"):
+        engine_config(p.parse_args(["smollm2", "--gpu-memory-utilization", "0.9"]))
+    with pytest.raises(SystemExit):
+        p.parse_args(["smollm2", "--gpu-memory-utilization", "1.5"])
+
+
+def test_api_key_guards_the_openai_routes(tmp_path, monkeypatch):
+    """With --api-key (or $VLLM_API_KEY) the /v1 routes need the bearer key, checked before the body is read; the
+    health and metrics routes stay open; the key never appears in a response."""
+    from fastapi.testclient import TestClient
+
+    from engine.async_engine import AsyncEngine
+    from engine.server import build_app
+
+    monkeypatch.delenv("POLYINF_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "sk-test-123")
+    eng = LLMEngine(EngineConfig(source=resolve(str(_write_model(tmp_path))), num_kv_blocks=8, load_tokenizer=False))
+    aengine = AsyncEngine(eng)
+    try:
+        client = TestClient(build_app(aengine, "tiny"))
+        body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-test-123"}):
+            r = client.post("/v1/completions", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert "sk-test-123" not in r.text
+        assert client.get("/v1/models").status_code == 401
+        r = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer sk-test-123"})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+    finally:
+        aengine.shutdown()
