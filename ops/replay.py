@@ -30,6 +30,7 @@ class RequestResult:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    text: str = ""
 
 
 @dataclass
@@ -49,6 +50,8 @@ class ReplayReport:
     itl_ms: dict[str, float]
     e2e_ms: dict[str, float]
     errors: list[str]
+    # every request's own figures (vllm_result's lists and percentiles); not in report_json's summary
+    results: list[RequestResult] = field(default_factory=list, repr=False)
 
     def table(self) -> str:
         rows = [("requests (completed / failed)", f"{self.completed} / {self.failed}"),
@@ -123,6 +126,8 @@ async def _one(client, model: str, prompt: list[int], max_tokens: int) -> Reques
                 res.output_tokens = chunk.usage.completion_tokens
             choice = chunk.choices[0] if chunk.choices else None
             # a chunk brings tokens if it has text, or token ids (a server without a tokenizer)
+            if choice is not None and choice.text:
+                res.text += choice.text
             if choice is not None and (choice.text or (getattr(choice, "model_extra", None) or {}).get("token_ids")):
                 if last is None:
                     res.ttft = now - start
@@ -141,7 +146,7 @@ async def _one(client, model: str, prompt: list[int], max_tokens: int) -> Reques
 async def replay_async(records: list[TraceRecord], prompts: list[list[int]], base_url: str, model: str,
                        time_scale: float = 1.0, max_output: int | None = None, max_concurrency: int | None = None,
                        slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
-                       api_key: str = "EMPTY", timeout: float = 600.0) -> ReplayReport:
+                       api_key: str = "EMPTY", timeout: float = 600.0, slo_e2el_ms: float | None = None) -> ReplayReport:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=0)
@@ -165,11 +170,12 @@ async def replay_async(records: list[TraceRecord], prompts: list[list[int]], bas
     ok = [r for r in results if r.ok]
     tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     good = None
-    if slo_ttft_ms is not None or slo_tpot_ms is not None:
+    if slo_ttft_ms is not None or slo_tpot_ms is not None or slo_e2el_ms is not None:
         def meets(r):
             tpot = (r.e2e - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
             return ((slo_ttft_ms is None or 1e3 * r.ttft <= slo_ttft_ms)
-                    and (slo_tpot_ms is None or 1e3 * tpot <= slo_tpot_ms))
+                    and (slo_tpot_ms is None or 1e3 * tpot <= slo_tpot_ms)
+                    and (slo_e2el_ms is None or 1e3 * r.e2e <= slo_e2el_ms))
         good = sum(1 for r in ok if meets(r)) / duration
     tin, tout = sum(r.input_tokens for r in ok), sum(r.output_tokens for r in ok)
     return ReplayReport(
@@ -178,9 +184,58 @@ async def replay_async(records: list[TraceRecord], prompts: list[list[int]], bas
         output_throughput=tout / duration, total_token_throughput=(tin + tout) / duration, goodput=good,
         ttft_ms=_stats([r.ttft for r in ok]), tpot_ms=_stats(tpots),
         itl_ms=_stats([x for r in ok for x in r.itl]), e2e_ms=_stats([r.e2e for r in ok]),
-        errors=[r.error for r in results if not r.ok][:10],
+        errors=[r.error for r in results if not r.ok][:10], results=list(results),
     )
 
 
 def report_json(report: ReplayReport) -> str:
-    return json.dumps(asdict(report), indent=2)
+    d = asdict(report)
+    d.pop("results")
+    return json.dumps(d, indent=2)
+
+
+GOODPUT_KEYS = ("ttft", "tpot", "e2el")
+
+
+def parse_goodput(items: list[str]) -> dict[str, float]:
+    """vLLM's ``--goodput ttft:2000 tpot:200`` (milliseconds; keys ttft, tpot, e2el) -> {key: ms}."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition(":")
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = -1.0
+        if not sep or key not in GOODPUT_KEYS or not ms > 0 or ms == float("inf"):
+            raise ValueError(f"--goodput takes KEY:MILLISECONDS with KEY one of {', '.join(GOODPUT_KEYS)}, got {item!r}")
+        out[key] = ms
+    return out
+
+
+def vllm_result(report: ReplayReport, model: str, *, metrics: tuple[str, ...] = ("ttft", "tpot", "itl"),
+                percentiles: tuple[float, ...] = (99.0,), max_concurrency: int | None = None,
+                request_rate: float | str = "inf", goodput: dict[str, float] | None = None) -> dict:
+    """The replay in ``vllm bench serve --save-result``'s keys and units: milliseconds in the ``*_ms`` figures,
+    seconds in ``ttfts`` and ``itls``, ``request_goodput`` for the --goodput SLOs (None without them)."""
+    ok = [r for r in report.results if r.ok]
+    per = {"ttft": [r.ttft for r in ok], "e2el": [r.e2e for r in ok],
+           "tpot": [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
+           "itl": [x for r in ok for x in r.itl]}
+    out = {"date": time.strftime("%Y%m%d-%H%M%S"), "backend": "openai", "model_id": model, "tokenizer_id": model,
+           "num_prompts": report.requests, "request_rate": request_rate, "burstiness": 1.0,
+           "max_concurrency": max_concurrency, "duration": report.duration_s, "completed": report.completed,
+           "failed": report.failed, "total_input_tokens": report.total_input_tokens,
+           "total_output_tokens": report.total_output_tokens, "request_throughput": report.request_throughput,
+           "request_goodput": report.goodput if goodput else None, "output_throughput": report.output_throughput,
+           "total_token_throughput": report.total_token_throughput,
+           "input_lens": [r.input_tokens for r in ok], "output_lens": [r.output_tokens for r in ok],
+           "ttfts": per["ttft"], "itls": [list(r.itl) for r in ok], "generated_texts": [r.text for r in ok],
+           "errors": [r.error for r in report.results if not r.ok]}
+    for m in metrics:
+        values = per[m]
+        mean = sum(values) / len(values) if values else 0.0
+        std = (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5 if values else 0.0
+        out[f"mean_{m}_ms"], out[f"median_{m}_ms"], out[f"std_{m}_ms"] = 1e3 * mean, 1e3 * percentile(values, 0.5), 1e3 * std
+        for p in percentiles:
+            out[f"p{p:g}_{m}_ms"] = 1e3 * percentile(values, p / 100)
+    return out

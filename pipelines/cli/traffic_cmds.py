@@ -23,9 +23,19 @@ def cmd_replay(args: argparse.Namespace) -> int:
     import asyncio
 
     from engine.errors import ConfigError
-    from ops.replay import replay_async, report_json, synthesize_prompts
+    from ops.replay import parse_goodput, replay_async, report_json, synthesize_prompts, vllm_result
     from ops.traces import load_trace
 
+    try:
+        goodput = parse_goodput(args.goodput or [])
+        metrics = tuple(m for m in args.percentile_metrics.split(",") if m)
+        percentiles = tuple(float(p) for p in args.metric_percentiles.split(",") if p)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if set(metrics) - {"ttft", "tpot", "itl", "e2el"} or any(not 0 < p < 100 for p in percentiles):
+        raise ConfigError("--percentile-metrics takes ttft, tpot, itl, e2el; --metric-percentiles numbers in (0, 100)")
+    slo_ttft = goodput.get("ttft", args.slo_ttft_ms)
+    slo_tpot = goodput.get("tpot", args.slo_tpot_ms)
     records = load_trace(args.trace, fmt=args.format, lenient=args.lenient)
     records = records[: args.max_requests] if args.max_requests else records
     if not records:
@@ -49,10 +59,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
                                  corpus=corpus_for(args.trace) if tok else None)
     report = asyncio.run(replay_async(records, prompts, args.base_url, args.model, time_scale=args.time_scale,
                                       max_output=args.max_output, max_concurrency=args.max_concurrency,
-                                      slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms))
+                                      slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot, slo_e2el_ms=goodput.get("e2el")))
     print(report.table())
     if args.json:
         Path(args.json).write_text(report_json(report))
+    if args.save_result:
+        res = vllm_result(report, args.model, metrics=metrics, percentiles=percentiles,
+                          max_concurrency=args.max_concurrency,
+                          goodput=goodput or ({"ttft": slo_ttft, "tpot": slo_tpot} if slo_ttft or slo_tpot else None))
+        Path(args.save_result).write_text(json.dumps(res, indent=2))
     return 0 if report.completed else 1
 
 
@@ -82,4 +97,10 @@ def add_parsers(sub) -> None:
     rp.add_argument("--slo-tpot-ms", type=seconds, default=None)
     rp.add_argument("--seed", type=int, default=0)
     rp.add_argument("--json", default=None, help="also write the report as JSON here")
+    rp.add_argument("--save-result", default=None,
+                    help="also write the result in `vllm bench serve --save-result`'s keys and units here")
+    rp.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                    help="vLLM's goodput SLOs, e.g. ttft:2000 tpot:200 (keys ttft, tpot, e2el; milliseconds)")
+    rp.add_argument("--percentile-metrics", default="ttft,tpot,itl", help="vLLM's: the metrics given percentiles")
+    rp.add_argument("--metric-percentiles", default="99", help="vLLM's: the percentiles, comma-separated")
     rp.set_defaults(func=cmd_replay)

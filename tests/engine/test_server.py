@@ -291,7 +291,9 @@ def test_replay_report_agrees_with_server_metrics(server, trace, tmp_path):
     r = subprocess.run([sys.executable, "-m", "pipelines.cli", "replay", "--trace", str(SHARED / trace),
                         "--base-url", url + "/v1", "--model", "smollm2", "--tokenizer", "smollm2",
                         "--max-requests", "100", "--time-scale", "0.001", "--max-input", "48", "--max-output", "4",
-                        "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--json", str(out)],
+                        "--slo-ttft-ms", "60000", "--goodput", "tpot:60000", "e2el:600000", "--json", str(out),
+                        "--save-result", str(tmp_path / "vllm.json"), "--percentile-metrics", "ttft,tpot,itl,e2el",
+                        "--metric-percentiles", "90,99"],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr
     assert "TTFT ms" in r.stdout and "goodput" in r.stdout
@@ -304,6 +306,19 @@ def test_replay_report_agrees_with_server_metrics(server, trace, tmp_path):
     assert rep["goodput"] == pytest.approx(rep["request_throughput"])  # generous SLOs: every request is good
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert rep[key]["p50"] <= rep[key]["p90"] <= rep[key]["p99"]
+    # the same replay in `vllm bench serve --save-result`'s keys and units, as existing notebooks read it
+    res = json.loads((tmp_path / "vllm.json").read_text())
+    assert res["completed"] == 100 and res["total_output_tokens"] == rep["total_output_tokens"]
+    assert res["request_goodput"] == pytest.approx(res["request_throughput"])
+    assert len(res["ttfts"]) == len(res["itls"]) == len(res["generated_texts"]) == 100
+    assert sum(res["output_lens"]) == res["total_output_tokens"] and all(res["generated_texts"])
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        assert res[f"median_{m}_ms"] <= res[f"p90_{m}_ms"] <= res[f"p99_{m}_ms"] and res[f"std_{m}_ms"] >= 0
+    assert res["median_ttft_ms"] == pytest.approx(1e3 * sorted(res["ttfts"])[49], rel=0.5)  # seconds -> ms
+    assert res["mean_ttft_ms"] == pytest.approx(rep["ttft_ms"]["mean"])
+    bad = subprocess.run([sys.executable, "-m", "pipelines.cli", "replay", "--trace", str(SHARED / trace), "--base-url",
+                          url + "/v1", "--model", "smollm2", "--goodput", "ttft=5"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--goodput takes KEY:MILLISECONDS" in bad.stderr
 
 
 def test_admin_endpoints_need_the_token(server):
