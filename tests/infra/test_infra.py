@@ -83,3 +83,28 @@ def test_k8s_job_executor_is_used_on_kubernetes():
     assert out.stdout.strip().splitlines()[-1] == "k8s", out.stderr
     local = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
     assert local.stdout.strip().splitlines()[-1] != "k8s"
+
+
+def test_grafana_dashboard_reads_series_the_server_exports():
+    """Every metric the dashboard queries is one the server's registry exports (counters with their _total,
+    histograms with their _bucket), each filtered on vLLM's model_name label."""
+    from prometheus_client import generate_latest
+
+    from engine.metrics import EngineMetrics
+
+    m = EngineMetrics("m")
+    m.set_variant("abc", "static-best")
+    m.request_success.labels(finished_reason="stop").inc()
+    m.spec_accepted_per_pos.labels(position="0").inc()
+    for h in (m.ttft, m.itl, m.e2e):
+        h.observe(0.1)
+    exported = {line.split("{")[0].split(" ")[0] for line in generate_latest(m.registry).decode().splitlines()
+                if line and not line.startswith("#")}
+    dash = json.loads((INFRA / "grafana" / "polyinf-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert len(exprs) >= 12
+    for expr in exprs:
+        names = re.findall(r"((?:vllm|polyinf):[a-z0-9_]+)\{", expr)
+        assert names and set(names) <= exported, (expr, set(names) - exported)
+        assert expr.count('model_name="$model_name"') == len(names), expr
+    assert dash["templating"]["list"][0]["name"] == "model_name"
