@@ -165,6 +165,23 @@ def test_what_openai_clients_send(server, client, smollm2_engine_factory):
                and ln.endswith(" 1.0") for ln in samples)
 
 
+def test_langchain_chat_openai_in_a_chain(server, monkeypatch):
+    """LangChain's ChatOpenAI (the fields it sends, its parsing of the reply) in a prompt | model | parser chain,
+    plain and streamed."""
+    monkeypatch.setenv("LANGSMITH_TRACING", "false")
+    from langchain_core.output_parsers import StrOutputParser
+    from langchain_core.prompts import ChatPromptTemplate
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=server["url"] + "/v1", api_key="none", model="smollm2", temperature=0, max_tokens=24,
+                     max_retries=0, timeout=120)
+    chain = ChatPromptTemplate.from_messages([("user", "What is the capital of {country}?")]) | llm | StrOutputParser()
+    assert chain.invoke({"country": "France"}) == "The capital of France is Paris."
+    assert "".join(chain.stream({"country": "France"})) == "The capital of France is Paris."
+    reply = llm.invoke("What is the capital of France?")
+    assert reply.response_metadata["finish_reason"] == "stop" and reply.usage_metadata["output_tokens"] > 0
+
+
 def _err(resp) -> dict:
     body = resp.json()
     assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"])
