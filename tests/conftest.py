@@ -24,22 +24,34 @@ def smollm2_path():
 
 @pytest.fixture(scope="session")
 def smollm2_engine_factory(smollm2_path):
-    """Builds SmolLM2 engines with different settings, loading the weights and tokenizer once."""
+    """Builds SmolLM2 engines with different settings, loading the weights and tokenizer once per depth.
+
+    ``short=True``: the real weights and tokenizer of the first 8 of 30 decoder layers, for runs of dozens of
+    generations (the gates, hot swaps) whose point does not need the whole stack: a step costs about a third.
+    Every planted fault of tests/checks/test_gates.py shows at 8 layers as at 30 (at 6 the position-blind
+    prefix hash no longer flips a token in the interleaved scenario)."""
     from engine import EngineConfig, LLMEngine, VariantSpec, resolve
 
     cache: dict = {}
 
-    def make(**kwargs) -> LLMEngine:
+    def make(short: bool = False, **kwargs) -> LLMEngine:
         # VariantSpec's defaults unless a test gives its own, whatever static-best is recorded for the machine
         kwargs.setdefault("variant", VariantSpec())
-        cfg = EngineConfig(source=resolve("smollm2"), **kwargs)
-        base = cache.get("base")
+        layers = 8 if short else None
+        cfg = EngineConfig(source=resolve("smollm2"), layers=layers, **kwargs)
+        base = cache.get(layers)
         if base is None:
-            base = cache["base"] = LLMEngine(EngineConfig(source=resolve("smollm2"), num_kv_blocks=4,
+            base = cache[layers] = LLMEngine(EngineConfig(source=resolve("smollm2"), layers=layers, num_kv_blocks=4,
                                                           variant=VariantSpec()))
         return LLMEngine.with_loaded(base, cfg)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_short(smollm2_engine_factory):
+    """The first 8 layers of SmolLM2 (``smollm2_engine_factory(short=True)``), for the gates."""
+    return smollm2_engine_factory(short=True, num_kv_blocks=8)
 
 
 @pytest.fixture(scope="session")

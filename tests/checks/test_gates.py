@@ -1,4 +1,5 @@
-"""The gates reject planted faults, each with a reason naming the failure, and pass clean variants (SmolLM2)."""
+"""The gates reject planted faults, each with a reason naming the failure, and pass clean variants (SmolLM2's first
+8 layers: tests/conftest.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,8 +25,8 @@ TINY = Path(__file__).parents[1] / "engine" / "tiny_moe" / "config.json"
 
 
 @pytest.fixture(scope="module")
-def base(smollm2_engine_factory):
-    return smollm2_engine_factory(num_kv_blocks=8)
+def base(smollm2_short):
+    return smollm2_short
 
 
 def _few(base) -> list[list[int]]:

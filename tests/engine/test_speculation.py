@@ -98,12 +98,11 @@ def test_sampling_with_speculation_and_the_logits_sink(smollm2_engine_factory):
     assert again[0].token_ids == outs[0].token_ids
 
 
-def test_the_contamination_gate_passes_speculation_and_catches_unchecked_drafts(smollm2_engine_factory,
-                                                                                  monkeypatch):
+def test_the_contamination_gate_passes_speculation_and_catches_unchecked_drafts(smollm2_short, monkeypatch):
     from checks.contamination import contamination_checks
     from checks.prompts import contamination_prompts
 
-    base = smollm2_engine_factory(num_kv_blocks=8)
+    base = smollm2_short
     prompts = contamination_prompts(base, 16)[:3]
     report = QualityReport("reference", "speculating", "float32", len(prompts), 10, False)
     contamination_checks(factory_for(base, SPEC), prompts, 10, 16, report)
