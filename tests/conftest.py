@@ -55,12 +55,52 @@ def smollm2_short(smollm2_engine_factory):
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2(smollm2_path):
+def gguf_parsed_once():
+    """A context manager under which transformers parses each GGUF file once and builds each tensor-name map once.
+
+    transformers reads a GGUF's metadata (SmolLM2's: a vocabulary of 49,152 tokens and its merges, about 10 s
+    here) for the config, again for the weights and again for the tokenizer, and builds the same tensor-name
+    map for each of the file's 272 tensors (14 s). Both are pure: the same reader and map give the same
+    weights and tokenizer, loaded by transformers' own code."""
+    import contextlib
+
+    import gguf
+
+    readers: dict = {}
+    maps: dict = {}
+
+    @contextlib.contextmanager
+    def parsed_once():
+        real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+        def reader(path, mode="r"):
+            key = (str(path), mode)
+            if key not in readers:
+                readers[key] = real_reader(path, mode)
+            return readers[key]
+
+        def name_map(arch, n_blocks):
+            if (arch, n_blocks) not in maps:
+                maps[arch, n_blocks] = real_map(arch, n_blocks)
+            return maps[arch, n_blocks]
+
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
+
+    return parsed_once
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path, gguf_parsed_once):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
-    )
+    with gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(
+            str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
+        )
     return model.eval()
 
 

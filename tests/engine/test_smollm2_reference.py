@@ -42,10 +42,11 @@ def hf_greedy(hf_smollm2, engine):
     return out
 
 
-def test_prompt_encoding_matches_hf_tokenizer(engine, smollm2_path):
+def test_prompt_encoding_matches_hf_tokenizer(engine, smollm2_path, gguf_parsed_once):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+    with gguf_parsed_once():
+        tok = AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
     for p in PLAIN:
         assert engine.encode_prompt(p) == tok.encode(p)
     ids = engine.encode_prompt(CHAT[0], chat=True)
