@@ -73,23 +73,30 @@ def test_all_triton_variant_equals_reference_on_a_tiny_model():
     prompts = [[1, 5, 9, 13, 2, 7, 33], [4, 4, 8], list(range(10, 23))]  # partial blocks, several blocks
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     ref = [o.token_ids for o in _tiny().generate(prompts, params)]
-    for attention, pdl in (("triton_paged", False), ("triton_split_kv", True)):
-        kernel_params = {"attention": {"block_n": 8}}
-        spec = VariantSpec(block_size=4, kernels={**ALL_TRITON, "attention": attention},
-                           kernel_params=with_pdl(kernel_params) if pdl else kernel_params)
-        assert [o.token_ids for o in _tiny(spec).generate(prompts, params)] == ref
+    # the attention block in one launch (rotary_attention: its decode splits chosen by the batch, merged after),
+    # then composed of the Triton rotary + KV store and split-KV attention (the "attention" kernel runs only
+    # there), every kernel with pdl
+    fused = VariantSpec(block_size=4, kernels=ALL_TRITON, kernel_params={"rotary_attention": {"block_n": 8}})
+    composed = VariantSpec(block_size=4, kernels={**ALL_TRITON, "attention": "triton_split_kv",
+                                                  "rotary_attention": "reference"},
+                           kernel_params=with_pdl({"attention": {"block_n": 8}}))
+    for spec in (fused, composed):
+        assert [o.token_ids for o in _tiny(spec).generate(prompts, params)] == ref, spec.kernels["rotary_attention"]
+    # the MoE forms below, with the attention block in one launch and one split (the splits are the run above's;
+    # interpreted, each split of each sequence and KV head is a program)
+    one_split = {"rotary_attention": {"block_n": 8, "num_splits": 1}}
     # the experts in one launch that routes for itself, after the composed or the fused norm + router
     one = {"decode_split_down": 3, "decode_chunk": 12, "decode_block_k": 32, "decode_down_block_n": 16}
     for norm_moe in ("reference", "triton"):
         spec = VariantSpec(block_size=4, kernels={**ALL_TRITON, "norm_moe": norm_moe},
-                           kernel_params=with_pdl({"attention": {"block_n": 8}, "moe": one, "norm_moe": one}))
+                           kernel_params=with_pdl({**one_split, "moe": one, "norm_moe": one}))
         assert [o.token_ids for o in _tiny(spec).generate(prompts, params)] == ref, norm_moe
     # the routing by rank, the weights "evict first" (experts and projections), the activation applied by the
     # gate/up kernel, the next layer's QKV projection read ahead with the join deferred (a hint: nothing on a CPU)
     own = {"decode_split_down": 2, "decode_route_rank": 1, "decode_evict": 1, "decode_block_k": 32, "decode_act": 1}
     for norm_moe in ("reference", "triton"):
         spec = VariantSpec(block_size=4, kernels={**ALL_TRITON, "norm_moe": norm_moe},
-                           kernel_params=with_pdl({"attention": {"block_n": 8}, "moe": own, "norm_moe": own,
+                           kernel_params=with_pdl({**one_split, "moe": own, "norm_moe": own,
                                                    "linear": {"evict": 1}, "norm_linear": {"evict": 1},
                                                    "act_linear": {"evict": 1},
                                                    "prefetch": {"next_qkv": 1, "defer_join": 1}}, 2))
@@ -111,10 +118,11 @@ def _weights(engine):
 def test_hot_swaps_mid_generation_match_the_reference(smollm2_engine_factory):
     prompts = ["The capital of France is", "def add(a, b):", "List three colors:", "Water is made of"]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    ref_engine = smollm2_engine_factory(num_kv_blocks=128)
+    # the first 8 layers (the swaps do not depend on depth; the generated kernel runs interpreted in each layer)
+    ref_engine = smollm2_engine_factory(short=True, num_kv_blocks=128)
     alone = [ref_engine.generate([p], params)[0].token_ids for p in prompts]
 
-    eng = smollm2_engine_factory(num_kv_blocks=128, async_decode=True)  # swaps must also drain a step run ahead
+    eng = smollm2_engine_factory(short=True, num_kv_blocks=128, async_decode=True)  # swaps also drain a step run ahead
     weights = _weights(eng)
     rids = [eng.add_request(p, params) for p in prompts]
     out = {}
