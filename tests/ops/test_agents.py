@@ -2,6 +2,7 @@
 against our own server serving SmolLM2, and the built-in agents' proposals."""
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -33,12 +34,20 @@ VALID = {"proposals": [
 ]}
 
 
-def _state(board: Board, search: str, reuse: bool = False, long_prompts: bool = False) -> SearchState:
+@functools.cache
+def _traffic(reuse: bool, long_prompts: bool):
+    """The traffic profile and the cost model's plan for it (the plan simulates every knob variant over the
+    records: 9 s for the long prompts), made once per traffic and read by every state on it."""
     recs = [TraceRecord(arrival_s=i * 0.2, input_tokens=(3000 if long_prompts else 60) + 5 * i, output_tokens=50,
                         prefix_block_hashes=[1, 2] if reuse else [], block_tokens=64, source="t") for i in range(20)]
     prof = profile(recs)
-    return SearchState.read(board, search, model_spec=SPEC, hardware=HW, traffic=prof,
-                            plan=plan(SPEC, HW, prof, BASE, records=recs, max_output=8), baseline=BASE)
+    return prof, plan(SPEC, HW, prof, BASE, records=recs, max_output=8)
+
+
+def _state(board: Board, search: str, reuse: bool = False, long_prompts: bool = False) -> SearchState:
+    prof, cost_plan = _traffic(reuse, long_prompts)
+    return SearchState.read(board, search, model_spec=SPEC, hardware=HW, traffic=prof, plan=cost_plan,
+                            baseline=BASE)
 
 
 def test_parse_reply_accepts_valid_and_fenced_json():
