@@ -8,6 +8,7 @@ The path of a generated kernel (design note: engine/kernel_grammar.py says why a
 3. A child process (engine/isolation.py: scrubbed environment, private directory, no network, limits)
    loads it and runs it on small cases and at the model's served shapes against the plain-torch
    reference, within a time limit: a kernel that crashes, hangs, or computes something else fails here.
+   A pass is kept for the process: the same file at the same tiles and shapes is not run in a child again.
 4. Only then is it loaded here: compiled from the checked syntax tree in a namespace holding nothing
    but ``triton`` and ``tl`` (no builtins but ``range``), never imported, and wrapped by
    ``kernels.generated.make_launcher``, which hands it only bounded views of its operation's arguments.
@@ -33,6 +34,12 @@ SMOKE_TIMEOUT_S = float(os.environ.get("POLYINF_SMOKE_TIMEOUT_S", "300"))
 # a smoke run's check is coarse (a kernel computing something else); the quality gate judges accuracy
 SMOKE_TOLERANCE = 5e-2  # of the reference's largest magnitude (at least 1)
 SMOKE_MEMORY = 16 * 1024**3  # address space of a CPU smoke child (torch reserves several GiB of it)
+
+
+# (op, kernel file, function, params, dims, device) whose smoke run in a child passed in this process: the kernel
+# file is content-addressed, so the same key is the same code at the same shapes. The gates build a dozen engines
+# of one variant; each would otherwise start a child for a kernel already run there. Failures are not kept.
+_SMOKED: set[tuple] = set()
 
 
 def cache_root() -> Path:
@@ -158,7 +165,10 @@ def prepare_generated(op: str, module: str, function: str, text: str, params: di
         raise VariantError(f"{op}: generated Triton kernels need a GPU, or TRITON_INTERPRET=1 set before the "
                            "engine starts on a CPU")
     path = materialize(module, bounded)
-    smoke_in_child(op, path, function, params, dims, device)
+    smoked = (op, str(path), function, json.dumps(params, sort_keys=True), json.dumps(dims, sort_keys=True), device)
+    if smoked not in _SMOKED:
+        smoke_in_child(op, path, function, params, dims, device)
+        _SMOKED.add(smoked)
     kernel = load_kernel(path, bounded, function)
     smoke(op, kernel, params, None, device)  # compiled here too: the small cases only, the served ones ran there
     return make_launcher(op, kernel, params)

@@ -237,6 +237,27 @@ def test_generated_source_lands_on_a_content_addressed_path(tmp_path, monkeypatc
     check_kernel("silu_and_mul", "gen_act", "silu_and_mul", GOOD_SILU)  # the good module passes the grammar
 
 
+def test_a_passed_smoke_run_is_kept_for_the_process_and_a_failed_one_is_not(tmp_path, monkeypatch):
+    """The gates build a dozen engines of one variant: its kernel goes to a child once per file, tiles and shapes."""
+    import engine.generated_source as gs
+
+    monkeypatch.setenv("POLYINF_CACHE", str(tmp_path))
+    runs = []
+
+    def child(op, path, function, params, dims, device):
+        runs.append(params["BLOCK_D"])
+        if params["BLOCK_D"] == 32:
+            raise VariantError("failed in a child process")
+    monkeypatch.setattr(gs, "smoke_in_child", child)
+    for _ in range(2):
+        gs.prepare_generated("silu_and_mul", "gen_act", "silu_and_mul", GOOD_SILU, {"BLOCK_D": 64})
+    gs.prepare_generated("silu_and_mul", "gen_act", "silu_and_mul", GOOD_SILU, {"BLOCK_D": 64}, {"D": 48})
+    for _ in range(2):
+        with pytest.raises(VariantError, match="child"):
+            gs.prepare_generated("silu_and_mul", "gen_act", "silu_and_mul", GOOD_SILU, {"BLOCK_D": 32})
+    assert runs == [64, 64, 32, 32]  # other shapes: run again; a failure: run again
+
+
 def _knobs(spec: VariantSpec) -> dict:
     return dict(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
                 prefill_chunk_size=spec.prefill_chunk_size, block_size=spec.block_size,
