@@ -101,7 +101,7 @@ def test_tune_measures_templated_kernels_like_any_variant(tmp_path):
                        slow_layers=1, fast_repeats=1, slow_repeats=1)
     agents = [KernelTemplates(on_cpu=True, ops=("silu_and_mul",)), CostModelSeeder()]
     report = tune(cfg, tmp_path / "board.db", agents, Budget(experiments=5, seconds=900), slow_top=1, per_agent=1,
-                  speculation=False)
+                  speculation=False, precision=False)  # both: the search above
     tpl = [r for r in report.rows if r["proposer"] == "kernel-templates"]
     assert tpl and all(r["status"] == DONE and r["result_id"] for r in tpl), report.rows
     assert "silu_and_mul: silu_tile" in tpl[0]["rationale"]
