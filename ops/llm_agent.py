@@ -164,16 +164,22 @@ class LLMAgent(Agent):
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
     def propose(self, state: SearchState, n: int) -> list[Proposal]:
-        from openai import OpenAI, OpenAIError
+        from openai import BadRequestError, OpenAI, OpenAIError
 
         self._search = state.search_id
         client = OpenAI(base_url=self.base_url, api_key=self.api_key or "none", timeout=self.timeout_s, max_retries=0)
         text = None
         try:
-            reply = client.chat.completions.create(
-                model=self.model, messages=self.messages(state, n), temperature=0, max_tokens=self.max_tokens,
-                response_format={"type": "json_schema",
-                                 "json_schema": {"name": "variant_proposals", "schema": REPLY_SCHEMA}})
+            ask = dict(model=self.model, messages=self.messages(state, n), temperature=0, max_tokens=self.max_tokens)
+            try:
+                reply = client.chat.completions.create(**ask, response_format={
+                    "type": "json_schema", "json_schema": {"name": "variant_proposals", "schema": REPLY_SCHEMA}})
+            except BadRequestError as e:
+                if "response_format" not in str(e):
+                    raise
+                # a server without structured outputs (ours refuses the field rather than ignore it): ask again
+                # without it; the reply is validated against the schema either way
+                reply = client.chat.completions.create(**ask)
             self.replies += 1
             text = _reply_text(reply)
             proposals = parse_reply(text, state.baseline, self.name)
