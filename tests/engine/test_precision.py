@@ -67,6 +67,7 @@ def test_generated_linear_kernels_refuse_quantized_weights(smollm2_engine_factor
     assert eng.variant == before
 
 
+@pytest.mark.slow  # the gates on the whole model: quality, then the contamination scenarios
 def test_gates_judge_a_precision_by_its_own_thresholds(smollm2_engine_factory):
     from checks.gates import gate_variant
 
@@ -128,6 +129,7 @@ def test_kv_scales_are_powers_of_two_with_headroom():
     assert [_pow2_scale(a) for a in (0.0, 100.0, 224.0, 300.0, 1000.0)] == [1.0, 1.0, 1.0, 2.0, 8.0]
 
 
+@pytest.mark.slow  # the gates on the whole model
 def test_gates_judge_an_fp8_kv_cache_by_fp8_thresholds(smollm2_engine_factory):
     from checks.gates import gate_variant
 

@@ -70,20 +70,27 @@ def test_roofline_step_time_is_the_larger_bound_plus_launches():
     assert m2 == pytest.approx(m1 / 2) and l2 > l1  # TP halves bytes per device, adds all-reduces
 
 
+@pytest.fixture(scope="module")
+def one_layer():
+    """SmolLM2's first layer, loaded once for the module's engines."""
+    from engine import EngineConfig, LLMEngine, resolve
+
+    return LLMEngine(EngineConfig(source=resolve("smollm2"), layers=1, num_kv_blocks=256, load_tokenizer=False))
+
+
 @pytest.mark.parametrize("knobs", [{}, {"max_num_seqs": 3}, {"max_num_batched_tokens": 40},
                                    {"prefill_chunk_size": 16, "max_num_batched_tokens": 64}])
-def test_simulation_schedules_like_the_engine(knobs):
+def test_simulation_schedules_like_the_engine(knobs, one_layer):
     """All requests arriving at once: the simulated steps batch exactly the tokens and sequences the
     real engine's scheduler does (read from the slow tier's per-step record)."""
-    from engine import EngineConfig, LLMEngine, resolve
+    from engine import LLMEngine
     from ops.bench import slow_tier
     from ops.replay import synthesize_prompts
     from ops.traces import load_trace
 
     records = load_trace(TRACE)[:7]
     v = dataclasses.replace(VariantSpec(), **knobs)
-    eng = LLMEngine(EngineConfig(source=resolve("smollm2"), layers=1, num_kv_blocks=256, variant=v,
-                                 load_tokenizer=False))
+    eng = LLMEngine.with_loaded(one_layer, dataclasses.replace(one_layer.config, variant=v))
     prompts = synthesize_prompts(records, eng.model_config.vocab_size, max_input=48)
     res = slow_tier(eng, records, prompts, "t", repeats=1, time_scale=0.0, max_output=5)
     measured = [(int(n), int(s)) for n, _, s, _, _ in res.step_samples]
