@@ -15,6 +15,38 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # one core per worker: scripts/test.sh runs one worker per core
 
 
+def _interpreter_scans_once() -> None:
+    """Triton's CPU interpreter patches triton.language's builtins to interpreted ones at every kernel launch and
+    again at every call of a @triton.jit helper inside one (a program calls several), each time listing every
+    member of the language's modules with inspect.getmembers: about a quarter of an interpreted kernel test's
+    time. Here each module's builtin names are listed once, before any launch, and each patch walks those names
+    in the same (sorted) order, patching each member that is still a builtin, as the library's scan would: the
+    same patches. A module not listed here takes the library's own scan."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    scan = interpreter._patch_builtin
+    builtins = {pkg: [name for name, member in inspect.getmembers(pkg) if tl.core.is_builtin(member)]
+                for pkg in (tl, tl.core, tl.tensor, tl.math, tl.core.tensor_descriptor_base)}
+
+    def patch_builtin(pkg, builder, scope):
+        names = builtins.get(pkg)
+        if names is None:
+            return scan(pkg, builder, scope)
+        for name in names:
+            member = getattr(pkg, name)
+            if tl.core.is_builtin(member):
+                interpreter._patch_attr(pkg, name, member, builder, scope)
+
+    interpreter._patch_builtin = patch_builtin
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_scans_once()
+
+
 @pytest.fixture(scope="session")
 def smollm2_path():
     from engine.loader import smollm2_gguf_path
