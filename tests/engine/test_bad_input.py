@@ -183,6 +183,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         assert rc == 2 and message in err and "Traceback" not in err, err
 
 
+@pytest.mark.slow  # the CLI as a process, loading SmolLM2 there
 def test_cli_generate_json_matches_engine(smollm2_engine_factory):
     r = _cli("generate", "--model", "smollm2", "--prompt", "What is the capital of France?", "--chat", "--json",
              "--max-tokens", "16")

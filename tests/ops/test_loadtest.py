@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import pytest
 
 from ops.loadtest import board_faults, check_capture, closed_loop, kill_and_restart, start_server, swap_under_load
 
@@ -24,6 +25,7 @@ def test_every_request_is_answered_and_captured_exactly_once(tmp_path):
                                                           "unanswered": 0, "without_id": 0}
 
 
+@pytest.mark.slow  # two server processes, the first killed mid-load
 def test_sigkill_mid_load_loses_no_finished_request(tmp_path):
     res = kill_and_restart(MODEL_ARGS, tmp_path / "capture", n=600, concurrency=16, kill_after=100)
     before, after = res["before_kill"], res["after_restart"]
