@@ -102,7 +102,7 @@ def test_the_contamination_gate_passes_speculation_and_catches_unchecked_drafts(
     from checks.contamination import contamination_checks
     from checks.prompts import contamination_prompts
 
-    base = smollm2_short
+    base = smollm2_short  # the first 8 layers: unchecked drafts change 3 of 3 requests in every scenario there
     prompts = contamination_prompts(base, 16)[:3]
     report = QualityReport("reference", "speculating", "float32", len(prompts), 10, False)
     contamination_checks(factory_for(base, SPEC), prompts, 10, 16, report)
