@@ -4,9 +4,10 @@ Replays a slice of the Azure conversation trace through SmolLM2 (all layers) for
 fits the cost model's correction factors to full-model forward passes of a spread of shapes
 (the baseline variant), and prints
 predicted against measured output tokens/s, the MAPE (calibrated and plain roofline) and the
-Spearman rank correlation on throughput.
+Spearman rank correlation on throughput; with ``--capacity`` also each variant's capacity at the SLO
+(measured by the slow tier's rate search, about four minutes a variant here) against the predicted one.
 
-    .venv/bin/python bench/cost_model_cpu.py [--trace FILE] [--requests 24]
+    .venv/bin/python bench/cost_model_cpu.py [--trace FILE] [--requests 24] [--capacity]
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine.variant import VariantSpec  # noqa: E402
 from ops.board import Board  # noqa: E402
-from ops.cost_model import ROOFLINE, mape, simulate, spearman  # noqa: E402
+from ops.cost_model import ROOFLINE, mape, predicted_capacity, simulate, spearman  # noqa: E402
 from ops.tune import Search  # noqa: E402
 from ops.hardware import probe  # noqa: E402
 from ops.worker import SLOW, SearchConfig, Workbench  # noqa: E402
@@ -47,13 +48,16 @@ def main() -> int:
     ap.add_argument("--max-output", type=int, default=16)
     ap.add_argument("--time-scale", type=float, default=0.05)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--capacity", action="store_true", help="also measure and predict the capacity at the SLO")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args()
     cfg = SearchConfig(trace=args.trace, requests=args.requests, max_input=args.max_input,
-                       max_output=args.max_output, time_scale=args.time_scale, slow_repeats=args.repeats)
+                       max_output=args.max_output, time_scale=args.time_scale, slow_repeats=args.repeats,
+                       capacity_probes=6 if args.capacity else 0)
     t0 = time.perf_counter()
     hw = probe("cpu", size_mb=64)
     bench = Workbench(cfg, hw)
+    cfg = bench.with_slo(BASE)  # one SLO (derived from the baseline) for the measurements and the predictions
     board = Board(":memory:")
     spec = bench.spec_for(SLOW)
     measured = {}
@@ -67,6 +71,9 @@ def main() -> int:
         rows.append({"variant": v.name, "measured": m["output_tok_s"], "spread": m["spread"],
                      "calibrated": simulate(spec, hw, bench.records, v, cal, **cfg.sim).output_tok_s,
                      "roofline": simulate(spec, hw, bench.records, v, ROOFLINE, **cfg.sim).output_tok_s})
+        if args.capacity:
+            rows[-1].update(capacity=m["capacity"], capacity_spread=m["capacity_spread"],
+                            predicted_capacity=predicted_capacity(spec, hw, bench.records, v, cal, **cfg.sim))
     meas = [r["measured"] for r in rows]
     summary = {
         "variants": len(rows), "mape_calibrated": mape([r["calibrated"] for r in rows], meas),
@@ -78,6 +85,14 @@ def main() -> int:
     print(f"\n{'variant':22}{'measured tok/s':>16}{'spread':>8}{'calibrated':>12}{'roofline':>10}")
     for r in rows:
         print(f"{r['variant']:22}{r['measured']:16.1f}{r['spread']:8.1f}{r['calibrated']:12.1f}{r['roofline']:10.1f}")
+    if args.capacity:
+        caps = [r["capacity"] for r in rows]
+        summary.update(capacity_mape=mape([r["predicted_capacity"] for r in rows], caps),
+                       capacity_spearman=spearman([r["predicted_capacity"] for r in rows], caps))
+        print(f"\n{'variant':22}{'capacity req/s':>16}{'bracket':>8}{'predicted':>12}")
+        for r in rows:
+            print(f"{r['variant']:22}{r['capacity']:16.3f}{r['capacity_spread']:8.3f}{r['predicted_capacity']:12.3f}")
+        print(f"capacity: MAPE {summary['capacity_mape']:.1%}, Spearman {summary['capacity_spearman']:.2f}")
     print(f"\nMAPE: calibrated {summary['mape_calibrated']:.1%}, roofline {summary['mape_roofline']:.1%}")
     print(f"Spearman on throughput: calibrated {summary['spearman_calibrated']:.2f}, "
           f"roofline {summary['spearman_roofline']:.2f} (target >= 0.7)")

@@ -20,7 +20,7 @@ class KVCache:
     """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device, dtype) -> None:
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         self.scratch_block = num_blocks
         shape = (cfg.num_hidden_layers, 2, num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.pool = torch.zeros(shape, device=device, dtype=dtype)

@@ -10,6 +10,7 @@ first, while the engine keeps serving, then switches it in.
 from __future__ import annotations
 
 import time
+import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -80,9 +81,16 @@ def apply(engine: "LLMEngine", spec: VariantSpec, prepared: PreparedVariant | No
         if prepared is not None and prepared.spec != spec:
             raise VariantError(f"the prepared variant is {prepared.spec.variant_id}, not {spec.variant_id}")
         engine.drain()
-        rebuilt = _build_kv(engine, spec) if KV_LAYOUT in scopes else None
+        rebuilt, released = _new_kv(engine, spec) if KV_LAYOUT in scopes else (None, False)
         if scopes & {FORWARD, KV_LAYOUT} and (prepared is None or rebuilt is not None):
-            prepared = prepare(engine, spec, rebuilt[0] if rebuilt else None)
+            try:
+                prepared = prepare(engine, spec, rebuilt[0] if rebuilt else None)
+            except VariantError as e:
+                if released:  # the new pool goes (with the failed attempt's frames, which hold it) before the old returns
+                    rebuilt = None
+                    _clear_frames(e)
+                    _reallocate_kv(engine, *released)
+                raise
         # Everything that can fail has run; commit.
         if rebuilt is not None:
             engine.scheduler.preempt_all()  # running sequences are recomputed under the new layout
@@ -154,14 +162,62 @@ def graphs_for(engine: "LLMEngine", spec: VariantSpec, ops: ForwardOps, kv: KVCa
         raise VariantError(f"CUDA graph capture failed: {type(e).__name__}: {e}") from None
 
 
+def _new_kv(engine: "LLMEngine", spec: VariantSpec) -> tuple[tuple[KVCache, BlockManager], tuple | None]:
+    """The new pool and its block manager, allocated beside the old pool; where both do not fit (a cache sized
+    to the GPU's memory, ``gpu_memory_utilization``), the old pool is released first and the new one allocated
+    in its place. Returns the new pool and, when the old one was released, what re-allocating it takes (for a
+    failure before the commit). Releasing loses nothing the commit would keep: the commit recomputes every
+    running sequence under the new pool, and the old pool's prefix cache goes with it."""
+    try:
+        return _build_kv(engine, spec), None
+    except VariantError as first:
+        if not isinstance(first.__cause__, (RuntimeError, MemoryError)):
+            raise
+    old = (engine.kv.num_blocks, engine.kv.block_size, engine.kv.dtype)
+    engine.scheduler.preempt_all()  # their keys and values are in the pool being released: recomputed
+    engine.block_manager.reset_prefix_cache()
+    engine.runner.graphs = None  # captured over the old pool
+    engine.runner.kv_layers = []
+    engine.kv.pool = None
+    if engine.device.type == "cuda":
+        torch.cuda.empty_cache()
+    try:
+        return _build_kv(engine, spec), old
+    except VariantError:
+        _reallocate_kv(engine, *old)
+        raise
+
+
+def _reallocate_kv(engine: "LLMEngine", num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+    """The active variant's pool again after ``_new_kv`` released it and the swap failed: empty (every sequence
+    was sent back to be recomputed), its decode graphs captured again over it."""
+    if engine.device.type == "cuda":
+        torch.cuda.empty_cache()
+    engine.kv = KVCache(engine.model_config, num_blocks, block_size, engine.device, dtype)
+    engine.runner.set_kv(engine.kv)
+    try:
+        engine.runner.graphs = graphs_for(engine, engine.variant, engine.ops, engine.kv)
+    except VariantError as e:  # the step runs eagerly instead: slower, not wrong
+        engine.notes.append(f"decode graphs not captured again after a failed swap: {e}")
+
+
+def _clear_frames(e: BaseException) -> None:
+    """Drops the locals of the frames an exception (and those it was raised from) keeps alive."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        e = e.__cause__ or e.__context__
+
+
 def _build_kv(engine: "LLMEngine", spec: VariantSpec) -> tuple[KVCache, BlockManager]:
-    """A new KV pool of the same memory under the new block size, and its block manager."""
-    cfg, old = engine.model_config, engine.kv.pool.dtype
+    """A new KV pool of the same memory under the new block size and precision, and its block manager."""
+    cfg, old = engine.model_config, engine.kv.dtype
     dtype = precision.kv_cache_dtype(spec.kv_cache_dtype, engine.dtype)
     total = engine.kv.num_blocks * KVCache.bytes_per_block(cfg, engine.kv.block_size, old)
     num_blocks = max(1, total // KVCache.bytes_per_block(cfg, spec.block_size, dtype))
     try:
         kv = KVCache(cfg, num_blocks, spec.block_size, engine.device, dtype)
     except (RuntimeError, MemoryError) as e:
-        raise VariantError(f"cannot allocate the new KV pool: {e}") from None
+        raise VariantError(f"cannot allocate the new KV pool: {e}") from e
     return kv, BlockManager(num_blocks, spec.block_size, spec.enable_prefix_caching)

@@ -54,14 +54,24 @@ class Workload:
 WORKLOADS = {"cpu": Workload(prompt=256, output=32, requests=16), "gpu": Workload(prompt=1024, output=128, requests=32)}
 
 
+def spread_by_length(prompts: list[list[int]], n: int) -> list[list[int]]:
+    """``n`` of the prompts at evenly spaced ranks of their length, the longest last (all of them if fewer)."""
+    ranked = sorted(prompts, key=len)
+    if len(ranked) <= n:
+        return ranked
+    return [ranked[round((len(ranked) - 1) * (i + 1) / n)] for i in range(n)]
+
+
 def unloaded_latency(engine: LLMEngine, prompts: list[list[int]], output: int, n: int = 4,
                      tries: int = 2) -> tuple[float, float]:
     """(TTFT p90, TPOT p90) of ``n`` requests each run alone: the latency a configuration has with no queue.
-    Each request runs ``tries`` times and keeps its fastest run, so that a moment of contention on a shared
+    The requests are spread over the slice's prompt lengths, its longest among them (``spread_by_length``), so
+    that an SLO derived from them is one each of the slice's requests can meet when it runs alone. Each
+    request runs ``tries`` times and keeps its fastest run, so that a moment of contention on a shared
     machine (another process on the cores) does not loosen an SLO derived from it."""
     ttft, tpot = [], []
     engine.generate([prompts[0][:16]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up, untimed
-    for p in prompts[:n]:
+    for p in spread_by_length(prompts, n):
         best = (float("inf"), float("inf"))
         for _ in range(max(1, tries)):
             engine.block_manager.reset_prefix_cache()

@@ -49,7 +49,7 @@ class SearchConfig:
     slow_layers: int | None = None  # None: the whole model
     fast_repeats: int = 3
     slow_repeats: int = 3
-    capacity_probes: int = 6  # rates the slow tier's capacity search may replay the slice at
+    capacity_probes: int = 6  # rates the slow tier's capacity search may replay the slice at (0: no search)
     num_kv_blocks: int = 512
     slo_ttft_s: float | None = None  # None: derived from static-best's unloaded latency (Search.start)
     slo_tpot_s: float | None = None
@@ -184,7 +184,8 @@ class Workbench:
         res = slow_tier(eng, self.records, self.prompts(eng.model_config.vocab_size),
                         f"{c.trace}[:{len(self.records)}]", repeats=c.slow_repeats, time_scale=c.time_scale,
                         max_output=c.max_output, slo=SLO(c.slo_ttft_s, c.slo_tpot_s),
-                        capacity_guess=self.capacity_guess(variant), capacity_probes=c.capacity_probes)
+                        capacity_guess=self.capacity_guess(variant) if c.capacity_probes > 0 else None,
+                        capacity_probes=c.capacity_probes)
         return res.to_json()
 
     def capacity_guess(self, variant: VariantSpec) -> float:

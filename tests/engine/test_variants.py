@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import ConfigError, VariantError
@@ -343,3 +344,55 @@ def test_swap_is_prepared_while_another_thread_serves():
     assert report.scopes == ["forward"] and eng.variant == spec
     assert in_flight, "the requests finished before the swap: the test did not swap mid-generation"
     assert [out[r] for r in rids] == ref
+
+
+def _without_room_for_two_pools(monkeypatch, eng, refuse=lambda block_size: False):
+    """KV pools that, like a GPU cache sized to the device's memory, cannot be allocated while the engine's pool
+    exists (and, with ``refuse``, not at all for some block sizes)."""
+    import engine.variant_swap as variant_swap
+
+    real = variant_swap.KVCache
+
+    class FullMemory(real):
+        def __init__(self, cfg, num_blocks, block_size, device, dtype):
+            if eng.kv.pool is not None or refuse(block_size):
+                raise torch.OutOfMemoryError(f"no room for {num_blocks} more blocks")
+            super().__init__(cfg, num_blocks, block_size, device, dtype)
+
+    monkeypatch.setattr(variant_swap, "KVCache", FullMemory)
+
+
+@pytest.mark.parametrize("outcome", ["swapped", "no room at all", "prepare fails after the release"])
+def test_a_kv_swap_without_room_for_both_pools_releases_the_old_one(monkeypatch, outcome):
+    """A KV-layout swap on a cache that fills the memory: the old pool goes first, the new one takes its place,
+    running requests are recomputed and finish as they would alone; when the new one cannot be made (or the
+    variant fails after the release) the old pool comes back and the engine serves on, unchanged."""
+    prompts = [[5, 9, 13, 2, 7], [3, 3, 8, 1, 4, 6, 2], [11, 12]]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    ref = _tiny()
+    alone = [ref.generate([p], params)[0].token_ids for p in prompts]
+    eng = _tiny()
+    base = eng.variant
+    rids = [eng.add_request(p, params) for p in prompts]
+    out = {}
+    for _ in range(3):
+        out.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    target = VariantSpec(**{**_knobs(base), "block_size": 8})
+    if outcome == "prepare fails after the release":
+        target = dataclasses.replace(target, kernels={"attention": "triton_paged"},
+                                     kernel_params={"attention": {"blok_n": 8}})
+    _without_room_for_two_pools(monkeypatch, eng, refuse=lambda bs: outcome == "no room at all" and bs == 8)
+    old_pool = eng.kv
+    if outcome == "swapped":
+        report = eng.apply_variant(target)
+        assert report.scopes == ["kv_layout"] and eng.kv.block_size == 8 and eng.variant == target
+        assert eng.kv.num_blocks == 32  # the same memory under the new block size
+    else:
+        with pytest.raises(VariantError, match="no room|blok_n"):
+            eng.apply_variant(target)
+        assert eng.variant == base and eng.kv.block_size == 4 and eng.kv.num_blocks == 64
+        assert eng.kv.pool is not None and eng.runner.kv is eng.kv
+        assert eng.kv is not old_pool  # released, then allocated again
+    while eng.has_unfinished():
+        out.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    assert [out[r] for r in rids] == alone

@@ -3,6 +3,7 @@ its record, the engine's default)."""
 from __future__ import annotations
 
 import dataclasses
+import random
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,19 @@ def test_static_best_is_the_sweeps_best_recorded_and_the_engines_default(tmp_pat
     assert static_best.lookup(source, "cpu", "bfloat16") is None  # per dtype
     eng = LLMEngine(EngineConfig(source=source, num_kv_blocks=64, load_tokenizer=False))
     assert eng.variant.variant_id == best.variant_id  # the engine starts from it without being told
+
+
+def test_unloaded_latency_samples_the_slice_across_its_prompt_lengths():
+    """The SLO's unloaded requests span the slice's lengths, its longest prompt among them: an SLO derived from
+    the first few prompts of a long-context slice failed its long prompts even when they ran alone."""
+    from ops.static_best import spread_by_length
+
+    rng = random.Random(7)
+    prompts = [[1] * rng.randrange(1, 5000) for _ in range(24)]
+    picked = spread_by_length(prompts, 4)
+    lengths = sorted(len(p) for p in prompts)
+    assert len(picked) == 4 and len({id(p) for p in picked}) == 4
+    assert [len(p) for p in picked] == sorted(len(p) for p in picked)
+    assert len(picked[-1]) == lengths[-1]
+    assert len(picked[0]) <= lengths[len(lengths) // 2]  # the short half is represented
+    assert spread_by_length(prompts[:3], 4) == sorted(prompts[:3], key=len)
