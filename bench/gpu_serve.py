@@ -51,6 +51,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--vocab-size", type=int, default=128256)
+    ap.add_argument("--num-kv-blocks", type=int, default=8192)
     ap.add_argument("--reference-kernels", action="store_true", help="the default variant (a CPU smoke run)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -67,8 +68,9 @@ def main() -> int:
     vfile.write_text(json.dumps(variant.to_json()))
     url = f"http://127.0.0.1:{args.port}"
     server = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "serve", "--model", args.model, "--device",
-                               args.device, "--dtype", args.dtype, "--variant", str(vfile), "--num-kv-blocks", "8192",
-                               "--port", str(args.port), "--served-model-name", "llama8b"], cwd=ROOT, env=env,
+                               args.device, "--dtype", args.dtype, "--variant", str(vfile),
+                               "--num-kv-blocks", str(args.num_kv_blocks), "--port", str(args.port),
+                               "--served-model-name", "llama8b"], cwd=ROOT, env=env,
                               stdout=subprocess.DEVNULL, stderr=open(args.out / "server.log", "w"))
     rows: list[tuple[str, str]] = []
     try:

@@ -182,17 +182,17 @@ def preset(name: str) -> Preset:
         raise ConfigError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
 
 
-def preset_variant(name: str, hidden_size: int | None = None, base: VariantSpec | None = None,
+def preset_variant(preset_name: str, /, hidden_size: int | None = None, base: VariantSpec | None = None,
                    **knobs) -> VariantSpec:
-    """The VariantSpec of preset ``name`` for a model of ``hidden_size`` (needed only by presets with whole-row
-    tiles): ``base``'s fields (default: ``VariantSpec()``) with the preset's kernels, kernel parameters and
-    name, then ``knobs`` (any VariantSpec field, e.g. ``cuda_graph_batch_sizes``) on top; ``kernel_params``
-    among them replaces the preset's whole (its kernels with other parameters)."""
-    p = preset(name)
+    """The VariantSpec of preset ``preset_name`` for a model of ``hidden_size`` (needed only by presets with
+    whole-row tiles): ``base``'s fields (default: ``VariantSpec()``) with the preset's kernels, kernel parameters
+    and name, then ``knobs`` (any VariantSpec field, ``name`` and ``cuda_graph_batch_sizes`` among them) on top;
+    ``kernel_params`` among them replaces the preset's whole (its kernels with other parameters)."""
+    p = preset(preset_name)
     fields = {"name": p.name, "kernels": dict(p.kernels), **knobs}
     if "kernel_params" not in knobs:
         fields["kernel_params"] = p.params(hidden_size)
     try:
         return dataclasses.replace(base if base is not None else VariantSpec(), **fields)
     except TypeError as e:  # a knob that is no VariantSpec field
-        raise ConfigError(f"preset {name}: {e}") from None
+        raise ConfigError(f"preset {preset_name}: {e}") from None

@@ -7,9 +7,10 @@ shape: ``{"error": {"message", "type", "param", "code"}}``.
 
 Fields a client sends that the server does not know are ignored and logged once per name (as vLLM does:
 ordinary clients send ``user``, ``metadata`` and the like); a field it knows but cannot honour is refused
-with a 400 that says so, never ignored: ``response_format`` other than text (decoding is not constrained),
-``n`` > 1 or ``logprobs`` with ``stream``. Penalties (presence, frequency, repetition), ``logit_bias``,
-``n``, ``logprobs`` / ``top_logprobs`` and content-part message arrays are honoured.
+with a 400 that says so, never ignored: ``response_format`` other than text (decoding is not constrained).
+Penalties (presence, frequency, repetition), ``logit_bias``, ``n``, ``logprobs`` / ``top_logprobs`` (streamed
+too: each chunk with its new tokens' log-probabilities, the ``n`` choices under their indices) and content-part
+message arrays are honoured.
 """
 from __future__ import annotations
 
@@ -107,10 +108,6 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
         _ignore_unknown(req)
         if not 1 <= req.n <= MAX_N:
             raise APIError(400, f"n must be in 1..{MAX_N}, got {req.n}", param="n")
-        if req.stream and req.n > 1:
-            raise APIError(400, "n > 1 with stream is not supported: send n streaming requests", param="n")
-        if req.stream and logprobs is not None:
-            raise APIError(400, "logprobs with stream is not supported", param="logprobs")
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         try:
             bias = tuple((int(t), float(b)) for t, b in (req.logit_bias or {}).items())
@@ -170,57 +167,70 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
             aengine.abort(rid)
             raise
 
-    async def _stream(rid: str, queue: asyncio.Queue, request: Request, make_chunk, first_chunk=None,
-                      usage_fn=None):
-        sent_text, sent_ids = "", 0
+    async def _stream(subs: list[tuple], request: Request, make_chunk, first_chunk=None, usage_fn=None,
+                      logprobs_fn=None):
+        """Server-sent events for the ``n`` requests of one response: each choice's new text (or, without a
+        tokenizer, its new token ids) under its index as its tokens arrive, with the new tokens' log-probabilities
+        (``logprobs_fn``) where asked; the usage of all choices at the end (``usage_fn``), then ``[DONE]``."""
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def forward(i: int, queue: asyncio.Queue) -> None:
+            while True:
+                item = await queue.get()
+                await merged.put((i, item))
+                if isinstance(item, BaseException) or item.finished:
+                    return
+
+        tasks = [asyncio.ensure_future(forward(i, q)) for i, (_, q) in enumerate(subs)]
+        sent_text, sent_ids, sent_lp = [""] * len(subs), [0] * len(subs), [0] * len(subs)
+        finished: dict[int, RequestOutput] = {}
         try:
             if first_chunk is not None:
-                yield f"data: {json.dumps(first_chunk)}\n\n"
-            while True:
+                for i in range(len(subs)):
+                    yield f"data: {json.dumps(first_chunk(i))}\n\n"
+            while len(finished) < len(subs):
                 try:
-                    item = await asyncio.wait_for(queue.get(), timeout=1.0)
+                    i, item = await asyncio.wait_for(merged.get(), timeout=1.0)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
-                        aengine.abort(rid)
-                        return
+                        return  # the finally clause aborts what is still running
                     continue
                 if isinstance(item, BaseException):
                     yield f"data: {json.dumps({'error': {'message': str(item), 'type': 'server_error'}})}\n\n"
                     return
+                finish = item.finish_reason if item.finished else None
                 if engine.tokenizer is None:
                     # no text to stream: each chunk carries the new token ids (as vLLM does without a tokenizer)
-                    new_ids, sent_ids = item.token_ids[sent_ids:], len(item.token_ids)
-                    if new_ids or item.finished:
-                        body = make_chunk("", item.finish_reason if item.finished else None)
+                    new_ids, sent_ids[i] = item.token_ids[sent_ids[i]:], len(item.token_ids)
+                    body = make_chunk("", finish, i) if new_ids or item.finished else None
+                    if body is not None:
                         for choice in body.get("choices", []):
                             choice["token_ids"] = new_ids
-                        yield f"data: {json.dumps(body)}\n\n"
-                    if item.finished:
-                        if usage_fn is not None:
-                            yield f"data: {json.dumps(usage_fn(item))}\n\n"
-                        yield "data: [DONE]\n\n"
-                        return
-                    continue
-                text = item.text if item.finished else engine.tokenizer.decode(item.token_ids)
-                if not item.finished and text.endswith("\ufffd"):
-                    continue  # a multi-byte character is still incomplete
-                # text already sent cannot be taken back (a stop string cut at the end): send nothing then
-                delta = text[len(sent_text):] if text.startswith(sent_text) else ""
-                sent_text += delta
-                if delta or item.finished:
-                    yield f"data: {json.dumps(make_chunk(delta, item.finish_reason if item.finished else None))}\n\n"
+                else:
+                    text = item.text if item.finished else engine.tokenizer.decode(item.token_ids)
+                    body = None
+                    if item.finished or not text.endswith("\ufffd"):  # else a multi-byte character is incomplete
+                        # text already sent cannot be taken back (a stop string cut at the end): send nothing then
+                        delta = text[len(sent_text[i]):] if text.startswith(sent_text[i]) else ""
+                        sent_text[i] += delta
+                        body = make_chunk(delta, finish, i) if delta or item.finished else None
+                if body is not None:
+                    if logprobs_fn is not None and item.logprobs is not None:
+                        new_lp, sent_lp[i] = item.logprobs[sent_lp[i]:], len(item.logprobs)
+                        for choice in body.get("choices", []):
+                            choice["logprobs"] = logprobs_fn(new_lp)
+                    yield f"data: {json.dumps(body)}\n\n"
                 if item.finished:
-                    if usage_fn is not None:
-                        yield f"data: {json.dumps(usage_fn(item))}\n\n"
-                    yield "data: [DONE]\n\n"
-                    return
-        except asyncio.CancelledError:
-            aengine.abort(rid)
-            raise
-
-    def _usage(out: RequestOutput) -> dict:
-        return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
-                "total_tokens": len(out.prompt_token_ids) + len(out.token_ids)}
+                    finished[i] = item
+            if usage_fn is not None:
+                yield f"data: {json.dumps(usage_fn([finished[i] for i in range(len(subs))]))}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # a client that went away, or an error: what is still running is aborted
+            for t in tasks:
+                t.cancel()
+            for j, (rid, _) in enumerate(subs):
+                if j not in finished:
+                    aengine.abort(rid)
 
     @app.get("/health")
     async def health():
@@ -266,20 +276,20 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
     def _token_text(t: int) -> str:
         return engine.tokenizer.decode([t]) if engine.tokenizer is not None else f"token_id:{t}"
 
-    def _completion_logprobs(out: RequestOutput) -> dict:
-        """The completions API's logprobs object (the legacy layout)."""
-        tokens = [_token_text(t) for t, _, _ in out.logprobs]
+    def _completion_logprobs(entries: list) -> dict:
+        """The completions API's logprobs object (the legacy layout) for ``RequestOutput.logprobs`` entries."""
+        tokens = [_token_text(t) for t, _, _ in entries]
         offsets = list(itertools.accumulate((len(x) for x in tokens), initial=0))[:-1]
-        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in out.logprobs],
-                "top_logprobs": [{_token_text(t): v for t, v in top} for _, _, top in out.logprobs],
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [{_token_text(t): v for t, v in top} for _, _, top in entries],
                 "text_offset": offsets}
 
-    def _chat_logprobs(out: RequestOutput) -> dict:
+    def _chat_logprobs(entries: list) -> dict:
         def entry(t: int, lp: float) -> dict:
             text = _token_text(t)
             return {"token": text, "logprob": lp, "bytes": list(text.encode())}
         return {"content": [{**entry(t, lp), "top_logprobs": [entry(u, v) for u, v in top]}
-                            for t, lp, top in out.logprobs]}
+                            for t, lp, top in entries]}
 
     def _usage_all(outs: list[RequestOutput]) -> dict:
         completion = sum(len(o.token_ids) for o in outs)
@@ -296,21 +306,21 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         subs = _submit_n(ids, params, text, cid, req.n)  # the capture records the response's id
 
-        def chunk(delta, finish):
+        def chunk(delta, finish, index=0):
             return {"id": cid, "object": "text_completion", "created": created, "model": model_name,
-                    "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}]}
+                    "choices": [{"index": index, "text": delta, "logprobs": None, "finish_reason": finish}]}
 
         if req.stream:
-            rid, queue = subs[0]
             usage = None
             if (req.stream_options or {}).get("include_usage"):
-                usage = lambda o: {**chunk("", None), "choices": [], "usage": _usage(o)}  # noqa: E731
-            return StreamingResponse(_stream(rid, queue, request, chunk, usage_fn=usage),
+                usage = lambda outs: {**chunk("", None), "choices": [], "usage": _usage_all(outs)}  # noqa: E731
+            return StreamingResponse(_stream(subs, request, chunk, usage_fn=usage,
+                                             logprobs_fn=_completion_logprobs if req.logprobs is not None else None),
                                      media_type="text/event-stream")
         outs = await _collect_all(subs, request)
         return {"id": cid, "object": "text_completion", "created": created, "model": model_name,
                 "choices": [{"index": i, "text": o.text,
-                             "logprobs": _completion_logprobs(o) if o.logprobs is not None else None,
+                             "logprobs": _completion_logprobs(o.logprobs) if o.logprobs is not None else None,
                              "finish_reason": o.finish_reason} for i, o in enumerate(outs)],
                 "usage": _usage_all(outs)}
 
@@ -346,25 +356,26 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         subs = _submit_n(ids, params, None, cid, req.n)
 
-        def chunk(delta, finish):
+        def chunk(delta, finish, index=0):
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                    "choices": [{"index": 0, "delta": {"content": delta} if delta else {}, "logprobs": None,
+                    "choices": [{"index": index, "delta": {"content": delta} if delta else {}, "logprobs": None,
                                  "finish_reason": finish}]}
 
         if req.stream:
-            rid, queue = subs[0]
-            first = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}]}
+            def first(index):
+                return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                        "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                     "finish_reason": None}]}
             usage = None
             if (req.stream_options or {}).get("include_usage"):
-                usage = lambda o: {**chunk("", None), "choices": [], "usage": _usage(o)}  # noqa: E731
-            return StreamingResponse(_stream(rid, queue, request, chunk, first_chunk=first, usage_fn=usage),
+                usage = lambda outs: {**chunk("", None), "choices": [], "usage": _usage_all(outs)}  # noqa: E731
+            return StreamingResponse(_stream(subs, request, chunk, first_chunk=first, usage_fn=usage,
+                                             logprobs_fn=_chat_logprobs if req.logprobs else None),
                                      media_type="text/event-stream")
         outs = await _collect_all(subs, request)
         return {"id": cid, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": [{"index": i, "message": {"role": "assistant", "content": o.text},
-                             "logprobs": _chat_logprobs(o) if o.logprobs is not None else None,
+                             "logprobs": _chat_logprobs(o.logprobs) if o.logprobs is not None else None,
                              "finish_reason": o.finish_reason} for i, o in enumerate(outs)],
                 "usage": _usage_all(outs)}
 

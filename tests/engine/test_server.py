@@ -97,7 +97,8 @@ def test_models_completion_chat_and_streaming_match_the_engine(server, client, s
 
 def test_what_openai_clients_send(server, client, smollm2_engine_factory):
     """Fields ordinary clients send (LangChain's zero penalties, ``user``, fields the server does not know) are
-    accepted; n, logprobs, penalties, logit_bias, content parts, the chat's default length and /tokenize work."""
+    accepted; n, logprobs (plain and streamed), penalties, logit_bias, content parts, the chat's default length and
+    /tokenize work."""
     url, question = server["url"], "What is the capital of France?"
     plain = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
                                            max_tokens=12, temperature=0)
@@ -119,6 +120,14 @@ def test_what_openai_clients_send(server, client, smollm2_engine_factory):
                                      seed=7, n=3)
     assert [c.index for c in many.choices] == [0, 1, 2] and len({c.text for c in many.choices}) >= 2
     assert many.usage.completion_tokens == 24 and many.usage.prompt_tokens == 4
+    # the same n choices streamed: each index's chunks join to that choice's text (the same seeds), usage summed
+    texts, usage = {}, None
+    for chunk in client.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=8, temperature=1.0,
+                                           seed=7, n=3, stream=True, stream_options={"include_usage": True}):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+        usage = chunk.usage or usage
+    assert texts == {c.index: c.text for c in many.choices} and usage.completion_tokens == 24
     # a logit bias of 100 decides every token; penalties change what greedy decoding repeats
     tok = httpx.post(url + "/tokenize", json={"model": "smollm2", "prompt": " Paris"}).json()["tokens"][-1]
     biased = client.completions.create(model="smollm2", prompt="Hello", max_tokens=4, temperature=0,
@@ -148,6 +157,15 @@ def test_what_openai_clients_send(server, client, smollm2_engine_factory):
     content = ch.choices[0].logprobs.content
     assert "".join(e.token for e in content).startswith(ch.choices[0].message.content)
     assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in content)
+    # streamed, each chunk carries its new tokens' log-probabilities: together, the same entries
+    streamed = [e for chunk in client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": question}], max_tokens=12, temperature=0,
+        logprobs=True, top_logprobs=2, stream=True) for c in chunk.choices if c.logprobs for e in c.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(streamed, content))
+    sc = [chunk for chunk in client.completions.create(model="smollm2", prompt="The capital of France is",
+                                                       max_tokens=3, temperature=0, logprobs=2, stream=True)]
+    assert [t for chunk in sc for c in chunk.choices if c.logprobs for t in c.logprobs.tokens] == lp.tokens
     # /tokenize and /detokenize (vLLM's); a chat's tokens are what the chat completion counts
     toks = httpx.post(url + "/tokenize", json={"prompt": "The capital of France"}).json()
     assert httpx.post(url + "/detokenize", json={"tokens": toks["tokens"]}).json()["prompt"] == "The capital of France"
@@ -210,7 +228,7 @@ def test_bad_requests_get_openai_errors_and_nothing_is_captured(server):
     assert r.status_code == 400 and "seed" in _err(r)["message"]
     r = httpx.post(url + "/v1/completions", json={"model": "smollm2", "prompt": "hi", "echo": True})
     assert r.status_code == 400 and _err(r)["param"] == "echo"
-    for bad in ({"n": 0}, {"n": 17}, {"n": 2, "stream": True}, {"logprobs": 2, "stream": True}, {"logprobs": 21},
+    for bad in ({"n": 0}, {"n": 17}, {"logprobs": 21},
                 {"presence_penalty": 3}, {"repetition_penalty": 0}, {"logit_bias": {"x": 1}},
                 {"logit_bias": {"5": 101}}, {"logit_bias": {str(10**9): 1}}):
         r = httpx.post(url + "/v1/completions", json={"model": "smollm2", "prompt": "hi", **bad})

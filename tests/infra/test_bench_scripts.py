@@ -3,9 +3,12 @@ import), so a script broken by a change to the packages shows here, not on the G
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,3 +25,27 @@ def test_every_bench_script_answers_help():
         if proc.returncode != 0 or "usage:" not in out:
             failed[name] = (proc.returncode, err[-500:])
     assert not failed, failed
+
+
+@pytest.mark.slow
+def test_gpu_scripts_smoke_run_on_the_cpu(tmp_path):
+    """The GPU scripts that can take a CPU run there end to end on SmolLM2 (a slice of its layers): the gates on
+    the reference form, and the served replay with the default variant, every request answered in full."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    gates = subprocess.run([sys.executable, "bench/gpu_gates.py", "--model", "smollm2", "--device", "cpu", "--dtypes",
+                            "float32", "--layers", "2", "--only", "reference"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert gates.returncode == 0, gates.stderr[-2000:]
+    assert "| float32 | reference (against itself) | pass |" in gates.stdout, gates.stdout[-2000:]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve = subprocess.run([sys.executable, "bench/gpu_serve.py", "--out", str(tmp_path), "--model", "smollm2",
+                            "--device", "cpu", "--dtype", "float32", "--reference-kernels", "--requests", "3", "--trace",
+                            str(ROOT / "traces" / "AzureLLMInferenceTrace_conv.csv"),
+                            "--max-input", "48", "--max-output", "4", "--vocab-size", "49152", "--num-kv-blocks", "256",
+                            "--time-scales", "1", "0.5", "0.25", "--port", str(port)], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert serve.returncode == 0, (serve.stdout[-2000:], serve.stderr[-2000:])
+    assert serve.stdout.count("every request answered with its requested output length | OK (3/3") == 3, \
+        serve.stdout[-2000:]
