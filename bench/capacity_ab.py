@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ops.hardware import probe  # noqa: E402
-from ops.optimize import capacity_ratio  # noqa: E402
+from ops.optimize import capacity_ratio, range_holds_one  # noqa: E402
 from ops.worker import SLOW, SearchConfig, Workbench, bench_from, static_best_of  # noqa: E402
 
 
@@ -86,7 +86,7 @@ def main() -> int:
     for row in rows:
         print(f"| {row['round']} | {row['A']['capacity']:.3f} ({row['A']['capacity_spread']:.3f}) | "
               f"{row['B']['capacity']:.3f} ({row['B']['capacity_spread']:.3f}) | {row['ratio']:.2f}x | "
-              f"{row['low']:.2f}-{row['high']:.2f}x{' (holds 1: no gain)' if row['low'] <= 1 <= row['high'] else ''} |")
+              f"{row['low']:.2f}-{row['high']:.2f}x{' (holds 1: no gain)' if range_holds_one(row['low'], row['high']) else ''} |")
     caps = {s: [row[s]["capacity"] for row in rows] for s in ("A", "B")}
     if all(caps["A"]):
         print(f"median B / A over {len(rows)} rounds: {statistics.median(caps['B']) / statistics.median(caps['A']):.2f}x;"

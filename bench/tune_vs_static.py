@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine.variant import FORWARD, KV_LAYOUT, SCHEDULER, SPECULATION_FIELDS, VariantSpec  # noqa: E402
-from ops.optimize import capacity_line, capacity_ratio  # noqa: E402
+from ops.optimize import capacity_line, capacity_ratio, range_holds_one  # noqa: E402
 from ops.traces import load_trace  # noqa: E402
 from ops.tune import Budget, Search, static_best_of, tune  # noqa: E402
 from ops.worker import SLOW, SearchConfig, bench_from  # noqa: E402
@@ -70,7 +70,7 @@ def ratio_row(out: Path, label: str, new, old) -> None:
     r, low, high = capacity_ratio(new, old)
     row(out, label, f"{r:.2f}x (range {low:.2f}-{high:.2f}x; {new.capacity:.3f} vs {old.capacity:.3f} req/s, brackets "
                     f"{new.capacity_spread:.3f}, {old.capacity_spread:.3f})"
-                    f"{' = none: the range holds 1' if not low > 1 and not high < 1 else ''}")
+                    f"{' = none: the range holds 1' if range_holds_one(low, high) else ''}")
 
 
 def grown(trace: Path, out: Path, factor: float, requests: int) -> Path:

@@ -19,8 +19,9 @@ class Choice:
 def capacity_ratio(new: BenchResult, old: BenchResult) -> tuple[float, float, float]:
     """(ratio, low, high) of two capacities at the SLO. Each capacity is the highest rate that passed, with
     the lowest that failed ``capacity_spread`` above it: the true ratio lies between ``low`` (new's passing
-    rate over old's failing rate) and ``high`` (new's failing rate over old's passing rate). A ratio whose
-    range holds 1 is no gain."""
+    rate over old's failing rate) and ``high`` (new's failing rate over old's passing rate), above ``low``
+    strictly (a capacity is below the rate that failed). A ratio whose range holds 1 is no gain
+    (``range_holds_one``); ``low`` of 1 is a gain: new passed the very rate old failed."""
     if old.capacity <= 0:
         return float("nan"), float("nan"), float("nan")
     ratio = new.capacity / old.capacity
@@ -29,10 +30,16 @@ def capacity_ratio(new: BenchResult, old: BenchResult) -> tuple[float, float, fl
     return ratio, low, high
 
 
+def range_holds_one(low: float, high: float) -> bool:
+    """Whether a capacity ratio's range leaves gain and loss both possible: ``low`` below 1 (with a tolerance for
+    one rate reached by two searches' arithmetic) and ``high`` above it."""
+    return not (low >= 1 - 1e-9 or high <= 1 + 1e-9)
+
+
 def choose(candidates: list[tuple[VariantSpec, BenchResult]], baseline: tuple[VariantSpec, BenchResult]) -> Choice:
     """The best by capacity at the SLO, then SLO attainment at the traffic's own rate, then output tokens/s.
     It replaces the baseline (static-best) only when it is measurably better: it passed a rate at which
-    static-best failed (their capacity brackets do not overlap: ``capacity_ratio``'s low end above 1), or
+    static-best failed (their capacity brackets do not overlap: ``capacity_ratio``'s low end at least 1), or
     its capacity bracket overlaps static-best's and its output tokens/s is higher by more than both
     throughput spreads (measured over two or more replays each: one replay has no spread to compare)."""
     base_spec, base = baseline
@@ -41,7 +48,7 @@ def choose(candidates: list[tuple[VariantSpec, BenchResult]], baseline: tuple[Va
         return (round(r.capacity, 6), round(r.attainment, 6), r.output_tok_s)
 
     def wins(r: BenchResult) -> bool:
-        if base.capacity > 0 and capacity_ratio(r, base)[1] > 1:
+        if base.capacity > 0 and capacity_ratio(r, base)[1] >= 1 - 1e-9:  # passed a rate static-best failed
             return True
         if base.capacity == 0 and r.capacity > 0 and base.capacity_spread <= r.capacity:
             return True  # static-best failed at a rate the candidate passed

@@ -5,7 +5,7 @@ import math
 
 from engine.variant import VariantSpec
 from ops.bench import BenchResult
-from ops.optimize import capacity_line, capacity_ratio, choose, decision_table
+from ops.optimize import capacity_line, capacity_ratio, choose, decision_table, range_holds_one
 
 BASE = VariantSpec(name="static-best")
 CAND = VariantSpec(name="candidate", max_num_seqs=16)
@@ -34,6 +34,12 @@ def test_a_candidate_that_passed_where_static_best_failed_replaces_it():
     # static-best failed at every rate it tried (0.3 req/s the lowest); the candidate passed 0.4
     assert choose([(CAND, bench(0.4, 0.1))], (BASE, bench(0.0, 0.3))).variant == CAND
     assert choose([(CAND, bench(0.2, 0.1))], (BASE, bench(0.0, 0.3))).variant == BASE
+    # the candidate passed the very rate static-best failed (one replay each, so throughput could not decide)
+    passed, failed = 0.475, 0.475 * 2 ** 0.5
+    c = choose([(CAND, bench(failed, 0.278, repeats=1))], (BASE, bench(passed, failed - passed, repeats=1)))
+    assert c.variant == CAND
+    assert not range_holds_one(*capacity_ratio(bench(failed, 0.278), bench(passed, failed - passed))[1:])
+    assert range_holds_one(*capacity_ratio(bench(failed * 0.99, 0.278), bench(passed, failed - passed))[1:])
 
 
 def test_overlapping_brackets_keep_static_best_unless_throughput_is_higher_beyond_both_spreads():
