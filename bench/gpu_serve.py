@@ -46,7 +46,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--max-input", type=int, default=2048)
     ap.add_argument("--max-output", type=int, default=128)
-    ap.add_argument("--time-scales", type=float, nargs=3, default=[1.0, 0.25, 0.1])
+    ap.add_argument("--time-scales", type=float, nargs="+", default=[1.0, 0.25, 0.1])
     ap.add_argument("--port", type=int, default=8011)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")

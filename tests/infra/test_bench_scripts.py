@@ -30,10 +30,10 @@ def test_every_bench_script_answers_help():
 @pytest.mark.slow
 def test_gpu_scripts_smoke_run_on_the_cpu(tmp_path):
     """The GPU scripts that can take a CPU run there end to end on SmolLM2 (a slice of its layers): the gates on
-    the reference form, and the served replay with the default variant, every request answered in full."""
+    the reference form, and a served replay with the default variant, every request answered in full."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     gates = subprocess.run([sys.executable, "bench/gpu_gates.py", "--model", "smollm2", "--device", "cpu", "--dtypes",
-                            "float32", "--layers", "2", "--only", "reference"], cwd=ROOT, env=env, capture_output=True,
+                            "float32", "--layers", "1", "--only", "reference"], cwd=ROOT, env=env, capture_output=True,
                            text=True, timeout=600)
     assert gates.returncode == 0, gates.stderr[-2000:]
     assert "| float32 | reference (against itself) | pass |" in gates.stdout, gates.stdout[-2000:]
@@ -41,11 +41,11 @@ def test_gpu_scripts_smoke_run_on_the_cpu(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     serve = subprocess.run([sys.executable, "bench/gpu_serve.py", "--out", str(tmp_path), "--model", "smollm2",
-                            "--device", "cpu", "--dtype", "float32", "--reference-kernels", "--requests", "3", "--trace",
+                            "--device", "cpu", "--dtype", "float32", "--reference-kernels", "--requests", "2", "--trace",
                             str(ROOT / "traces" / "AzureLLMInferenceTrace_conv.csv"),
                             "--max-input", "48", "--max-output", "4", "--vocab-size", "49152", "--num-kv-blocks", "256",
-                            "--time-scales", "1", "0.5", "0.25", "--port", str(port)], cwd=ROOT, env=env,
+                            "--time-scales", "0.5", "--port", str(port)], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=600)
     assert serve.returncode == 0, (serve.stdout[-2000:], serve.stderr[-2000:])
-    assert serve.stdout.count("every request answered with its requested output length | OK (3/3") == 3, \
+    assert serve.stdout.count("every request answered with its requested output length | OK (2/2") == 1, \
         serve.stdout[-2000:]
