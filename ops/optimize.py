@@ -30,10 +30,17 @@ def capacity_ratio(new: BenchResult, old: BenchResult) -> tuple[float, float, fl
     return ratio, low, high
 
 
+_SAME_RATE = 1e-9  # the relative difference of one rate reached by two searches' arithmetic
+
+
+def passed_where_failed(low: float) -> bool:
+    """Whether a capacity ratio's ``low`` end says new passed a rate old failed (at least 1)."""
+    return low >= 1 - _SAME_RATE
+
+
 def range_holds_one(low: float, high: float) -> bool:
-    """Whether a capacity ratio's range leaves gain and loss both possible: ``low`` below 1 (with a tolerance for
-    one rate reached by two searches' arithmetic) and ``high`` above it."""
-    return not (low >= 1 - 1e-9 or high <= 1 + 1e-9)
+    """Whether a capacity ratio's range leaves gain and loss both possible (``low`` below 1, ``high`` above it)."""
+    return not (passed_where_failed(low) or high <= 1 + _SAME_RATE)
 
 
 def choose(candidates: list[tuple[VariantSpec, BenchResult]], baseline: tuple[VariantSpec, BenchResult]) -> Choice:
@@ -48,7 +55,7 @@ def choose(candidates: list[tuple[VariantSpec, BenchResult]], baseline: tuple[Va
         return (round(r.capacity, 6), round(r.attainment, 6), r.output_tok_s)
 
     def wins(r: BenchResult) -> bool:
-        if base.capacity > 0 and capacity_ratio(r, base)[1] >= 1 - 1e-9:  # passed a rate static-best failed
+        if base.capacity > 0 and passed_where_failed(capacity_ratio(r, base)[1]):
             return True
         if base.capacity == 0 and r.capacity > 0 and base.capacity_spread <= r.capacity:
             return True  # static-best failed at a rate the candidate passed
