@@ -26,6 +26,9 @@ their engine forms from the named presets of engine/presets.py:
    whole steps of each precision in several decode forms and with tiles timed in the whole step.
 10. The FP8 KV cache (kv_fp8.py): against the bf16 cache on a 4,000-token prompt, then batch decode at
     32,000 tokens of context and how many such sequences each cache holds.
+11. Quantized weights as the tuner serves them (precision_serve.py): the activations' one-launch FP8
+    quantization against the plain-torch path, then decode steps at 1-32 sequences for static-best in bf16 and
+    with FP8 weights through the library's GEMM and through the Triton projections.
 
 Every row is appended to DIR/gpu_bench.jsonl as soon as it is measured.
 """

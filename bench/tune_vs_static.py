@@ -141,7 +141,8 @@ def main() -> int:
             row(args.out, f"{name}: SLO", f"TTFT {1e3 * rep.config['slo_ttft_s']:.0f} ms, TPOT "
                                           f"{1e3 * rep.config['slo_tpot_s']:.0f} ms ({rep.config['slo_source']})")
             row(args.out, f"{name}: chosen", f"{rep.chosen['name']} ({rep.chosen['variant_id']}); {rep.decision['reason']}")
-            row(args.out, f"{name}: gates", rep.quality["verdict"] if rep.quality else "not run: static-best kept")
+            row(args.out, f"{name}: gates", (rep.quality["verdict"] if rep.quality else "not run: static-best kept"
+                                            if rep.chosen["variant_id"] == static.variant_id else "not run (--no-gate)"))
             if base and chosen:
                 row(args.out, f"{name}: " + capacity_line(bench_from(chosen), bench_from(base)).split(":", 1)[0],
                     capacity_line(bench_from(chosen), bench_from(base)).split(": ", 1)[1])

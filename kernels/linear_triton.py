@@ -32,7 +32,7 @@ import triton.language as tl
 
 from kernels.activation_triton import silu_mul
 from kernels.pdl import launch_options, pdl_enter
-from kernels.quant import QuantizedWeight, qlinear
+from kernels.quant import QuantizedWeight, fp8_gemm_supported, qlinear
 
 NONE, SILU_MUL, ADD_RMS_NORM = 0, 1, 2  # input prologues
 # elements (rows x columns) of x + residual the norm prologue loads at once for the row's statistics: its
@@ -261,16 +261,24 @@ def _gemv(x, weight, bias, prologue, tiles, r=None, norm_weight=None, eps=0.0, k
 
 
 def _matmul(x: torch.Tensor, weight, bias=None) -> torch.Tensor:
-    """The plain-torch product for batches the kernel does not take (and to time the kernel against)."""
+    """The library product for batches the kernel does not take (and to time the kernel against); FP8 weights
+    on FP8 tensor cores with their input quantized in one launch (kernels/quant_triton.py)."""
     if isinstance(weight, QuantizedWeight):
+        if weight.kind == "fp8" and x.is_cuda and not _interpreted() and x.shape[0] and fp8_gemm_supported(x.device) \
+                and x.shape[1] % 16 == 0 and weight.shape[0] % 16 == 0:
+            from kernels.quant_triton import fp8_gemm
+
+            return fp8_gemm(x, weight, bias)
         return qlinear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def _max_rows(weight, max_m: int) -> int:
-    """int8 weights take the kernel up to 16 rows whatever ``max_m`` says: torch's path for them dequantizes
-    the whole matrix per call (three times the bytes), which costs more than the kernel's extra arithmetic."""
-    return max(max_m, 16) if isinstance(weight, QuantizedWeight) and weight.kind == "int8" else max_m
+    """Quantized weights take the kernel up to 16 rows whatever ``max_m`` says: torch's path for int8 dequantizes
+    the whole matrix per call (three times the bytes), and for FP8 quantizes the activations before its GEMM, which
+    cost more than the kernel's extra arithmetic (where tiles are not fixed, the faster of the two is timed per
+    shape anyway)."""
+    return max(max_m, 16) if isinstance(weight, QuantizedWeight) else max_m
 
 
 def _after_prologue(h: torch.Tensor, weight, bias, tiles: dict, max_m: int, pdl: int = 0, evict: int = 0):

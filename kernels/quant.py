@@ -6,7 +6,7 @@ format's largest value (127 for int8, 448 for e4m3), so no value clips. Quantizi
 variant is prepared (engine/precision.py); the forward pass only reads ``q`` and ``scale``.
 
 ``qlinear`` is the plain-torch path, the "reference" linear with quantized weights:
-- rows <= ``max_m`` (decode) of int8 weights on a CPU: torch's int8 weight-pack matmul, which reads one
+- rows <= ``max_m`` (decode) of int8 weights on a CPU, K a multiple of 16: torch's int8 weight-pack matmul, which reads one
   byte per weight (the activations in bfloat16, which that kernel vectorizes; measured 2-3x faster than the
   float32 matmul on SmolLM2's projections at 1-8 rows, and slower than it from about 16 rows);
 - FP8 weights on a GPU with FP8 tensor cores (compute capability >= 8.9), any rows: the activations
@@ -92,7 +92,9 @@ def qlinear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = No
     n = qw.q.shape[0]
     if qw.q.shape[1] != k:
         raise ValueError(f"input of {k} columns against a weight of {tuple(qw.q.shape)}")
-    if qw.kind == "int8" and x.device.type == "cpu" and 0 < t <= max_m:
+    # torch's int8 weight-pack matmul returns garbage or crashes on AVX-512 CPUs for K not a multiple of 16 (K
+    # 200 and 232 measured on a Xeon with AMX, torch 2.13; 16-multiples exact): such layers take the path below
+    if qw.kind == "int8" and x.device.type == "cpu" and 0 < t <= max_m and k % 16 == 0:
         out = torch._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), qw.q, qw.scale.to(torch.bfloat16))
         out = out.to(x.dtype)
         return out if bias is None else out + bias

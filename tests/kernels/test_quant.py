@@ -50,8 +50,9 @@ def test_quantize_refuses_what_it_cannot_represent():
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("m", [1, 3, 8, 40])  # the int8 matmul for <= 8 rows on CPU, the dequantized weights above
 @pytest.mark.parametrize("keep", [False, True])
-def test_plain_torch_quantized_linear(kind, m, keep):
-    n, k = 96, 200
+@pytest.mark.parametrize("k", [200, 208])  # the int8 weight-pack matmul takes K of 16-multiples only
+def test_plain_torch_quantized_linear(kind, m, keep, k):
+    n = 96
     qw = quantize(torch.randn(n, k), kind, keep_dequantized=keep)
     x, b = torch.randn(m, k), torch.randn(n)
     exact = qlinear_exact(x, qw, b)
@@ -81,8 +82,8 @@ def test_triton_gemv_with_quantized_weights(kind, m, n, k, tiles):
     torch.testing.assert_close(summed, ref_summed)
     gu = torch.randn(m, 2 * k)
     _close(act_linear_triton(gu, qw, **t), qlinear_exact(silu_and_mul_ref(gu), qw), 1e-5)
-    # more rows than max_m: the plain-torch quantized product after the Triton norm / activation (int8 weights
-    # take the kernel up to 16 rows: 9 rows there, 20 through torch)
+    # more rows than max_m: the plain-torch quantized product after the Triton norm / activation (quantized
+    # weights take the kernel up to 16 rows: 9 rows there, 20 through torch)
     for rows in (9, 20):
         x9, r9, gu9 = torch.randn(rows, k), torch.randn(rows, k), torch.randn(rows, 2 * k)
         _close(linear_triton(x9, qw, b, max_m=4), qlinear_exact(x9, qw, b), 1e-5)

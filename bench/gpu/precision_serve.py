@@ -1,0 +1,97 @@
+"""11. Quantized weights as the tuner serves them: the activations' one-launch FP8 quantization checked against
+the plain-torch path, then decode steps at the batch sizes a loaded server runs (1-32 sequences) for static-best
+in bf16, static-best with FP8 weights through the library's GEMM (the tuner's first precision candidate), and
+with the Triton projections (its candidate now: ``ops.tune.Search.precision_candidate``)."""
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+
+import torch
+
+from bench.gpu.harness import Llama8B, row, section
+
+
+@section
+def activation_quant_checks() -> bool:
+    """quantize_rows_fp8 and fp8_gemm against kernels.quant's plain-torch path and the float64 product."""
+    from kernels.quant import FP8_MAX, _fp8_gemm, qlinear_exact, quantize
+    from kernels.quant_triton import fp8_gemm, quantize_rows_fp8
+
+    torch.manual_seed(5)
+    ok = True
+    for t, k, n, mag in ((1, 4096, 6144, 1.0), (7, 14336, 4096, 30.0), (300, 4096, 4096, 0.01), (16, 4096, 128, 1e3)):
+        x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16) * mag
+        x[0, 3] = 0.0
+        q, s = quantize_rows_fp8(x)
+        xf = x.float()
+        ref_s = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+        ref_q = (xf / ref_s).to(torch.float8_e4m3fn).float()
+        s_err = ((s - ref_s).abs() / ref_s).max().item()
+        same = (q.float() == ref_q).float().mean().item()
+        step = (ref_q.abs() * 2.0 ** -3).clamp(min=2.0 ** -9)  # one e4m3 step at each magnitude
+        worst = ((q.float() - ref_q).abs() / step).max().item()
+        qw = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, "fp8")
+        exact = qlinear_exact(x, qw)
+        scale = exact.abs().max().item()
+        e_new = (fp8_gemm(x, qw).double() - exact).abs().max().item() / scale
+        e_old = (_fp8_gemm(x, qw, None).double() - exact).abs().max().item() / scale
+        good = s_err < 1e-6 and same > 0.999 and worst <= 1.0 and e_new <= 0.05
+        ok &= good
+        row(f"FP8 activation quantization, {t}x{k} (|x| ~ {mag:g})",
+            f"{'OK' if good else 'ERROR'}: scales within {s_err:.1g}; {same:.4%} of codes equal to torch's, the rest "
+            f"within {worst:.2f} step; GEMM error {e_new:.3g} of the output's scale (torch's path {e_old:.3g})")
+    return ok
+
+
+def _step_ms(eng, b: int, ctx: int = 192, new: int = 32) -> float:
+    """A decode step's time at ``b`` sequences of ``ctx`` tokens: a run of ``new`` steps less the prefill's."""
+    from engine import SamplingParams
+
+    prompts = [[(i * 7919 + j * 31) % 30000 + 10 for j in range(ctx)] for i in range(b)]
+
+    def run(tokens: int) -> float:
+        eng.block_manager.reset_prefix_cache()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        eng.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    run(2)  # first use of this batch size
+    return 1e3 * (min(run(new + 1) for _ in range(2)) - min(run(1) for _ in range(2))) / new
+
+
+@section
+def served_decode_by_precision(m: Llama8B, batches=(1, 8, 16, 32)) -> None:
+    from engine.loader import resolve
+    from engine.static_best import lookup
+    from engine.presets import TRITON_GEMV
+
+    eng = m.engine
+    base = lookup(resolve("llama-3.1-8b"), "cuda", "bfloat16")
+    if base is None:
+        row("served decode by precision", "skipped: no static-best recorded for the 8B on this device")
+        return
+    gemv = {**TRITON_GEMV, **{op: i for op, i in dict(base.kernels).items() if op not in TRITON_GEMV}}
+    forms = {"static-best bf16": base,
+             "static-best + fp8 weights, library GEMM": dataclasses.replace(base, weight_dtype="fp8"),
+             "static-best + fp8 weights, Triton projections": dataclasses.replace(base, weight_dtype="fp8",
+                                                                                 kernels=gemv)}
+    got: dict[str, dict[int, float]] = {}
+    for label, spec in forms.items():
+        try:
+            t = time.perf_counter()
+            eng.apply_variant(spec)
+            prepared = time.perf_counter() - t
+            got[label] = {b: _step_ms(eng, b) for b in batches}
+        except Exception as e:
+            traceback.print_exc()
+            row(f"8B decode step, {label}", f"FAILED {type(e).__name__}: {str(e)[:160]}")
+            continue
+        ref = got.get("static-best bf16")
+        row(f"8B decode step, {label} (prepared in {prepared:.1f} s)",
+            "; ".join(f"b={b} {ms:.2f} ms" + (f" ({ref[b] / ms:.2f}x)" if ref and label != "static-best bf16" else "")
+                      for b, ms in got[label].items()))
+    eng.apply_variant(base)
