@@ -274,11 +274,10 @@ def _matmul(x: torch.Tensor, weight, bias=None) -> torch.Tensor:
 
 
 def _max_rows(weight, max_m: int) -> int:
-    """Quantized weights take the kernel up to 16 rows whatever ``max_m`` says: torch's path for int8 dequantizes
-    the whole matrix per call (three times the bytes), and for FP8 quantizes the activations before its GEMM, which
-    cost more than the kernel's extra arithmetic (where tiles are not fixed, the faster of the two is timed per
-    shape anyway)."""
-    return max(max_m, 16) if isinstance(weight, QuantizedWeight) else max_m
+    """int8 weights take the kernel up to 16 rows whatever ``max_m`` says: torch's path for them dequantizes
+    the whole matrix per call (three times the bytes), which costs more than the kernel's extra arithmetic. (FP8
+    weights have a tensor-core GEMM beyond ``max_m``: ``_matmul``.)"""
+    return max(max_m, 16) if isinstance(weight, QuantizedWeight) and weight.kind == "int8" else max_m
 
 
 def _after_prologue(h: torch.Tensor, weight, bias, tiles: dict, max_m: int, pdl: int = 0, evict: int = 0):

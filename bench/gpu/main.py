@@ -93,7 +93,7 @@ def main(description: str = __doc__.split("\n\n")[0]) -> None:
                 if want("precision-step"):
                     decode_forms_by_precision(m, sweep=() if args.step_quick else ("auto", "fp8"))
                 if want("precision-serve"):
-                    served_decode_by_precision(m)
+                    served_decode_by_precision(m, args.out)
                 if want("kv-fp8"):
                     fp8_kv_cache(m, bw, args.kv_length, check=not args.skip_checks)
                 best = llama8b_decode(m, bw, args.decode_quick) if want("decode") else None

@@ -63,22 +63,41 @@ def _step_ms(eng, b: int, ctx: int = 192, new: int = 32) -> float:
     return 1e3 * (min(run(new + 1) for _ in range(2)) - min(run(1) for _ in range(2))) / new
 
 
+# the Triton projections' tiles pinned for the candidate: autotuning them for every graph's batch size costs
+# 78-97 s per swap on an H200 (bench/results/2026-12-02-h200-precision.md), more than a slow-tier measurement
+FP8_TILES = {"block_n": 8, "block_k": 1024, "num_warps": 8}
+
+
+def fp8_forms(base) -> dict:
+    """static-best with FP8 weights in the forms compared here: {label: VariantSpec}."""
+    from engine.presets import TRITON_GEMV
+
+    kernels = {**TRITON_GEMV, **{op: i for op, i in dict(base.kernels).items() if op not in TRITON_GEMV}}
+    params = {op: dict(p) for op, p in base.kernel_params}
+    pinned = {**params, **{op: {**params.get(op, {}), **FP8_TILES} for op in TRITON_GEMV}}
+    gemm_only = {**params, **{op: {**params.get(op, {}), "max_m": 0} for op in TRITON_GEMV}}
+    return {"fp8, library GEMM (torch's activation quantization)": dataclasses.replace(base, weight_dtype="fp8"),
+            "fp8, Triton GEMV to 4 rows (pinned tiles), FP8 GEMM above": dataclasses.replace(
+                base, weight_dtype="fp8", kernels=kernels, kernel_params=pinned),
+            "fp8, FP8 GEMM at every batch (one-launch activation quantization)": dataclasses.replace(
+                base, weight_dtype="fp8", kernels=kernels, kernel_params=gemm_only)}
+
+
 @section
-def served_decode_by_precision(m: Llama8B, batches=(1, 8, 16, 32)) -> None:
+def served_decode_by_precision(m: Llama8B, out=None, batches=(1, 8, 16, 32)) -> None:
+    """Decode steps by form; the fastest FP8 form's change to static-best goes to ``out``/fp8_change.json (for
+    bench/capacity_ab.py)."""
+    import json
+
     from engine.loader import resolve
     from engine.static_best import lookup
-    from engine.presets import TRITON_GEMV
 
     eng = m.engine
     base = lookup(resolve("llama-3.1-8b"), "cuda", "bfloat16")
     if base is None:
         row("served decode by precision", "skipped: no static-best recorded for the 8B on this device")
         return
-    gemv = {**TRITON_GEMV, **{op: i for op, i in dict(base.kernels).items() if op not in TRITON_GEMV}}
-    forms = {"static-best bf16": base,
-             "static-best + fp8 weights, library GEMM": dataclasses.replace(base, weight_dtype="fp8"),
-             "static-best + fp8 weights, Triton projections": dataclasses.replace(base, weight_dtype="fp8",
-                                                                                 kernels=gemv)}
+    forms = {"static-best bf16": base, **fp8_forms(base)}
     got: dict[str, dict[int, float]] = {}
     for label, spec in forms.items():
         try:
@@ -95,3 +114,10 @@ def served_decode_by_precision(m: Llama8B, batches=(1, 8, 16, 32)) -> None:
             "; ".join(f"b={b} {ms:.2f} ms" + (f" ({ref[b] / ms:.2f}x)" if ref and label != "static-best bf16" else "")
                       for b, ms in got[label].items()))
     eng.apply_variant(base)
+    fp8 = {k: sum(v.values()) for k, v in got.items() if k != "static-best bf16"}
+    if fp8 and out is not None:
+        best = forms[min(fp8, key=fp8.get)]
+        change = {"weight_dtype": "fp8", "kernels": dict(best.kernels),
+                  "kernel_params": {op: dict(p) for op, p in best.kernel_params}}
+        (out / "fp8_change.json").write_text(json.dumps(change))
+        row("fastest FP8 form over the batches", min(fp8, key=fp8.get))

@@ -82,7 +82,7 @@ def test_triton_gemv_with_quantized_weights(kind, m, n, k, tiles):
     torch.testing.assert_close(summed, ref_summed)
     gu = torch.randn(m, 2 * k)
     _close(act_linear_triton(gu, qw, **t), qlinear_exact(silu_and_mul_ref(gu), qw), 1e-5)
-    # more rows than max_m: the plain-torch quantized product after the Triton norm / activation (quantized
+    # more rows than max_m: the plain-torch quantized product after the Triton norm / activation (int8
     # weights take the kernel up to 16 rows: 9 rows there, 20 through torch)
     for rows in (9, 20):
         x9, r9, gu9 = torch.randn(rows, k), torch.randn(rows, k), torch.randn(rows, 2 * k)
