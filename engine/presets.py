@@ -196,3 +196,25 @@ def preset_variant(preset_name: str, /, hidden_size: int | None = None, base: Va
         return dataclasses.replace(base if base is not None else VariantSpec(), **fields)
     except TypeError as e:  # a knob that is no VariantSpec field
         raise ConfigError(f"preset {preset_name}: {e}") from None
+
+
+# The projections' tiles of a quantized variant on a GPU, pinned: autotuning them for every captured batch size
+# costs 78-97 s per swap on an H200, more than a slow-tier measurement. (8, 1024, 8) measured there: 8B decode step
+# with FP8 weights 3.47 ms at batch 1 against bf16 static-best's 4.71 (1.36x); 0.97-0.98x at 8-16 sequences,
+# where the FP8 tensor-core GEMM takes over (bench/RESULTS.md).
+QUANTIZED_TILES = {"block_n": 8, "block_k": 1024, "num_warps": 8}
+
+
+def quantized_variant(base: VariantSpec, kind: str, device: str, name: str | None = None) -> VariantSpec:
+    """``base`` with ``kind`` ("int8" or "fp8") weights. On a GPU its projections are the Triton ones (torch has
+    no matrix-vector product for one-byte weights; its FP8 GEMM quantizes the activations first, a pass of seven
+    kernels through the library path) with pinned tiles, for up to ``max_m`` rows; the other operations and
+    parameters stay ``base``'s."""
+    kernels, params = dict(base.kernels), {op: dict(p) for op, p in base.kernel_params}
+    if device.startswith("cuda"):
+        for op in TRITON_GEMV:
+            if kernels.get(op, "reference") == "reference":
+                kernels[op] = "triton"
+                params[op] = {**params.get(op, {}), **QUANTIZED_TILES}
+    return dataclasses.replace(base, name=name or f"{base.name} + {kind} weights", weight_dtype=kind,
+                               kernels=kernels, kernel_params=params)

@@ -186,25 +186,18 @@ class Search:
         return out
 
     def precision_candidate(self) -> VariantSpec | None:
-        """The baseline with quantized dense weights: FP8 where the device has FP8 tensor cores, int8 elsewhere;
-        None where static-best already has a precision of its own. On a GPU its linear operations are the Triton
-        ones where static-best's are the library's: torch has no matrix-vector product for one-byte weights (its
-        FP8 GEMM quantizes the activations first), so a decode step's projections need the kernel that reads
-        the bytes and scales in registers (the form the H200's 1.54x batch-1 figure measured)."""
+        """The baseline with quantized dense weights: FP8 where the device has FP8 tensor cores, int8 elsewhere
+        (``engine.presets.quantized_variant``: on a GPU with the Triton projections, which read the bytes and
+        scales in registers); None where static-best already has a precision of its own."""
         if self.baseline.weight_dtype != "auto":
             return None
         import torch
 
-        from engine.presets import TRITON_GEMV
+        from engine.presets import quantized_variant
         from kernels.quant import fp8_gemm_supported
 
-        device = torch.device(self.cfg.device)
-        kind = "fp8" if fp8_gemm_supported(device) else "int8"
-        kernels = dict(self.baseline.kernels)
-        if device.type == "cuda":
-            kernels = {**TRITON_GEMV, **{op: impl for op, impl in kernels.items() if op not in TRITON_GEMV
-                                         or impl != "reference"}}
-        return replace(self.baseline, name=f"static-best + {kind} weights", weight_dtype=kind, kernels=kernels)
+        kind = "fp8" if fp8_gemm_supported(torch.device(self.cfg.device)) else "int8"
+        return quantized_variant(self.baseline, kind, self.cfg.device, name=f"static-best + {kind} weights")
 
     def gate_precision(self) -> dict | None:
         """The quality and contamination gates for the precision candidate, where the slow tier measured it at

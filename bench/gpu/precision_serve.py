@@ -63,24 +63,17 @@ def _step_ms(eng, b: int, ctx: int = 192, new: int = 32) -> float:
     return 1e3 * (min(run(new + 1) for _ in range(2)) - min(run(1) for _ in range(2))) / new
 
 
-# the Triton projections' tiles pinned for the candidate: autotuning them for every graph's batch size costs
-# 78-97 s per swap on an H200 (bench/results/2026-12-02-h200-precision.md), more than a slow-tier measurement
-FP8_TILES = {"block_n": 8, "block_k": 1024, "num_warps": 8}
-
-
 def fp8_forms(base) -> dict:
     """static-best with FP8 weights in the forms compared here: {label: VariantSpec}."""
-    from engine.presets import TRITON_GEMV
+    from engine.presets import TRITON_GEMV, quantized_variant
 
-    kernels = {**TRITON_GEMV, **{op: i for op, i in dict(base.kernels).items() if op not in TRITON_GEMV}}
-    params = {op: dict(p) for op, p in base.kernel_params}
-    pinned = {**params, **{op: {**params.get(op, {}), **FP8_TILES} for op in TRITON_GEMV}}
+    pinned = quantized_variant(base, "fp8", "cuda")
+    params = {op: dict(p) for op, p in pinned.kernel_params}
     gemm_only = {**params, **{op: {**params.get(op, {}), "max_m": 0} for op in TRITON_GEMV}}
     return {"fp8, library GEMM (torch's activation quantization)": dataclasses.replace(base, weight_dtype="fp8"),
-            "fp8, Triton GEMV to 4 rows (pinned tiles), FP8 GEMM above": dataclasses.replace(
-                base, weight_dtype="fp8", kernels=kernels, kernel_params=pinned),
+            "fp8, Triton GEMV to 4 rows (pinned tiles), FP8 GEMM above": pinned,
             "fp8, FP8 GEMM at every batch (one-launch activation quantization)": dataclasses.replace(
-                base, weight_dtype="fp8", kernels=kernels, kernel_params=gemm_only)}
+                pinned, kernel_params=gemm_only)}
 
 
 @section
