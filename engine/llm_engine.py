@@ -163,6 +163,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self._generators: dict[str, torch.Generator] = {}
+        self._constraints: dict = {}  # request id -> its response format's grammar state (engine/structured.py)
         eos = set(model_cfg.eos_token_ids)
         if self.tokenizer and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -197,6 +198,10 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._seqs:
             raise RequestError(f"request id {rid!r} is already in use")
+        if params.json_schema is not None:  # compiled before anything is registered: a bad schema changes nothing
+            from engine.structured import JsonConstraint
+
+            self._constraints[rid] = JsonConstraint(self.tokenizer, params.json_schema, self.model_config.vocab_size)
         seq = Sequence(rid, ids, params, next(self._arrivals))
         self._seqs[rid] = seq
         if not params.greedy:
@@ -233,6 +238,10 @@ class LLMEngine:
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         if total > capacity:
             raise RequestError(f"prompt + max_tokens ({total}) exceeds the KV cache ({capacity} tokens)")
+        if params.json_schema is not None:  # compiles it (milliseconds): a schema it cannot use is refused here
+            from engine.structured import JsonConstraint
+
+            JsonConstraint(self.tokenizer, params.json_schema, vocab)
 
     def abort(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)
@@ -243,6 +252,7 @@ class LLMEngine:
         elif seq in self.scheduler.waiting:
             self.scheduler.waiting.remove(seq)
         self._generators.pop(request_id, None)
+        self._constraints.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._drained)
@@ -299,14 +309,23 @@ class LLMEngine:
             rows = logits if len(plain) == logits.shape[0] else logits[
                 torch.tensor([offsets[i] for i in plain], device=logits.device)]
             seqs = [samplers[i].seq for i in plain]
+            bound = [(j, self._constraints[s.request_id]) for j, s in enumerate(seqs) if s.request_id in self._constraints]
+            model_rows = rows  # what log-probabilities and the logits sink report: the model's own
+            if bound:  # the grammar's forbidden tokens out, on a copy
+                rows = rows.clone()
+                for j, c in bound:
+                    c.mask_(rows[j])
             tokens = sample(rows, [s.params for s in seqs], [self._generators.get(s.request_id) for s in seqs],
                             [len(s.output_token_ids) for s in seqs],
                             [(s.prompt_token_ids, s.output_token_ids) for s in seqs])
+            for j, c in bound:
+                if not c.advance(tokens[j]):  # a forced token, or past the end with ignore_eos: unconstrained now
+                    self._constraints.pop(seqs[j].request_id, None)
             for j, (i, tok) in enumerate(zip(plain, tokens)):
                 out[i] = [tok]
                 k = seqs[j].params.logprobs
                 if k is not None:  # of the model's own distribution (before penalties and temperature), as vLLM's
-                    seqs[j].logprobs.append((tok, *top_logprobs(rows[j], tok, k)))
+                    seqs[j].logprobs.append((tok, *top_logprobs(model_rows[j], tok, k)))
         for i, item in enumerate(samplers):
             if item.draft:
                 rows, params = logits[offsets[i]:offsets[i + 1]], item.seq.params
@@ -385,6 +404,7 @@ class LLMEngine:
             if seq.finish_reason is not None:
                 self._seqs.pop(seq.request_id, None)
                 self._generators.pop(seq.request_id, None)
+                self._constraints.pop(seq.request_id, None)
             outputs.append(self._output(seq))
         return outputs
 

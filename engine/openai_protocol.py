@@ -58,7 +58,7 @@ class ChatMessage(BaseModel):
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    response_format: dict[str, Any] | None = None  # {"type": "text"} only: decoding is not constrained
+    response_format: dict[str, Any] | None = None  # text, json_object or json_schema (engine/structured.py)
     logprobs: bool = False
     top_logprobs: int | None = None
 

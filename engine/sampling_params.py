@@ -28,6 +28,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     logprobs: int | None = None  # the sampled token's log-probability and this many of the most likely ones
+    # decoding constrained to this JSON schema (its JSON text; engine/structured.py), or None
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -59,6 +61,8 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise RequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.json_schema is not None and (not isinstance(self.json_schema, str) or not self.json_schema.strip()):
+            raise RequestError("json_schema must be a JSON schema's text")
         object.__setattr__(self, "logit_bias", bias)
         object.__setattr__(self, "forced_tokens", tuple(self.forced_tokens))
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -76,6 +80,6 @@ class SamplingParams:
 
     @property
     def per_token(self) -> bool:
-        """Whether each token is chosen on the host with the request's own state (adjusted logits or
-        log-probabilities to report): no device-side argmax, no speculative drafts."""
-        return self.adjusts_logits or self.logprobs is not None
+        """Whether each token is chosen on the host with the request's own state (adjusted logits,
+        log-probabilities to report, a grammar): no device-side argmax, no speculative drafts."""
+        return self.adjusts_logits or self.logprobs is not None or self.json_schema is not None

@@ -7,7 +7,8 @@ shape: ``{"error": {"message", "type", "param", "code"}}``.
 
 Fields a client sends that the server does not know are ignored and logged once per name (as vLLM does:
 ordinary clients send ``user``, ``metadata`` and the like); a field it knows but cannot honour is refused
-with a 400 that says so, never ignored: ``response_format`` other than text (decoding is not constrained).
+with a 400 that says so, never ignored. ``response_format`` json_object and json_schema constrain decoding to
+the schema (engine/structured.py, through llguidance); another type, or a schema it cannot compile, is a 400.
 Penalties (presence, frequency, repetition), ``logit_bias``, ``n``, ``logprobs`` / ``top_logprobs`` (streamed
 too: each chunk with its new tokens' log-probabilities, the ``n`` choices under their indices) and content-part
 message arrays are honoured.
@@ -39,6 +40,7 @@ from engine.openai_protocol import (
 from engine.errors import EngineError, RequestError, VariantError
 from engine.llm_engine import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured import schema_text
 from engine.variant import VariantSpec
 
 
@@ -104,7 +106,8 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
             ignored.update(new)
             log.warning("ignoring request fields this server does not know: %s", ", ".join(n[:60] for n in new))
 
-    def _params(req: SamplingFields, max_tokens: int | None, logprobs: int | None = None) -> SamplingParams:
+    def _params(req: SamplingFields, max_tokens: int | None, logprobs: int | None = None,
+                json_schema: str | None = None) -> SamplingParams:
         _ignore_unknown(req)
         if not 1 <= req.n <= MAX_N:
             raise APIError(400, f"n must be in 1..{MAX_N}, got {req.n}", param="n")
@@ -120,7 +123,7 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
                                   presence_penalty=req.presence_penalty or 0.0,
                                   frequency_penalty=req.frequency_penalty or 0.0,
                                   repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                                  logit_bias=bias, logprobs=logprobs)
+                                  logit_bias=bias, logprobs=logprobs, json_schema=json_schema)
         except RequestError as e:
             raise APIError(400, str(e)) from None
 
@@ -128,7 +131,9 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
         try:
             return aengine.submit(ids, params, prompt_text=text, request_id=rid)
         except RequestError as e:
-            raise APIError(400, str(e), code="context_length_exceeded" if "context" in str(e) else None) from None
+            fmt = str(e).startswith(("the JSON schema", "response_format"))
+            raise APIError(400, str(e), code="context_length_exceeded" if "context" in str(e) else None,
+                           param="response_format" if fmt else None) from None
 
     def _prompt_ids(prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
@@ -342,17 +347,17 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
         _check_model(req.model)
-        kind = (req.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise APIError(400, f"response_format {str(kind)[:40]!r} is not supported: decoding is not constrained "
-                                "to a format here; ask for JSON in the prompt instead", param="response_format")
+        try:
+            schema = schema_text(req.response_format)  # decoding constrained to it (engine/structured.py)
+        except RequestError as e:
+            raise APIError(400, str(e), param="response_format") from None
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         ids = _chat_ids(req.messages)
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if limit is None:  # as OpenAI and vLLM: until the end of the answer or of the context
             limit = max(1, engine.max_model_len - len(ids))
-        params = _params(req, limit, (req.top_logprobs or 0) if req.logprobs else None)
+        params = _params(req, limit, (req.top_logprobs or 0) if req.logprobs else None, schema)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         subs = _submit_n(ids, params, None, cid, req.n)
 

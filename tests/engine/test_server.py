@@ -200,6 +200,36 @@ def test_langchain_chat_openai_in_a_chain(server, monkeypatch):
     assert reply.response_metadata["finish_reason"] == "stop" and reply.usage_metadata["output_tokens"] > 0
 
 
+def test_structured_output_through_openai_and_langchain(server, client, monkeypatch):
+    """response_format json_schema as the openai client sends it (streamed too) and as LangChain's
+    ``with_structured_output(method="json_schema")`` sends and parses it; json_object."""
+    monkeypatch.setenv("LANGSMITH_TRACING", "false")
+    import jsonschema
+    from langchain_openai import ChatOpenAI
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "country": {"type": "string", "maxLength": 20}},
+              "required": ["city", "country"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=40, temperature=0,
+                                       response_format=fmt)
+    answer = json.loads(r.choices[0].message.content)
+    jsonschema.validate(answer, schema)
+    assert answer["city"] == "Paris" and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="smollm2", messages=msgs, max_tokens=40, temperature=0, response_format=fmt, stream=True) if c.choices)
+    assert json.loads(streamed) == answer
+    obj = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=6, temperature=0,
+                                         response_format={"type": "json_object"})
+    assert obj.choices[0].message.content.startswith("{")
+    llm = ChatOpenAI(base_url=server["url"] + "/v1", api_key="none", model="smollm2", temperature=0, max_tokens=40,
+                     max_retries=0, timeout=120)
+    place = llm.with_structured_output({"title": "place", **schema}, method="json_schema").invoke(
+        "What is the capital of France?")
+    assert place == answer
+
+
 def _err(resp) -> dict:
     body = resp.json()
     assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"])
@@ -234,7 +264,9 @@ def test_bad_requests_get_openai_errors_and_nothing_is_captured(server):
         r = httpx.post(url + "/v1/completions", json={"model": "smollm2", "prompt": "hi", **bad})
         assert r.status_code == 400, bad
     chat = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]}
-    for bad in ({"response_format": {"type": "json_object"}}, {"top_logprobs": 2},
+    for bad in ({"response_format": {"type": "regex"}}, {"response_format": {"type": "json_schema"}},
+                {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}}},
+                {"response_format": "json"}, {"top_logprobs": 2},
                 {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}):
         r = httpx.post(url + "/v1/chat/completions", json={**chat, **bad})
         assert r.status_code == 400 and _err(r)["param"] in ("response_format", "top_logprobs", "messages"), bad
