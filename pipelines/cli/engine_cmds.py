@@ -72,7 +72,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from engine.metrics import EngineMetrics
     from engine.server import build_app
 
-    engine = LLMEngine(engine_config(args))
+    config = engine_config(args)
+    if config.initial_variant().tp > 1:
+        from engine.errors import ConfigError
+
+        raise ConfigError(f"serve runs one rank: serving a tensor-parallel variant (tp {config.initial_variant().tp}) "
+                          "is not built yet; 'polyinf generate -tp N' runs a prompt over N ranks")
+    engine = LLMEngine(config)
     capture = CaptureWriter(args.capture_dir, keep_prompt_text=args.capture_prompts) if args.capture_dir else None
     name = args.served_model_name or args.model_arg or args.model
     aengine = AsyncEngine(engine, EngineMetrics(name), capture)
@@ -159,7 +165,7 @@ def cmd_variants_show(args: argparse.Namespace) -> int:
 
 def add_parsers(sub) -> None:
     g = sub.add_parser("generate", help="generate text for one prompt and print it with tokens/s")
-    add_model_args(g)
+    add_model_args(g, parallel=True)
     g.add_argument("--prompt", required=True, help="prompt text (token ids, space separated, for synthetic models)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-tokens", type=positive, default=64)
@@ -174,8 +180,9 @@ def add_parsers(sub) -> None:
 
     sv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (vLLM's flag names: "
                                       "serve MODEL, --served-model-name, --api-key, --gpu-memory-utilization, "
-                                      "--enable-prefix-caching, --max-num-seqs, --kv-cache-dtype, --quantization)")
-    add_model_args(sv, positional=True)
+                                      "--enable-prefix-caching, --max-num-seqs, --kv-cache-dtype, --quantization, "
+                                      "-tp 1)")
+    add_model_args(sv, positional=True, parallel=True)
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")

@@ -267,6 +267,16 @@ def test_vllm_flag_spellings():
         engine_config(p.parse_args(["smollm2", "--gpu-memory-utilization", "0.9"]))
     with pytest.raises(SystemExit):
         p.parse_args(["smollm2", "--gpu-memory-utilization", "1.5"])
+    # -tp / --tensor-parallel-size: the variant's tp; serve runs one rank and says so before loading anything
+    tp = argparse.ArgumentParser()
+    add_model_args(tp, positional=True, parallel=True)
+    assert engine_config(tp.parse_args(["smollm2", "-tp", "2"])).initial_variant().tp == 2
+    assert engine_config(tp.parse_args(["smollm2", "--tensor-parallel-size", "1"])).initial_variant().tp == 1
+    from pipelines.cli.engine_cmds import cmd_serve
+
+    args = tp.parse_args(["smollm2", "-tp", "2"])
+    with pytest.raises(ConfigError, match="serve runs one rank"):
+        cmd_serve(args)
 
 
 def test_api_key_guards_the_openai_routes(tmp_path, monkeypatch):
