@@ -131,7 +131,7 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
         try:
             return aengine.submit(ids, params, prompt_text=text, request_id=rid)
         except RequestError as e:
-            fmt = str(e).startswith(("the JSON schema", "response_format"))
+            fmt = str(e).startswith("response_format")
             raise APIError(400, str(e), code="context_length_exceeded" if "context" in str(e) else None,
                            param="response_format" if fmt else None) from None
 

@@ -79,12 +79,12 @@ class JsonConstraint:
         try:
             json.loads(schema)
         except ValueError as e:
-            raise RequestError(f"the JSON schema is not JSON: {e}") from None
+            raise RequestError(f"response_format's JSON schema is not JSON: {e}") from None
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
         self._llt = llt
         self.matcher = llguidance.LLMatcher(_ll_tokenizer(tokenizer, vocab), grammar)
         if self.matcher.is_error():
-            raise RequestError(f"the JSON schema cannot be used: {self.matcher.get_error()[:300]}")
+            raise RequestError(f"response_format's JSON schema cannot be used: {self.matcher.get_error()[:300]}")
         self._bitmask = llt.allocate_token_bitmask(1, vocab)
         self.vocab = vocab
 

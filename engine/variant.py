@@ -71,7 +71,10 @@ def _f(scope: str, default: Any = dataclasses.MISSING, schema: dict | None = Non
     return field(default=default, metadata=meta, **kw)
 
 
-_OP_MAP = {"type": "object", "propertyNames": {"enum": list(OP_NAMES)}}
+def _op_map(value: dict) -> dict:
+    """The JSON schema of a per-operation object: known operation names only (as properties, which grammar-
+    constrained decoders enforce; propertyNames they may not), each mapped to ``value``."""
+    return {"type": "object", "properties": {op: value for op in OP_NAMES}, "additionalProperties": False}
 
 
 def _shown(kind: str, value, fill: str):
@@ -112,11 +115,11 @@ class VariantSpec:
         "type": "integer", "minimum": 1, "maximum": 1024}}, "decode batch sizes captured as CUDA graphs")
     compile_mode: str = _f(FORWARD, "none", {"enum": list(COMPILE_MODES)}, "torch.compile mode (GPU)")
     # kernel choice per operation: a built-in name, or "generated:<module>.<function>"
-    kernels: tuple[tuple[str, str], ...] = _f(FORWARD, (), {**_OP_MAP, "additionalProperties": {"type": "string"}},
+    kernels: tuple[tuple[str, str], ...] = _f(FORWARD, (), _op_map({"type": "string"}),
                                              "implementation per operation")
     # tunable kernel parameters: (op, ((param, value), ...)), e.g. attention block_n / num_warps / num_splits
     kernel_params: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = _f(
-        FORWARD, (), {**_OP_MAP, "additionalProperties": {"type": "object", "additionalProperties": {"type": "integer"}}},
+        FORWARD, (), _op_map({"type": "object", "additionalProperties": {"type": "integer"}}),
         "tunable parameters per operation")
     # generated source, module name -> text
     generated_source: tuple[tuple[str, str], ...] = _f(FORWARD, ())
