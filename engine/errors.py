@@ -14,7 +14,12 @@ class WeightsError(EngineError):
 
 
 class RequestError(EngineError, ValueError):
-    """A request that cannot be served: prompt too long, invalid sampling parameters."""
+    """A request that cannot be served: prompt too long, invalid sampling parameters. ``param``: the request
+    field at fault, where one is (the server's error body names it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class VariantError(EngineError):

@@ -198,7 +198,7 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._seqs:
             raise RequestError(f"request id {rid!r} is already in use")
-        if params.json_schema is not None:  # compiled before anything is registered: a bad schema changes nothing
+        if params.json_schema is not None:  # a copy of the schema's matcher that validate() compiled
             from engine.structured import JsonConstraint
 
             self._constraints[rid] = JsonConstraint(self.tokenizer, params.json_schema, self.model_config.vocab_size)
@@ -238,10 +238,10 @@ class LLMEngine:
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         if total > capacity:
             raise RequestError(f"prompt + max_tokens ({total}) exceeds the KV cache ({capacity} tokens)")
-        if params.json_schema is not None:  # compiles it (milliseconds): a schema it cannot use is refused here
-            from engine.structured import JsonConstraint
+        if params.json_schema is not None:  # compiled once and kept: a schema it cannot use is refused here
+            from engine.structured import compiled
 
-            JsonConstraint(self.tokenizer, params.json_schema, vocab)
+            compiled(self.tokenizer, params.json_schema, vocab)
 
     def abort(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)

@@ -131,9 +131,8 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
         try:
             return aengine.submit(ids, params, prompt_text=text, request_id=rid)
         except RequestError as e:
-            fmt = str(e).startswith("response_format")
             raise APIError(400, str(e), code="context_length_exceeded" if "context" in str(e) else None,
-                           param="response_format" if fmt else None) from None
+                           param=e.param) from None
 
     def _prompt_ids(prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
@@ -350,7 +349,7 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
         try:
             schema = schema_text(req.response_format)  # decoding constrained to it (engine/structured.py)
         except RequestError as e:
-            raise APIError(400, str(e), param="response_format") from None
+            raise APIError(400, str(e), param=e.param) from None
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         ids = _chat_ids(req.messages)

@@ -23,6 +23,7 @@ from engine.errors import RequestError
 JSON_OBJECT = '{"type": "object"}'  # response_format {"type": "json_object"}: any JSON object
 _LOCK = threading.Lock()
 _TOKENIZERS: dict[tuple[int, int], Any] = {}  # (id of the engine's tokenizer, vocabulary) -> llguidance's
+_MATCHERS: dict[tuple[int, int, str], Any] = {}  # (tokenizer id, vocabulary, schema) -> its compiled start
 
 
 def schema_text(response_format: Any) -> str | None:
@@ -31,7 +32,8 @@ def schema_text(response_format: Any) -> str | None:
     if response_format is None:
         return None
     if not isinstance(response_format, dict):
-        raise RequestError("response_format must be an object such as {\"type\": \"json_object\"}")
+        raise RequestError("response_format must be an object such as {\"type\": \"json_object\"}",
+                           param="response_format")
     kind = response_format.get("type", "text")
     if kind == "text":
         return None
@@ -41,10 +43,11 @@ def schema_text(response_format: Any) -> str | None:
         spec = response_format.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
-            raise RequestError("response_format json_schema needs json_schema.schema, a JSON Schema object")
+            raise RequestError("response_format json_schema needs json_schema.schema, a JSON Schema object",
+                               param="response_format")
         return json.dumps(schema)
     raise RequestError(f"response_format type {str(kind)[:40]!r} is not supported; use text, json_object or "
-                       "json_schema")
+                       "json_schema", param="response_format")
 
 
 def _ll_tokenizer(tokenizer, vocab: int):
@@ -65,33 +68,53 @@ def _ll_tokenizer(tokenizer, vocab: int):
         return _TOKENIZERS[key]
 
 
+def compiled(tokenizer, schema: str, vocab: int):
+    """The schema's matcher at its start, compiled once per (tokenizer, schema) and kept (the last 64): each request
+    takes a copy (``JsonConstraint``), so the engine's check of a request and the ``n`` choices of one share the
+    compilation. Raises RequestError (param response_format) for a schema it cannot use."""
+    if tokenizer is None:
+        raise RequestError("response_format needs the model's tokenizer", param="response_format")
+    try:
+        import llguidance
+    except ImportError:
+        raise RequestError("response_format json_object / json_schema needs the 'llguidance' package",
+                           param="response_format") from None
+    key = (id(tokenizer), vocab, schema)
+    with _LOCK:
+        hit = _MATCHERS.pop(key, None)
+        if hit is not None:
+            _MATCHERS[key] = hit  # most recently used last
+            return hit
+    try:
+        json.loads(schema)
+    except ValueError as e:
+        raise RequestError(f"response_format's JSON schema is not JSON: {e}", param="response_format") from None
+    matcher = llguidance.LLMatcher(_ll_tokenizer(tokenizer, vocab), llguidance.LLMatcher.grammar_from_json_schema(schema))
+    if matcher.is_error():
+        raise RequestError(f"response_format's JSON schema cannot be used: {matcher.get_error()[:300]}",
+                           param="response_format")
+    with _LOCK:
+        _MATCHERS[key] = matcher
+        while len(_MATCHERS) > 64:
+            _MATCHERS.pop(next(iter(_MATCHERS)))
+    return matcher
+
+
 class JsonConstraint:
     """One request's grammar state: ``mask_`` its next logits, ``advance`` by the token chosen."""
 
     def __init__(self, tokenizer, schema: str, vocab: int) -> None:
-        if tokenizer is None:
-            raise RequestError("response_format needs the model's tokenizer")
-        try:
-            import llguidance
-            import llguidance.torch as llt
-        except ImportError:
-            raise RequestError("response_format json_object / json_schema needs the 'llguidance' package") from None
-        try:
-            json.loads(schema)
-        except ValueError as e:
-            raise RequestError(f"response_format's JSON schema is not JSON: {e}") from None
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
-        self._llt = llt
-        self.matcher = llguidance.LLMatcher(_ll_tokenizer(tokenizer, vocab), grammar)
-        if self.matcher.is_error():
-            raise RequestError(f"response_format's JSON schema cannot be used: {self.matcher.get_error()[:300]}")
+        import llguidance.torch as llt
+
+        self.matcher = compiled(tokenizer, schema, vocab).deep_copy()
+        self._fill = llt.fill_next_token_bitmask
         self._bitmask = llt.allocate_token_bitmask(1, vocab)
         self.vocab = vocab
 
     def mask_(self, logits: torch.Tensor) -> torch.Tensor:
         """Sets the logits ((vocab,) float, on any device) of the tokens the grammar forbids next to -inf, in
-        place; returns them."""
-        self._llt.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
+        place; returns them. (llguidance's own applier runs through torch.compile, a compiler on first use.)"""
+        self._fill(self.matcher, self._bitmask, 0)
         allowed = _unpack(self._bitmask[0], self.vocab).to(logits.device)
         return logits.masked_fill_(~allowed, float("-inf"))
 

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from kernels.activation_triton import silu_mul
 from kernels.pdl import launch_options, pdl_enter
-from kernels.quant import QuantizedWeight, fp8_gemm_supported, qlinear
+from kernels.quant import QuantizedWeight, qlinear
 
 NONE, SILU_MUL, ADD_RMS_NORM = 0, 1, 2  # input prologues
 # elements (rows x columns) of x + residual the norm prologue loads at once for the row's statistics: its
@@ -262,13 +262,12 @@ def _gemv(x, weight, bias, prologue, tiles, r=None, norm_weight=None, eps=0.0, k
 
 def _matmul(x: torch.Tensor, weight, bias=None) -> torch.Tensor:
     """The library product for batches the kernel does not take (and to time the kernel against); FP8 weights
-    on FP8 tensor cores with their input quantized in one launch (kernels/quant_triton.py)."""
+    take torch's tensor-core GEMM with their input quantized in one launch (kernels/quant_triton.py)."""
     if isinstance(weight, QuantizedWeight):
-        if weight.kind == "fp8" and x.is_cuda and not _interpreted() and x.shape[0] and fp8_gemm_supported(x.device) \
-                and x.shape[1] % 16 == 0 and weight.shape[0] % 16 == 0:
-            from kernels.quant_triton import fp8_gemm
+        if weight.kind == "fp8" and x.is_cuda and not _interpreted():
+            from kernels.quant_triton import quantize_rows_fp8
 
-            return fp8_gemm(x, weight, bias)
+            return qlinear(x, weight, bias, quantize=quantize_rows_fp8)
         return qlinear(x, weight, bias)
     return F.linear(x, weight, bias)
 

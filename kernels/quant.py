@@ -76,18 +76,26 @@ def fp8_gemm_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _fp8_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x: (T, K) -> (T, N) through an FP8 tensor-core GEMM; x quantized to e4m3 per row."""
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: (T, K) -> (e4m3 (T, K), float32 scales (T, 1)) with x ~= q * scale: scale = max(amax / 448, 1e-12)."""
     xf = x.to(torch.float32)
-    xs = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)  # (T, 1)
-    xq = (xf / xs).to(torch.float8_e4m3fn)
+    xs = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    return (xf / xs).to(torch.float8_e4m3fn), xs
+
+
+def _fp8_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None,
+              quantize=quantize_rows) -> torch.Tensor:
+    """x: (T, K) -> (T, N) through an FP8 tensor-core GEMM; x quantized to e4m3 per row by ``quantize``
+    (``quantize_rows``, or its one-launch Triton form: kernels/quant_triton.py)."""
+    xq, xs = quantize(x)
     out = torch._scaled_mm(xq, qw.q.t(), scale_a=xs, scale_b=qw.scale[None, :], out_dtype=x.dtype)
     return out if bias is None else out + bias
 
 
-def qlinear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None, max_m: int = 8) -> torch.Tensor:
+def qlinear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None, max_m: int = 8,
+            quantize=quantize_rows) -> torch.Tensor:
     """x: (T, K) in the checkpoint's dtype, qw: (N, K) -> (T, N), the plain-torch way (see the module's
-    docstring for which path a call takes)."""
+    docstring for which path a call takes); ``quantize``: how the FP8 GEMM's input is quantized per row."""
     t, k = x.shape
     n = qw.q.shape[0]
     if qw.q.shape[1] != k:
@@ -99,7 +107,7 @@ def qlinear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = No
         out = out.to(x.dtype)
         return out if bias is None else out + bias
     if qw.kind == "fp8" and t > 0 and fp8_gemm_supported(x.device) and k % 16 == 0 and n % 16 == 0:
-        return _fp8_gemm(x, qw, bias)
+        return _fp8_gemm(x, qw, bias, quantize)
     return F.linear(x, qw.dequantize(), bias)
 
 

@@ -1,10 +1,11 @@
 """The activations' per-row FP8 quantization in one launch, before an FP8 tensor-core GEMM.
 
-``kernels.quant._fp8_gemm`` (the plain-torch path) quantizes a GEMM's input in seven small kernels (to float32,
+``kernels.quant.quantize_rows`` (the plain-torch path) quantizes a GEMM's input in seven small kernels (to float32,
 abs, the row maximum, the scale, its clamp, the division, the conversion): in a decode step of the 8B, 128
 projections each pay those launches, about 2 ms of a 5 ms step measured on an H200 (bench/RESULTS.md). Here one
 program per row finds the row's largest |x| and writes e4m3 values and the row's float32 scale, the same
-definition as the plain-torch path: scale = max(amax / 448, 1e-12), q = e4m3(x / scale).
+definition as the plain-torch path: scale = max(amax / 448, 1e-12), q = e4m3(x / scale). The Triton linear
+kernels pass it to ``kernels.quant.qlinear`` for the rows they leave to the GEMM.
 
 GPU only: the Triton interpreter converts to e4m3 differently from the hardware and torch (-126.9 becomes -64
 instead of -128), so the CPU cannot check this kernel; ``bench/gpu_bench.py --only precision-serve`` checks it
@@ -16,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quant import FP8_MAX, QuantizedWeight
+from kernels.quant import FP8_MAX
 
 
 @triton.jit
@@ -39,6 +40,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, FP8_MAX: t
 
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x: (T, K) on a GPU -> (e4m3 (T, K), float32 scales (T, 1)) with x ~= q * scale."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
     if not x.is_cuda or x.dim() != 2:
         raise ValueError(f"quantize_rows_fp8 takes a 2-D CUDA tensor, got {tuple(x.shape)} on {x.device}")
     t, k = x.shape
@@ -50,10 +52,3 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                                     num_warps=4 if block <= 1024 else 8)
     return q, s
 
-
-def fp8_gemm(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: (T, K) -> (T, N) through torch's FP8 tensor-core GEMM, its input quantized in one launch (the same
-    product as ``kernels.quant._fp8_gemm``)."""
-    xq, xs = quantize_rows_fp8(x if x.stride(1) == 1 else x.contiguous())
-    out = torch._scaled_mm(xq, qw.q.t(), scale_a=xs, scale_b=qw.scale[None, :], out_dtype=x.dtype)
-    return out if bias is None else out + bias
