@@ -1,7 +1,11 @@
-"""Shared fixtures: the shipped SmolLM2 model, loaded once per session, and its Hugging Face reference."""
+"""Shared fixtures: the shipped SmolLM2 model, loaded once per session, and its Hugging Face reference; a
+throwaway Postgres server per session (``postgres_server``, ``postgres_url``)."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,3 +157,85 @@ def pytest_collection_modifyitems(config, items):
         path = str(item.path)
         return next((i for i, f in enumerate(FIRST) if path.endswith(f)), len(FIRST))
     items.sort(key=rank)  # stable: each file's own order kept
+
+
+def _postgres_bin() -> Path | None:
+    """The folder holding initdb and pg_ctl: on PATH, else Debian's /usr/lib/postgresql/<version>/bin (the
+    `postgresql` package puts them there, off PATH), newest version first."""
+    found = shutil.which("initdb")
+    if found and shutil.which("pg_ctl"):
+        return Path(found).resolve().parent
+    versions = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"), key=lambda p: int(p.parts[-3])
+                      if p.parts[-3].isdigit() else 0, reverse=True)
+    return versions[0].parent if versions else None
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A throwaway Postgres cluster for this test session (one per xdist worker): initdb in a temporary folder,
+    started on a free loopback port with password authentication, stopped and removed at the end. As root it
+    runs as the `postgres` user (the server refuses root). Yields (admin URL without the password, password):
+    tests put the password in PGPASSWORD, as a deployment's secret would be."""
+    import pwd
+    import secrets as secrets_mod
+    import subprocess
+
+    from ops.deploy import free_port
+
+    bindir = _postgres_bin()
+    if bindir is None:
+        pytest.skip("no PostgreSQL binaries (initdb, pg_ctl) found: install Debian's postgresql package "
+                    "(scripts/test.sh does when run as root)")
+    root = Path(tempfile.mkdtemp(prefix="polyinf-pg-"))
+    prefix: list[str] = []
+    if os.geteuid() == 0:
+        try:
+            user = pwd.getpwnam("postgres")
+        except KeyError:
+            pytest.skip("running as root and no `postgres` user to run the server as (the postgresql package "
+                        "creates it)")
+        os.chown(root, user.pw_uid, user.pw_gid)
+        prefix = ["runuser", "-u", "postgres", "--"]
+    password = secrets_mod.token_hex(12)
+    pwfile = root / "pw"
+    pwfile.write_text(password)
+    if prefix:
+        os.chown(pwfile, pwd.getpwnam("postgres").pw_uid, -1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+    data, port = root / "data", free_port()
+
+    def run(*args):
+        out = subprocess.run([*prefix, *map(str, args)], capture_output=True, text=True, env=env, cwd=root)
+        if out.returncode != 0:
+            raise RuntimeError(f"{args[0]} failed: {out.stdout[-1500:]}{out.stderr[-1500:]}")
+
+    run(bindir / "initdb", "-D", data, "-U", "polyinf", "--pwfile", pwfile, "--auth", "scram-sha-256",
+        "-E", "UTF8", "--locale", "C", "--no-sync")
+    pwfile.unlink()
+    # durability off: a test cluster never survives a crash, and fsync dominates its commit time
+    run(bindir / "pg_ctl", "-D", data, "-l", root / "log", "-w", "-t", "60", "start", "-o",
+        f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off "
+        "-c full_page_writes=off -c max_connections=200")
+    try:
+        yield f"postgresql://polyinf@127.0.0.1:{port}/postgres", password
+    finally:
+        subprocess.run([*prefix, str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
+                       capture_output=True, env=env, cwd=root)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def postgres_url(postgres_server, monkeypatch, request):
+    """A fresh, empty database on the session's Postgres for this test, its password in PGPASSWORD; the URL
+    names no password."""
+    import re
+
+    import psycopg
+
+    admin, password = postgres_server
+    monkeypatch.setenv("PGPASSWORD", password)
+    name = "t_" + re.sub(r"[^a-z0-9]+", "_", request.node.name.lower())[:40] + "_" + os.urandom(3).hex()
+    with psycopg.connect(admin, password=password,
+                         autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return admin.rsplit("/", 1)[0] + "/" + name

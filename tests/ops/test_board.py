@@ -1,4 +1,5 @@
-"""The message board and experiment queue: claims, leases, re-queue of a dead worker's experiment, no double counting."""
+"""The message board and experiment queue: claims, leases, re-queue of a dead worker's experiment, no double counting;
+every test on both stores, a SQLite file and a real Postgres server (tests/conftest.py starts one)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,18 +15,27 @@ from pathlib import Path
 import pytest
 
 from engine.variant import VariantSpec
-from ops.board import DONE, QUEUED, RUNNING, Board
+from ops.board import DONE, QUEUED, RUNNING, Board, BoardUnavailable
+from ops.board_store import masked
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT / "traces" / "AzureLLMInferenceTrace_conv.csv"
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def board_at(request, tmp_path):
+    """Where a test's board lives: a fresh SQLite file, or a fresh database on the session's Postgres."""
+    if request.param == "sqlite":
+        return str(tmp_path / "board.db")
+    return request.getfixturevalue("postgres_url")
 
 
 def _variants(n: int) -> list[VariantSpec]:
     return [VariantSpec(name=f"v{i}", max_num_seqs=i + 1) for i in range(n)]
 
 
-def test_enqueue_once_claim_in_order_and_complete(tmp_path):
-    board = Board(tmp_path / "b.db")
+def test_enqueue_once_claim_in_order_and_complete(board_at):
+    board = Board(board_at)
     ids = [board.enqueue("s", v, "fast", "test", f"because {v.name}")[0] for v in _variants(3)]
     again, fresh = board.enqueue("s", _variants(1)[0], "fast", "test", "dup")
     assert again == ids[0] and not fresh  # the same variant on the same tier is queued once per search
@@ -42,8 +52,8 @@ def test_enqueue_once_claim_in_order_and_complete(tmp_path):
     assert board.counts("s") == {DONE: 1, QUEUED: 3}
 
 
-def test_expired_lease_is_taken_over_and_the_late_result_is_refused(tmp_path):
-    path = tmp_path / "b.db"
+def test_expired_lease_is_taken_over_and_the_late_result_is_refused(board_at):
+    path = board_at
     slow_worker = Board(path, lease_s=0.3)
     other = Board(path, lease_s=30)
     (eid, _) = slow_worker.enqueue("s", _variants(1)[0], "fast", "test", "r")
@@ -61,8 +71,8 @@ def test_expired_lease_is_taken_over_and_the_late_result_is_refused(tmp_path):
     assert any("re-queued" in n and "dead" in n for n in notes)
 
 
-def test_concurrent_workers_claim_each_experiment_exactly_once(tmp_path):
-    path = tmp_path / "b.db"
+def test_concurrent_workers_claim_each_experiment_exactly_once(board_at):
+    path = board_at
     board = Board(path)
     for v in _variants(40):
         board.enqueue("s", v, "fast", "test", "r")
@@ -86,13 +96,73 @@ def test_concurrent_workers_claim_each_experiment_exactly_once(tmp_path):
     assert len(board.results("s")) == 40
 
 
+_CLAIMER = """
+import json, sys
+from ops.board import Board
+board = Board(sys.argv[1])
+got = []
+while (exp := board.claim(sys.argv[2], "s")) is not None:
+    if board.complete(exp, sys.argv[2], {"output_tok_s": 1.0}) is not None:
+        got.append(exp.id)
+print(json.dumps(got))
+"""
+
+
+def test_worker_processes_claim_each_experiment_exactly_once(board_at):
+    """Separate processes (the shape of pods on a shared board) drain one queue: no experiment twice."""
+    board = Board(board_at)
+    ids = [board.enqueue("s", v, "fast", "test", "r")[0] for v in _variants(60)]
+    procs = [subprocess.Popen([sys.executable, "-c", _CLAIMER, board_at, f"p{i}"], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}) for i in range(3)]
+    claimed = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        claimed += json.loads(out)
+    assert sorted(claimed) == sorted(ids)
+    assert sorted(r.experiment_id for r, _ in board.results("s")) == sorted(ids)
+
+
+def test_bad_locations_are_refused_clearly(tmp_path):
+    with pytest.raises(ValueError, match="unsupported scheme 'mysql'.*postgresql://"):
+        Board("mysql://user:hunter22@db/board")
+    with pytest.raises(ValueError, match="no host"):
+        Board("postgresql:///board")
+    with pytest.raises(ValueError, match="no location"):
+        Board("")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(BoardUnavailable, match="cannot open the board's SQLite file"):
+        Board(tmp_path / "file" / "board.db")
+    assert masked("postgresql://u:hunter22@db:5432/b") == "postgresql://u:***@db:5432/b"
+
+
+def test_an_unreachable_database_is_named_without_its_password():
+    from ops.deploy import free_port
+
+    url = f"postgresql://polyinf:hunter22@127.0.0.1:{free_port()}/board"
+    with pytest.raises(BoardUnavailable) as err:
+        Board(url)
+    text = str(err.value)
+    assert "hunter22" not in text and f"postgresql://polyinf:***@127.0.0.1:{url.split(':')[3]}" in text, text
+    assert "cannot reach the board's database" in text and err.value.__cause__ is None
+
+
+def test_the_wrong_password_is_refused_without_echoing_it(postgres_url, monkeypatch):
+    monkeypatch.delenv("PGPASSWORD")
+    url = postgres_url.replace("postgresql://polyinf@", "postgresql://polyinf:wrong-secret@")
+    with pytest.raises(BoardUnavailable, match="password authentication failed") as err:
+        Board(url)
+    assert "wrong-secret" not in str(err.value)
+
+
 @pytest.mark.slow
-def test_killed_worker_process_experiment_is_requeued_and_counted_once(tmp_path):
+def test_killed_worker_process_experiment_is_requeued_and_counted_once(board_at):
     """A real `polyinf worker` is SIGKILLed mid-experiment; a second worker finishes the queue."""
     from ops.hardware import probe
     from ops.worker import SearchConfig, Workbench, work
 
-    path = tmp_path / "board.db"
+    path = board_at
     cfg = SearchConfig(trace=str(TRACE), requests=4, max_input=32, max_output=4, fast_layers=1, fast_repeats=2)
     board = Board(path, lease_s=2.0)
     board.create_search("s", cfg.to_json())
