@@ -4,10 +4,15 @@ Each request gets an asyncio queue in the caller's event loop; the loop thread p
 new RequestOutput into it. Requests are validated in the caller's thread (so a bad request is
 refused at once) and added and aborted by the loop thread, which alone touches the engine's
 scheduler. Finished requests are counted in the metrics and appended to the capture.
+
+With a tensor-parallel group (``ranks``, engine/parallel.py's RankGroup) this engine is rank 0's: before each
+step the loop sends the follower ranks what it added, aborted and swapped, so every rank steps alike; admin
+swaps and rollbacks then run in the loop, on every rank at the same step boundary.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 import uuid
@@ -17,8 +22,11 @@ from engine.block_manager import chain_hash
 from engine.capture import CaptureWriter
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.metrics import EngineMetrics
+from engine.parallel import TICK_S
 from engine.sampling_params import SamplingParams
 from engine.trace_record import TraceRecord
+from engine.variant import VariantSpec
+from engine.variant_swap import SwapReport
 
 
 @dataclass
@@ -35,17 +43,20 @@ class _Tracked:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None,
-                 capture: CaptureWriter | None = None) -> None:
+                 capture: CaptureWriter | None = None, ranks=None) -> None:
         self.engine = engine
+        self.ranks = ranks
         self.metrics = metrics or EngineMetrics()
         self.capture = capture
         self.start_time = time.time()
         self._cond = threading.Condition()
         self._pending: list[tuple[str, list[int], SamplingParams]] = []
         self._aborts: list[str] = []
+        self._commands: list[tuple[str, VariantSpec | None, concurrent.futures.Future]] = []
         self._tracked: dict[str, _Tracked] = {}
         self._stop = False
         self.error: BaseException | None = None
+        self._tick = TICK_S if ranks is not None else None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -69,6 +80,26 @@ class AsyncEngine:
             self._aborts.append(rid)
             self._cond.notify()
 
+    def swap_variant(self, spec: VariantSpec) -> SwapReport:
+        """Makes ``spec`` active (blocking; call it off the event loop). One rank: prepared in this thread while
+        the loop serves, switched between two steps. A tensor-parallel group: on every rank at one step
+        boundary, all switched or none."""
+        return self.engine.swap_variant(spec) if self.ranks is None else self._command("swap", spec)
+
+    def rollback(self) -> SwapReport:
+        return self.engine.rollback() if self.ranks is None else self._command("rollback", None)
+
+    def rank_variants(self) -> list[str]:
+        """Every rank's active variant id, in rank order (one rank: this engine's)."""
+        return [self.engine.variant.variant_id] if self.ranks is None else self._command("variant", None)
+
+    def _command(self, command: str, spec: VariantSpec | None):
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._commands.append((command, spec, done))
+            self._cond.notify()
+        return done.result()
+
     def shutdown(self) -> None:
         with self._cond:
             self._stop = True
@@ -80,12 +111,18 @@ class AsyncEngine:
         eng = self.engine
         while True:
             with self._cond:
-                while not self._stop and not self._pending and not self._aborts and not eng.has_unfinished():
-                    self._cond.wait()
+                while not (self._stop or self._pending or self._aborts or self._commands or eng.has_unfinished()):
+                    if not self._cond.wait(timeout=self._tick) and self.ranks is not None:
+                        break  # an idle group's followers hear from the leader now and then
                 if self._stop:
+                    if self.ranks is not None:
+                        self.ranks.send(None)
                     return
                 pending, self._pending = self._pending, []
                 aborts, self._aborts = self._aborts, []
+                commands, self._commands = self._commands, []
+            if self.ranks is not None:
+                self.ranks.send((pending, aborts, [(c, s) for c, s, _ in commands]))
             for rid, ids, params in pending:
                 try:
                     eng.add_request(ids, params, request_id=rid)
@@ -95,6 +132,11 @@ class AsyncEngine:
                 for rid in aborts:
                     eng.abort(rid)
                     self._tracked.pop(rid, None)
+                for command, spec, done in commands:
+                    try:
+                        done.set_result(self.ranks.command(eng, command, spec))
+                    except Exception as e:  # noqa: BLE001 -- the admin call that asked gets it
+                        done.set_exception(e)
                 outputs = eng.step()
             except Exception as e:  # keep serving the ones that can be; fail the batch that broke
                 self.error = e

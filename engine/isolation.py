@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +66,17 @@ def without_secrets(environ: dict[str, str] | None = None) -> dict[str, str]:
     the rest of the environment (a server this process starts), given their own secret explicitly."""
     environ = os.environ if environ is None else environ
     return {k: v for k, v in environ.items() if not is_secret_name(k)}
+
+
+@contextmanager
+def secrets_withheld():
+    """``os.environ`` without its secrets while the block runs, for starting processes that inherit it
+    (multiprocessing's spawn does): they get none of them. Restored afterwards."""
+    held = {k: os.environ.pop(k) for k in list(os.environ) if is_secret_name(k)}
+    try:
+        yield
+    finally:
+        os.environ.update(held)
 
 
 def redact(text: str, secrets) -> str:

@@ -22,6 +22,7 @@ import itertools
 import json
 import logging
 import os
+import sys
 import time
 import uuid
 
@@ -52,25 +53,33 @@ def _error(status: int, message: str, type_: str = "invalid_request_error", para
 log = logging.getLogger("polyinf.server")
 
 
-def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = None,
-              api_key: str | None = None) -> FastAPI:
-    """``api_key`` (default: $POLYINF_API_KEY, else $VLLM_API_KEY): the bearer token the /v1 routes require, as
-    vLLM's --api-key; none leaves them open."""
-    app = FastAPI(title="polyinf", description=__doc__)
-    engine = aengine.engine
-    admin_token = admin_token or os.environ.get("POLYINF_ADMIN_TOKEN") or None
-    api_key = api_key or os.environ.get("POLYINF_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+def require_api_key(app: FastAPI, api_key: str | None) -> None:
+    """With ``api_key``, the /v1 routes answer only requests bearing it (compared in constant time)."""
+    if not api_key:
+        return
+    expected = f"Bearer {api_key}".encode()
 
-    if api_key:
-        expected = f"Bearer {api_key}".encode()
+    @app.middleware("http")
+    async def _require_api_key(request: Request, call_next):
+        if request.url.path.startswith("/v1") and not hmac.compare_digest(
+                request.headers.get("authorization", "").encode(), expected):
+            return _error(401, "missing or wrong API key", "authentication_error", code="invalid_api_key")
+        return await call_next(request)
 
-        @app.middleware("http")
-        async def _require_api_key(request: Request, call_next):
-            if request.url.path.startswith("/v1") and not hmac.compare_digest(
-                    request.headers.get("authorization", "").encode(), expected):
-                return _error(401, "missing or wrong API key", "authentication_error", code="invalid_api_key")
-            return await call_next(request)
 
+def admin_authorizer(admin_token: str | None):
+    """The check every /admin route runs first: the bearer token, in constant time; none configured: refused."""
+    def authorize(request: Request) -> None:
+        if not admin_token:
+            raise APIError(403, "admin endpoints are disabled: no admin token is configured", "permission_error")
+        header = request.headers.get("authorization", "")
+        if not hmac.compare_digest(header.encode(), f"Bearer {admin_token}".encode()):
+            raise APIError(401, "missing or wrong bearer token", "authentication_error")
+    return authorize
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Errors in OpenAI's shape, whatever raised them."""
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
         return _error(e.status, e.message, e.type, e.param, e.code)
@@ -89,6 +98,20 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException):
         return _error(e.status_code, str(e.detail), "not_found_error" if e.status_code == 404 else "invalid_request_error")
+
+
+def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = None,
+              api_key: str | None = None) -> FastAPI:
+    """``api_key`` (default: $POLYINF_API_KEY, else $VLLM_API_KEY): the bearer token the /v1 routes require, as
+    vLLM's --api-key; none leaves them open."""
+    app = FastAPI(title="polyinf", description=__doc__)
+    engine = aengine.engine
+    admin_token = admin_token or os.environ.get("POLYINF_ADMIN_TOKEN") or None
+    api_key = api_key or os.environ.get("POLYINF_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+
+    require_api_key(app, api_key)
+    install_error_handlers(app)
+    _authorize = admin_authorizer(admin_token)
 
     def _check_model(name: str) -> None:
         if name != model_name:
@@ -411,19 +434,13 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
         return {"prompt": engine.tokenizer.decode(req.tokens)}
 
     # ---- admin ----------------------------------------------------------------------------------
-    def _authorize(request: Request) -> None:
-        if not admin_token:
-            raise APIError(403, "admin endpoints are disabled: no admin token is configured", "permission_error")
-        header = request.headers.get("authorization", "")
-        if not hmac.compare_digest(header.encode(), f"Bearer {admin_token}".encode()):  # constant time
-            raise APIError(401, "missing or wrong bearer token", "authentication_error")
-
     @app.get("/admin/variant")
-    def get_variant(request: Request):
+    async def get_variant(request: Request):
         _authorize(request)
         prev = engine.previous_variant
+        ranks = await asyncio.to_thread(aengine.rank_variants)  # a tensor-parallel group: every rank's
         return {"active": engine.variant.to_json(), "previous": prev.to_json() if prev else None,
-                "notes": engine.notes[-10:]}
+                "notes": engine.notes[-10:], "ranks": ranks}
 
     @app.post("/admin/variant")
     async def apply_variant(request: Request):
@@ -437,7 +454,7 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
         except EngineError as e:
             raise APIError(400, str(e)) from None
         try:
-            report = await asyncio.to_thread(engine.swap_variant, spec)  # prepared while serving
+            report = await asyncio.to_thread(aengine.swap_variant, spec)  # prepared while serving
         except (VariantError, EngineError) as e:
             raise APIError(422, f"variant refused, previous variant stays active: {e}", code="variant_refused") from None
         return {"variant_id": report.variant_id, "scopes": report.scopes, "seconds": report.seconds}
@@ -446,9 +463,49 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
     async def rollback(request: Request):
         _authorize(request)
         try:
-            report = await asyncio.to_thread(engine.rollback)
+            report = await asyncio.to_thread(aengine.rollback)
         except (VariantError, EngineError) as e:
             raise APIError(422, str(e), code="rollback_refused") from None
         return {"variant_id": report.variant_id, "scopes": report.scopes, "seconds": report.seconds}
 
     return app
+
+
+def serve(config, name: str, host: str = "127.0.0.1", port: int = 8000, admin_token: str | None = None,
+          api_key: str | None = None, capture_dir: str | None = None, capture_prompts: bool = False,
+          log_level: str = "warning") -> None:
+    """Loads the engine and serves it until stopped. A variant with tp > 1: this process is rank 0 and the API in
+    front; it starts the other ranks (engine/parallel.py's RankGroup), each loading its own shard."""
+    import uvicorn
+
+    from engine.capture import CaptureWriter
+    from engine.llm_engine import LLMEngine
+    from engine.metrics import EngineMetrics
+
+    tp, ranks = config.initial_variant().tp, None
+    if tp > 1:
+        from engine.loader import load_config
+        from engine.parallel import RankGroup, rank_device, shard_config
+
+        shard_config(load_config(config.source), tp)  # an indivisible model fails here, before any process starts
+        ranks = RankGroup(tp, config)
+        config = dataclasses.replace(config, device=rank_device(config.device, 0))
+    capture = None
+    try:
+        engine = LLMEngine(config)
+        capture = CaptureWriter(capture_dir, keep_prompt_text=capture_prompts) if capture_dir else None
+        aengine = AsyncEngine(engine, EngineMetrics(name), capture, ranks)
+        app = build_app(aengine, name, admin_token=admin_token, api_key=api_key)
+        print(f"polyinf: serving {name!r} on http://{host}:{port} (variant {engine.variant.variant_id}"
+              + (f", tensor parallel over {tp} ranks" if tp > 1 else "") + ")", file=sys.stderr, flush=True)
+        try:
+            # keep idle connections longer than clients do (httpx, and so the openai client, drop theirs after 5 s):
+            # with equal timeouts a client can send on a connection the server is closing, and lose the request
+            uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=65)
+        finally:
+            aengine.shutdown()
+    finally:
+        if capture is not None:
+            capture.close()
+        if ranks is not None:
+            ranks.close()

@@ -48,12 +48,15 @@ MODEL_HELP = ("alias (smollm2), a .gguf file, a Hugging Face model folder (confi
 
 def add_model_args(p: argparse.ArgumentParser, positional: bool = False, parallel: bool = False) -> None:
     """``positional``: the model may also be given as the first argument (vLLM's ``serve MODEL``); ``parallel``:
-    vLLM's ``-tp/--tensor-parallel-size`` (the variant's ``tp``)."""
+    vLLM's ``-tp/--tensor-parallel-size`` and ``-dp/--data-parallel-size`` (the variant's ``tp`` and ``dp``)."""
     if positional:
         p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="the model, as --model")
     if parallel:
         p.add_argument("-tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=positive, default=None,
                        help="tensor-parallel ranks, one process each (the variant's tp; default: the variant's)")
+        p.add_argument("-dp", "--data-parallel-size", dest="data_parallel_size", type=positive, default=None,
+                       help="serve: whole replicas of the engine (each with its tp ranks) behind one router (the "
+                            "variant's dp; default: the variant's)")
     p.add_argument("--model", required=not positional, help=MODEL_HELP)
     p.add_argument("--synthetic", action="store_true", help="random weights from the model's config (fixed seed)")
     p.add_argument("--seed", type=int, default=0, help="seed for synthetic weights")
@@ -140,6 +143,8 @@ def engine_config(args: argparse.Namespace, with_variant_file: bool = True):
     knobs = {f.name: getattr(args, f.name) for f in VariantSpec.knob_fields() if getattr(args, f.name) is not None}
     if getattr(args, "tensor_parallel_size", None) is not None:
         knobs["tp"] = args.tensor_parallel_size
+    if getattr(args, "data_parallel_size", None) is not None:
+        knobs["dp"] = args.data_parallel_size
     if knobs:
         config = dataclasses.replace(config, variant=dataclasses.replace(config.initial_variant(), **knobs))
     return config

@@ -45,6 +45,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     config = engine_config(args)
     tp = config.initial_variant().tp
+    if config.initial_variant().dp > 1:
+        from engine.errors import ConfigError
+
+        raise ConfigError("generate runs one prompt on one engine: data-parallel replicas (-dp) are for serve")
     if tp > 1:  # one process per rank (GPU i for rank i, or gloo on CPU); rank 0 reports
         from engine.loader import load_config
         from engine.parallel import shard_config
@@ -64,35 +68,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from engine import LLMEngine
-    from engine.async_engine import AsyncEngine
-    from engine.capture import CaptureWriter
-    from engine.metrics import EngineMetrics
-    from engine.server import build_app
-
     config = engine_config(args)
-    if config.initial_variant().tp > 1:
-        from engine.errors import ConfigError
-
-        raise ConfigError(f"serve runs one rank: serving a tensor-parallel variant (tp {config.initial_variant().tp}) "
-                          "is not built yet; 'polyinf generate -tp N' runs a prompt over N ranks")
-    engine = LLMEngine(config)
-    capture = CaptureWriter(args.capture_dir, keep_prompt_text=args.capture_prompts) if args.capture_dir else None
     name = args.served_model_name or args.model_arg or args.model
-    aengine = AsyncEngine(engine, EngineMetrics(name), capture)
-    app = build_app(aengine, name, admin_token=args.admin_token, api_key=args.api_key)
-    print(f"polyinf: serving {name!r} on http://{args.host}:{args.port} (variant {engine.variant.variant_id})",
-          file=sys.stderr, flush=True)
-    try:
-        # keep idle connections longer than clients do (httpx, and so the openai client, drop theirs after 5 s):
-        # with equal timeouts a client can send on a connection the server is closing, and lose the request
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=65)
-    finally:
-        aengine.shutdown()
-        if capture is not None:
-            capture.close()
+    kw = dict(host=args.host, port=args.port, admin_token=args.admin_token, api_key=args.api_key,
+              capture_dir=args.capture_dir, capture_prompts=args.capture_prompts, log_level=args.log_level)
+    if config.initial_variant().dp > 1:  # replicas behind a router in this process
+        from engine.router import serve_replicas
+
+        serve_replicas(config, name, **kw)
+    else:  # with tp > 1, this process is rank 0 and starts the others
+        from engine.server import serve
+
+        serve(config, name, **kw)
     return 0
 
 
@@ -181,7 +168,7 @@ def add_parsers(sub) -> None:
     sv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (vLLM's flag names: "
                                       "serve MODEL, --served-model-name, --api-key, --gpu-memory-utilization, "
                                       "--enable-prefix-caching, --max-num-seqs, --kv-cache-dtype, --quantization, "
-                                      "-tp 1)")
+                                      "-tp, -dp)")
     add_model_args(sv, positional=True, parallel=True)
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)

@@ -267,16 +267,21 @@ def test_vllm_flag_spellings():
         engine_config(p.parse_args(["smollm2", "--gpu-memory-utilization", "0.9"]))
     with pytest.raises(SystemExit):
         p.parse_args(["smollm2", "--gpu-memory-utilization", "1.5"])
-    # -tp / --tensor-parallel-size: the variant's tp; serve runs one rank and says so before loading anything
+    # -tp / -dp: the variant's tp and dp; a model the ranks cannot divide is refused before any process starts
     tp = argparse.ArgumentParser()
     add_model_args(tp, positional=True, parallel=True)
     assert engine_config(tp.parse_args(["smollm2", "-tp", "2"])).initial_variant().tp == 2
     assert engine_config(tp.parse_args(["smollm2", "--tensor-parallel-size", "1"])).initial_variant().tp == 1
-    from pipelines.cli.engine_cmds import cmd_serve
+    assert engine_config(tp.parse_args(["smollm2", "-dp", "2", "-tp", "3"])).initial_variant().dp == 2
+    from pipelines.cli import build_parser
 
-    args = tp.parse_args(["smollm2", "-tp", "2"])
-    with pytest.raises(ConfigError, match="serve runs one rank"):
-        cmd_serve(args)
+    cli = build_parser()
+    with pytest.raises(ConfigError, match=r"tp=2 does not divide num_attention_heads \(9\)"):  # SmolLM2: 9 heads
+        args = cli.parse_args(["serve", "smollm2", "-tp", "2"])
+        args.func(args)
+    args = cli.parse_args(["generate", "--model", "smollm2", "-dp", "2", "--prompt", "hi"])
+    with pytest.raises(ConfigError, match="data-parallel replicas"):
+        args.func(args)
 
 
 def test_api_key_guards_the_openai_routes(tmp_path, monkeypatch):
