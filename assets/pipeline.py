@@ -2,26 +2,17 @@
 
 import base64
 import json
-import re
 import warnings
 
 import dagster as dg
 
+from assets.deployments import DEPLOYMENTS, deployment_key, for_deployment  # noqa: F401 (callers' names)
 from assets.resources import ArtifactStore, Endpoint, EngineRunner, TrafficSource, VariantSource
 
 
 # The checks' partitions are a Dagster preview feature that this graph relies on; its warning at import time
 # tells a user nothing they can act on.
 warnings.filterwarnings("ignore", category=dg.PreviewWarning, message=".*partitions_def on an AssetCheckSpec")
-
-# One partition per deployment: served model x hardware x endpoint.
-DEPLOYMENTS = dg.DynamicPartitionsDefinition(name="deployments")
-
-
-def deployment_key(model: str, device: str, endpoint: str) -> str:
-    """A partition key for a deployment, e.g. 'smollm2|cpu|embedded'."""
-    clean = lambda x: re.sub(r"[^A-Za-z0-9_.:@/-]", "_", x)  # noqa: E731
-    return "|".join(clean(x) for x in (model, device, endpoint or "embedded"))
 
 
 # dagster-k8s/config for the benchmark steps: on Kubernetes their pods land on GPU nodes
@@ -120,6 +111,7 @@ def traffic_profile(context: dg.AssetExecutionContext, traffic_traces: list, tra
 @dg.asset(partitions_def=DEPLOYMENTS, group_name="plan", kinds={"pytorch"},
           description="The served model's shape, bytes per token and weights hash.")
 def model_spec(context: dg.AssetExecutionContext, runner: EngineRunner):
+    runner = for_deployment(context, runner)
     from engine import resolve
     from ops.model_spec import model_spec as spec_of
 
@@ -131,6 +123,7 @@ def model_spec(context: dg.AssetExecutionContext, runner: EngineRunner):
 @dg.asset(partitions_def=DEPLOYMENTS, group_name="plan", kinds={"pytorch"},
           description="Measured memory bandwidth, matmul FLOP/s and launch overhead of this machine.")
 def hardware_profile(context: dg.AssetExecutionContext, runner: EngineRunner):
+    runner = for_deployment(context, runner)
     from ops.hardware import probe
 
     hw = probe(runner.device)
@@ -145,6 +138,7 @@ def hardware_profile(context: dg.AssetExecutionContext, runner: EngineRunner):
                       "the trace slice with roofline step times) for this model, machine and traffic.")
 def cost_model_plan(context: dg.AssetExecutionContext, model_spec, hardware_profile, traffic_profile,
                     traffic_traces: list, traffic: TrafficSource, runner: EngineRunner):
+    runner = for_deployment(context, runner)
     from engine.variant import VariantSpec
     from ops.cost_model import plan
 
@@ -166,6 +160,7 @@ def cost_model_plan(context: dg.AssetExecutionContext, model_spec, hardware_prof
           description="Agents read the board and propose; their proposals wait in the experiment queue.")
 def variant_candidates(context: dg.AssetExecutionContext, cost_model_plan, hardware_profile, source: VariantSource,
                        runner: EngineRunner, traffic: TrafficSource) -> list:
+    runner = for_deployment(context, runner)
     search = source.search(context, runner, traffic, hardware_profile, cost_model_plan)
     for agent in source.agents(search.board):
         room = source.candidates + 1 - search.n_experiments()
@@ -195,6 +190,7 @@ def _variant_of(row: dict):
           op_tags={"polyinf/tier": "fast", **GPU_OP_TAGS})
 def fast_bench_results(context: dg.AssetExecutionContext, variant_candidates: list, hardware_profile,
                        source: VariantSource, runner: EngineRunner, traffic: TrafficSource) -> list:
+    runner = for_deployment(context, runner)
     from ops.worker import FAST
 
     search = source.search(context, runner, traffic, hardware_profile)
@@ -216,6 +212,7 @@ def fast_bench_results(context: dg.AssetExecutionContext, variant_candidates: li
 def slow_bench_results(context: dg.AssetExecutionContext, fast_bench_results: list, hardware_profile,
                        source: VariantSource, runner: EngineRunner, traffic: TrafficSource,
                        artifacts: ArtifactStore) -> list:
+    runner = for_deployment(context, runner)
     from ops.worker import SLOW
 
     search = source.search(context, runner, traffic, hardware_profile)
@@ -253,6 +250,8 @@ def engine_build(context: dg.AssetExecutionContext, slow_bench_results: list, tr
                  hardware_profile, artifacts: ArtifactStore, source: VariantSource, runner: EngineRunner,
                  traffic: TrafficSource):
     from ops.optimize import EngineBuild, capacity_line, choose
+
+    runner = for_deployment(context, runner)
 
     search = source.search(context, runner, traffic, hardware_profile)  # the measured profile, not a new probe
     decided, decision = search.decide()  # the decision, its reason and its result ids, on the board
@@ -310,6 +309,8 @@ def engine_build_gates(context: dg.AssetCheckExecutionContext, engine_build,
                        runner: EngineRunner) -> dg.AssetCheckResult:
     from checks.gates import gate_variant
 
+    runner = for_deployment(context, runner)
+
     if engine_build.bench.get("variant_id") == engine_build.baseline_bench.get("variant_id"):
         # nothing beat static-best: the build is the form already serving, not a candidate to gate
         context.log.info("gates: not run (the build is static-best: nothing new to gate)")
@@ -335,6 +336,7 @@ def deployed_endpoint(context: dg.AssetExecutionContext, engine_build, runner: E
     from ops.drift import DeploymentRecord, capture_position, hardware_identity
     from ops.replay import synthesize_prompts
 
+    runner, endpoint = for_deployment(context, runner, endpoint)
     url, token = endpoint.connect(runner, capture_dir=str(Path(artifacts.root) / "capture"))
     records = [type("R", (), {"input_tokens": 16 + 4 * i, "prefix_block_hashes": (), "block_tokens": 0})()
                for i in range(endpoint.watch_requests)]
@@ -351,7 +353,7 @@ def deployed_endpoint(context: dg.AssetExecutionContext, engine_build, runner: E
                          deployed_at=time.time(), capture_dir=capture_dir,
                          capture_start=capture_position(capture_dir),
                          hardware=hardware_identity(runner.device).to_json()).save(
-            Path(artifacts.root) / "deployments" / "current.json")
+            Path(endpoint.deployment_record or Path(artifacts.root) / "deployments" / "current.json"))
     context.log.info(f"deployment: {dep.status} at {url}: {dep.reason}")
     context.add_output_metadata({"endpoint": url, "status": dep.status, "serving": dep.build_id,
                                  "previous": str(dep.previous_build), "why": dg.MetadataValue.md(dep.reason)})

@@ -108,7 +108,8 @@ class VariantSource(dg.ConfigurableResource):
     """Where candidates come from: agents on the message board (cost-model seeding, traffic rules, local
     search, and an LLM agent when ``llm_base_url`` is set), measured by workers draining the queue."""
 
-    board: str = ".polyinf/board.sqlite"
+    board: str = ".polyinf/board.sqlite"  # a SQLite file, or a postgresql:// URL every step's process reaches
+    board_password: str = ""  # env_secret("POLYINF_BOARD_PASSWORD"): the Postgres board's, kept out of the URL
     candidates: int = 4  # proposals measured on the fast tier besides the baseline
     # best fast-tier variants replayed on the slow tier beside static-best: one keeps the main job within minutes
     # on a 2-core CPU, where a slow-tier variant (replay and rate probes of the full model) takes one to two
@@ -123,6 +124,13 @@ class VariantSource(dg.ConfigurableResource):
     llm_base_url: str = ""
     llm_model: str = "polyinf"
     llm_api_key: str = ""  # env_secret("OPENAI_API_KEY")
+
+    def board_url(self) -> str:
+        """What the board is opened with: ``board`` with ``board_password`` put into a Postgres URL (the URL
+        the resource shows names none). Never log it: the board's ``where`` is the masked form."""
+        from ops.board_store import with_password
+
+        return with_password(self.board, self.board_password)
 
     def agents(self, board):
         """The default agents (ops.tune.default_agents), with the LLM agent when ``llm_base_url`` is set."""
@@ -141,7 +149,7 @@ class VariantSource(dg.ConfigurableResource):
 
         # one timed replay at the trace's rate and up to three capacity probes per variant: the job stays minutes
         cfg = search_config(runner, traffic, slow_repeats=1, capacity_probes=3)
-        return Search.start(cfg, self.board, f"run-{context.run.run_id}", hardware=hardware, cost_plan=cost_plan,
+        return Search.start(cfg, self.board_url(), f"run-{context.run.run_id}", hardware=hardware, cost_plan=cost_plan,
                             log=context.log.info)
 
 
@@ -159,8 +167,8 @@ def search_config(runner: EngineRunner, traffic: TrafficSource, **tiers):
 class ArtifactStore(dg.ConfigurableResource):
     """Build artifacts (variant JSON, reports): the local filesystem by default, S3 (boto3) when a bucket is set.
 
-    Credentials come from the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or
-    dg.EnvVar in the resource config), never from code.
+    Credentials come through dg.EnvVar (``env_secret("AWS_ACCESS_KEY_ID")``...), never from code; left empty,
+    boto3's own chain (the pod's IAM role, a profile) supplies them.
     """
 
     root: str = ".polyinf/artifacts"
@@ -168,11 +176,15 @@ class ArtifactStore(dg.ConfigurableResource):
     s3_prefix: str = "polyinf"
     s3_endpoint_url: str = ""  # an S3-compatible server; empty: AWS
     s3_region: str = "us-east-1"
+    aws_access_key_id: str = ""  # env_secret("AWS_ACCESS_KEY_ID")
+    aws_secret_access_key: str = ""  # env_secret("AWS_SECRET_ACCESS_KEY")
 
     def _s3(self):
         import boto3
 
-        return boto3.client("s3", endpoint_url=self.s3_endpoint_url or None, region_name=self.s3_region)
+        return boto3.client("s3", endpoint_url=self.s3_endpoint_url or None, region_name=self.s3_region,
+                            aws_access_key_id=self.aws_access_key_id or None,
+                            aws_secret_access_key=self.aws_secret_access_key or None)
 
     def put(self, key: str, text: str | bytes) -> str:
         """Stores ``text`` (or bytes, e.g. a PNG) under ``key``; returns where it went (a path or an s3:// URL)."""
@@ -196,12 +208,18 @@ class ArtifactStore(dg.ConfigurableResource):
 
 
 class Endpoint(dg.ConfigurableResource):
-    """The serving endpoint to deploy to: an existing one (url + admin token), or, embedded, a
-    `polyinf serve` this process starts on loopback."""
+    """The serving endpoint to deploy to: an existing one (``url``: on Kubernetes the engine Deployment's Service,
+    whose admin API swaps the running engine's variant; the admin token through dg.EnvVar), or, embedded, a
+    `polyinf serve` this process starts on loopback. A run's partition key names its endpoint
+    (assets/deployments.py), so one code location deploys to several."""
 
     url: str = ""
-    admin_token: str = ""  # env_secret("POLYINF_ADMIN_TOKEN")
-    capture_dir: str = ""  # where an existing endpoint captures its traffic (for the drift sensor)
+    admin_token: str = ""  # dg.EnvVar("POLYINF_ADMIN_TOKEN")
+    # where an existing endpoint captures its traffic, read by the drift sensors: a volume the engine and the
+    # code location both mount (on Kubernetes, the shared PersistentVolumeClaim)
+    capture_dir: str = ""
+    # where the deployed build is recorded for the sensors; empty: deployments/current.json under the artifacts' root
+    deployment_record: str = ""
     served_model_name: str = "polyinf"
     watch_requests: int = 8
     watch_max_tokens: int = 8
@@ -209,6 +227,9 @@ class Endpoint(dg.ConfigurableResource):
 
     def connect(self, runner: EngineRunner, capture_dir: str | None = None) -> tuple[str, str]:
         if self.url:
+            if not self.admin_token:
+                raise dg.Failure(f"endpoint {self.url}: no admin token (set POLYINF_ADMIN_TOKEN, the engine's "
+                                 "secret, where the code location and its steps run)")
             return self.url, self.admin_token
         from ops.deploy import ServerProcess
 

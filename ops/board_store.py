@@ -154,6 +154,16 @@ def masked(locator: str) -> str:
         return f"{scheme}://***@{rest.rpartition('@')[2]}" if "@" in rest else locator
 
 
+def with_password(locator: str, password: str) -> str:
+    """A Postgres URL with ``password`` put in (unless it holds one); anything else as it is."""
+    if not password or not is_url(locator) or locator.partition("://")[0].lower() not in POSTGRES_SCHEMES:
+        return locator
+    from sqlalchemy.engine import make_url
+
+    url = make_url(locator)
+    return locator if url.password else url.set(password=password).render_as_string(hide_password=False)
+
+
 def connect(locator: str | Path) -> Store:
     """The store ``locator`` names: a ``postgresql://`` URL, else a SQLite file (``sqlite:///path`` or a path)."""
     locator = str(locator)

@@ -7,8 +7,9 @@ import os
 import dagster as dg
 
 from assets import pipeline
-from pipelines.sensors import OPTIMIZE_JOB, hardware_drift_sensor, model_drift_sensor, nightly, traffic_drift_sensor
-from pipelines.wiring import resources
+from pipelines.sensors import (OPTIMIZE_JOB, deployments_sensor, hardware_drift_sensor, model_drift_sensor, nightly,
+                               traffic_drift_sensor)
+from pipelines.wiring import code_location_resources
 
 
 def _executor():
@@ -24,5 +25,6 @@ def _executor():
 defs = dg.Definitions(
     assets=dg.load_assets_from_modules([pipeline]), asset_checks=dg.load_asset_checks_from_modules([pipeline]),
     jobs=[OPTIMIZE_JOB], executor=_executor(), schedules=[nightly],
-    sensors=[traffic_drift_sensor, model_drift_sensor, hardware_drift_sensor], resources=resources(),
+    sensors=[traffic_drift_sensor, model_drift_sensor, hardware_drift_sensor, deployments_sensor],
+    resources=code_location_resources(),
 )

@@ -32,6 +32,7 @@ class DriftConfig(dg.ConfigurableResource):
     min_requests: int = 20
     confirmations: int = 1
     min_interval_s: float = 3600.0
+    deployments: list[str] = []  # partition keys (model|device|endpoint) to tune besides the one on record
 
     def thresholds(self):
         from ops.drift import DriftThresholds
@@ -188,3 +189,26 @@ def hardware_drift_sensor(context: dg.SensorEvaluationContext, drift: DriftConfi
                          partition_key=record.partition_key or None, run_config=run_config, tags={
                              "polyinf/trigger": "hardware drift", "polyinf/reason": "; ".join(changes)[:200],
                              "polyinf/hardware": current.key, "polyinf/traffic": tuned_on[:200]})
+
+
+@dg.sensor(minimum_interval_seconds=60,
+           description="Registers a partition for each deployment it sees (the configured ones, the one on record), "
+                       "so the schedule and the drift sensors tune each of them from this one code location.")
+def deployments_sensor(context: dg.SensorEvaluationContext, drift: DriftConfig):
+    from assets.deployments import DEPLOYMENTS, Deployment
+
+    seen = list(drift.deployments)
+    record = drift.record()
+    if record is not None and record.partition_key:
+        seen.append(record.partition_key)
+    keys = []
+    for key in dict.fromkeys(seen):
+        try:
+            keys.append(Deployment.parse(key).key)
+        except ValueError as e:
+            context.log.warning(f"not a deployment: {e}")
+    known = set(context.instance.get_dynamic_partitions(DEPLOYMENTS.name))
+    new = [k for k in keys if k not in known]
+    if not new:
+        return dg.SkipReason(f"{len(keys)} deployment(s) seen, all registered" if keys else "no deployments seen")
+    return dg.SensorResult(dynamic_partitions_requests=[DEPLOYMENTS.build_add_request(new)])

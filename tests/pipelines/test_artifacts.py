@@ -1,14 +1,9 @@
-"""The artifact store on the local filesystem and on a real S3-compatible server (moto) on loopback."""
+"""The artifact store on the local filesystem and on a real S3-compatible server (moto) on loopback
+(tests/pipelines/conftest.py)."""
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
-
-from ops.deploy import free_port
 import pytest
 
 from assets.resources import ArtifactStore
@@ -18,26 +13,6 @@ def test_local_store(tmp_path):
     store = ArtifactStore(root=str(tmp_path))
     path = store.put("builds/abc.json", '{"a": 1}')
     assert Path(path).read_text() == '{"a": 1}' and store.get("builds/abc.json") == '{"a": 1}'
-
-
-@pytest.fixture()
-def s3_server(monkeypatch):
-    port = free_port()
-    exe = Path(sys.executable).parent / "moto_server"
-    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            httpx.get(url, timeout=1)
-            break
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
 
 
 def test_s3_store_against_a_real_server(s3_server):

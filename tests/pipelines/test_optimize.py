@@ -24,7 +24,8 @@ def test_definitions_load():
                     "deployed_endpoint"}
     assert {k.name for k in defs.resolve_asset_graph().asset_check_keys} == {
         "engine_build_gates", "traffic_traces_expectations", "fast_bench_expectations", "slow_bench_expectations"}
-    assert {s.name for s in defs.sensors} == {"traffic_drift_sensor", "model_drift_sensor", "hardware_drift_sensor"}
+    assert {s.name for s in defs.sensors} == {"traffic_drift_sensor", "model_drift_sensor", "hardware_drift_sensor",
+                                             "deployments_sensor"}
     assert [s.cron_schedule for s in defs.schedules] == ["0 3 * * *"]
 
 

@@ -1,0 +1,138 @@
+"""Past one machine: the shared services' settings, secrets through dg.EnvVar, outputs through S3, deployments as
+partitions registered by a sensor, and the whole graph with every step in its own process against a real S3
+server (moto) and a real Postgres board, deploying to a running engine by its URL."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import boto3
+import dagster as dg
+import pytest
+
+from assets import pipeline
+from assets.deployments import Deployment, deployment_key, for_deployment
+from assets.resources import Endpoint, EngineRunner, TrafficSource
+from engine.isolation import without_secrets
+from pipelines.sensors import DriftConfig, deployments_sensor
+from pipelines.wiring import Services, code_location_resources
+
+ROOT = Path(__file__).resolve().parents[2]
+AZURE = ROOT / "traces" / "AzureLLMInferenceTrace_conv.csv"
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"board": "postgresql://polyinf:hunter22@db/board"}, "POLYINF_BOARD postgresql://polyinf:\\*\\*\\*@db/board "
+                                                          "holds a password.*POLYINF_BOARD_PASSWORD"),
+    ({"board": "mysql://db/board"}, "not a postgresql:// URL"),
+    ({"s3_bucket": "My_Bucket"}, "not an S3 bucket name"),
+    ({"s3_prefix": "/runs/"}, "without leading or trailing /"),
+    ({"s3_endpoint_url": "minio:9000"}, "not an http\\(s\\) URL"),
+    ({"deployments": ("smollm2|tpu|embedded",)}, "device 'tpu' is not cpu, cuda or cuda:N"),
+    ({"deployments": ("smollm2|cpu",)}, "is not model\\|device\\|endpoint"),
+    ({"deployments": ("smollm2|cpu|engine:8000",)}, "not an http\\(s\\) URL"),
+])
+def test_bad_service_settings_are_refused_clearly(settings, message):
+    with pytest.raises(ValueError, match=message) as err:
+        Services(**settings)
+    assert "hunter22" not in str(err.value)
+
+
+def test_secrets_reach_resources_as_env_vars_never_as_values(monkeypatch):
+    secrets = {"POLYINF_BOARD_PASSWORD": "board-secret", "AWS_ACCESS_KEY_ID": "key-id-secret",
+               "AWS_SECRET_ACCESS_KEY": "aws-secret", "POLYINF_ADMIN_TOKEN": "admin-secret",
+               "OPENAI_API_KEY": "llm-secret"}
+    env = {**secrets, "POLYINF_BOARD": "postgresql://polyinf@db:5432/board", "POLYINF_S3_BUCKET": "runs",
+           "POLYINF_ENDPOINT_URL": "http://polyinf-engine:8000", "POLYINF_CAPTURE_DIR": "/shared/capture",
+           "POLYINF_ARTIFACTS": "/shared/artifacts"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    res = code_location_resources()
+    fields = {("source", "board_password"): "POLYINF_BOARD_PASSWORD", ("source", "llm_api_key"): "OPENAI_API_KEY",
+              ("endpoint", "admin_token"): "POLYINF_ADMIN_TOKEN",
+              ("artifacts", "aws_access_key_id"): "AWS_ACCESS_KEY_ID",
+              ("artifacts", "aws_secret_access_key"): "AWS_SECRET_ACCESS_KEY"}
+    for (resource, field), name in fields.items():
+        value = getattr(res[resource], field)
+        assert isinstance(value, dg.EnvVar) and value == name, (resource, field, value)
+    s3 = res["io_manager"].s3_resource
+    assert (s3.aws_access_key_id, s3.aws_secret_access_key) == ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+    assert isinstance(s3.aws_secret_access_key, dg.EnvVar)
+    assert res["source"].board == env["POLYINF_BOARD"] and res["endpoint"].url == env["POLYINF_ENDPOINT_URL"]
+    assert res["endpoint"].capture_dir == "/shared/capture"
+    assert res["drift"].deployment_record == res["endpoint"].deployment_record == \
+        "/shared/artifacts/deployments/current.json"  # where the deploy step writes, the sensors read
+    # nothing a child process of ours (the embedded server) inherits holds one
+    assert not set(secrets.values()) & set(without_secrets().values())
+    assert "PGPASSWORD" not in without_secrets({"PGPASSWORD": "x"})
+
+
+def test_an_endpoint_url_without_its_token_fails_naming_the_variable(monkeypatch):
+    monkeypatch.delenv("POLYINF_ADMIN_TOKEN", raising=False)
+    with pytest.raises(dg.Failure, match="no admin token.*POLYINF_ADMIN_TOKEN"):
+        Endpoint(url="http://polyinf-engine:8000").connect(EngineRunner())
+
+
+def test_a_partition_key_names_the_model_device_and_endpoint():
+    key = deployment_key("/models/llama", "cuda", "http://polyinf-engine:8000")
+    assert key == "/models/llama|cuda|http://polyinf-engine:8000"
+    assert Deployment.parse(key) == Deployment("/models/llama", "cuda", "http://polyinf-engine:8000")
+    assert Deployment.parse("smollm2|cpu|embedded").endpoint == ""
+
+    @dg.asset(partitions_def=pipeline.DEPLOYMENTS)
+    def derived(context, runner: EngineRunner, endpoint: Endpoint):
+        r, e = for_deployment(context, runner, endpoint)
+        return (r.model, r.device, r.dtype, r.fast_layers, e.url, e.watch_requests)
+
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("deployments", [key, "smollm2|cpu|embedded"])
+        res = {"runner": EngineRunner(dtype="bfloat16", fast_layers=2),
+               "endpoint": Endpoint(url="http://elsewhere:1", watch_requests=3)}
+        out = [dg.materialize([derived], resources=res, partition_key=k, instance=instance).output_for_node("derived")
+               for k in (key, "smollm2|cpu|embedded")]
+    # the key's model, device and endpoint; the rest from the resources
+    assert out == [("/models/llama", "cuda", "bfloat16", 2, "http://polyinf-engine:8000", 3),
+                   ("smollm2", "cpu", "bfloat16", 2, "", 3)]
+
+
+def test_the_sensor_registers_each_deployment_it_sees(tmp_path):
+    from ops.drift import DeploymentRecord
+
+    record = tmp_path / "current.json"
+    DeploymentRecord(endpoint="http://polyinf-engine:8000", variant_id="v1", traffic_profile={},
+                     model_weights_hash="h", model="smollm2", deployed_at=0.0, capture_dir="",
+                     partition_key="smollm2|cuda|http://polyinf-engine:8000").save(record)
+    drift = DriftConfig(deployment_record=str(record), deployments=["/models/llama|cuda|http://llama:8000",
+                                                                     "not a key"])
+    with dg.instance_for_test() as instance:
+        with dg.build_sensor_context(instance=instance, resources={"drift": drift}) as ctx:
+            result = deployments_sensor(ctx)
+        assert isinstance(result, dg.SensorResult)
+        (request,) = result.dynamic_partitions_requests
+        assert request.partitions_def_name == "deployments"
+        assert list(request.partition_keys) == ["/models/llama|cuda|http://llama:8000",
+                                                "smollm2|cuda|http://polyinf-engine:8000"]
+        instance.add_dynamic_partitions("deployments", list(request.partition_keys))
+        with dg.build_sensor_context(instance=instance, resources={"drift": drift}) as ctx:
+            again = deployments_sensor(ctx)
+        assert isinstance(again, dg.SkipReason) and "all registered" in again.skip_message
+
+
+def test_outputs_go_to_s3_and_a_fresh_instance_reads_them_there(s3_server, tmp_path):
+    """The traffic assets' outputs through the S3 IO manager: a later run in another Dagster instance (another
+    pod's disk) loads traffic_traces from the bucket to build traffic_profile."""
+    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").create_bucket(Bucket="runs")
+    io = Services(s3_bucket="runs", s3_prefix="t1", s3_endpoint_url=s3_server).io_manager()
+    traffic = TrafficSource(trace=str(AZURE), max_requests=8)
+    key = "smollm2|cpu|embedded"
+    for i, assets in enumerate(([pipeline.traffic_traces], [pipeline.traffic_traces.to_source_asset(),
+                                                            pipeline.traffic_profile])):
+        (tmp_path / f"home{i}").mkdir()
+        with dg.instance_for_test(temp_dir=str(tmp_path / f"home{i}")) as instance:
+            instance.add_dynamic_partitions("deployments", [key])
+            run = dg.materialize(assets, resources={"traffic": traffic, **io}, partition_key=key, instance=instance)
+            assert run.success
+    assert run.output_for_node("traffic_profile").requests == 8
+    keys = [o["Key"] for o in boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").list_objects_v2(
+        Bucket="runs")["Contents"]]
+    assert sorted(keys) == [f"t1/io/traffic_profile/{key}", f"t1/io/traffic_traces/{key}"]
+    assert not list(tmp_path.rglob("storage/traffic_*"))  # nothing on the instances' local storage
