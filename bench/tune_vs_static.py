@@ -10,6 +10,7 @@ both measured in the same search. Figures print as one table; JSON lands in --ou
     .venv/bin/python bench/tune_vs_static.py --out /tmp/tvs                       # SmolLM2 on the CPU
     PYTHONPATH=$PWD python3 bench/tune_vs_static.py --model llama-3.1-8b --device cuda --dtype bfloat16 \\
         --traces bench/data --requests 48 --max-input 2048 --max-output 128 --out $OUT   # a GPU host
+    ... --layout-devices 2 --only azure mooncake          # with tensor-parallel and data-parallel layouts
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.variant import FORWARD, KV_LAYOUT, SCHEDULER, SPECULATION_FIELDS, VariantSpec  # noqa: E402
+from engine.variant import FORWARD, KV_LAYOUT, PARALLEL, SCHEDULER, SPECULATION_FIELDS, VariantSpec  # noqa: E402
 from ops.optimize import capacity_line, capacity_ratio, range_holds_one  # noqa: E402
 from ops.traces import load_trace  # noqa: E402
 from ops.tune import Budget, Search, static_best_of, tune  # noqa: E402
@@ -34,7 +35,7 @@ ROWS: list[tuple[str, str]] = []
 # a dimension: the VariantSpec fields of these scopes (speculation's fields apart from the other scheduler knobs,
 # precision's apart from the other forward and KV-layout fields)
 DIMENSIONS = {"scheduling knobs": (SCHEDULER, KV_LAYOUT), "kernels and graphs": (FORWARD,),
-              "speculation": ("speculation",), "precision": ("precision",)}
+              "speculation": ("speculation",), "precision": ("precision",), "parallel layout": (PARALLEL,)}
 PRECISION_FIELDS = ("weight_dtype", "kv_cache_dtype")
 
 
@@ -102,6 +103,8 @@ def main() -> int:
     ap.add_argument("--budget-seconds", type=float, default=900)
     ap.add_argument("--num-kv-blocks", type=int, default=1024)
     ap.add_argument("--slow-top", type=int, default=2, help="the fast tier's best measured on the slow tier")
+    ap.add_argument("--layout-devices", type=int, default=1,
+                    help="above 1: parallel layouts join the search, every slow-tier variant measured as served")
     ap.add_argument("--only", nargs="*", default=["azure", "mooncake", "drift"])
     ap.add_argument("--no-gate", action="store_true", help="skip the gates on each choice (to save device time)")
     ap.add_argument("--speculation", action=argparse.BooleanOptionalAction, default=True,
@@ -119,8 +122,8 @@ def main() -> int:
         return SearchConfig(model=args.model, trace=str(trace), device=args.device, dtype=args.dtype,
                             requests=args.requests, max_input=args.max_input, max_output=args.max_output,
                             time_scale=args.time_scale, fast_layers=args.fast_layers, fast_repeats=3,
-                            slow_repeats=args.slow_repeats,
-                            num_kv_blocks=args.num_kv_blocks)
+                            slow_repeats=args.slow_repeats, num_kv_blocks=args.num_kv_blocks,
+                            layout_devices=args.layout_devices)
 
     budget = Budget(args.budget, args.budget_seconds)
     static = static_best_of(cfg(azure))

@@ -22,7 +22,7 @@ from engine.block_manager import chain_hash
 from engine.capture import CaptureWriter
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.metrics import EngineMetrics
-from engine.parallel import TICK_S
+from engine.rank_group import TICK_S
 from engine.sampling_params import SamplingParams
 from engine.trace_record import TraceRecord
 from engine.variant import VariantSpec

@@ -73,7 +73,8 @@ def _from_hf_cache(repo_id: str) -> Path | None:
 
 
 def resolve(model: str, synthetic: bool = False, seed: int = 0) -> ModelSource:
-    """Turns a CLI ``--model`` value (alias, .gguf file, model folder, preset name) into a ModelSource."""
+    """Turns a CLI ``--model`` value (alias, .gguf file, model folder, preset name, or a config.json file for
+    synthetic weights) into a ModelSource."""
     if model in ALIASES:
         path = ALIASES[model]()
     elif (PRESETS_DIR / f"{model}.json").is_file():
@@ -91,6 +92,8 @@ def resolve(model: str, synthetic: bool = False, seed: int = 0) -> ModelSource:
         return ModelSource("synthetic", path, seed)
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource("gguf", path)
+    if path.is_file() and path.suffix == ".json":  # a config alone: synthetic weights from it, as a preset's
+        return ModelSource("synthetic", path, seed)
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if not (path / "config.json").is_file() and len(ggufs) == 1:

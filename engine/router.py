@@ -31,7 +31,6 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import httpx
 from fastapi import FastAPI, Request
@@ -41,9 +40,9 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.errors import ConfigError, EngineError
-from engine.isolation import secrets_withheld
 from engine.openai_protocol import APIError
-from engine.server import _error, admin_authorizer, install_error_handlers, require_api_key
+from engine.replicas import Replica, ReplicaSet, free_port
+from engine.http_base import error_response, admin_authorizer, install_error_handlers, require_api_key
 from engine.variant import VariantSpec
 
 log = logging.getLogger("polyinf.router")
@@ -51,176 +50,6 @@ log = logging.getLogger("polyinf.router")
 AFFINITY_SLACK = 4  # requests in flight a conversation's replica may have above the least loaded one
 AFFINITY_ENTRIES = 50_000  # conversations remembered (least recently seen forgotten first)
 KEY_CHARS, KEY_TOKENS = 2048, 256  # how much of a conversation identifies it
-RESTART_BACKOFF_S = 10.0  # a replica that keeps failing is started again at most this often
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _replica_main(config, name: str, port: int, token: str, capture_dir: str | None, capture_prompts: bool,
-                  threads: int, devices: str | None, parent: int) -> None:
-    """A replica's process: its devices and threads set, then an ordinary server on loopback."""
-    if devices is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = devices  # before anything touches CUDA
-    import torch
-
-    from engine.parallel import _watch_parent
-    from engine.server import serve
-
-    torch.set_num_threads(threads)
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    serve(config, name, "127.0.0.1", port, admin_token=token, capture_dir=capture_dir,
-          capture_prompts=capture_prompts)
-
-
-@dataclass
-class Replica:
-    index: int
-    config: object  # the EngineConfig it serves (dp 1)
-    name: str
-    devices: str | None
-    threads: int
-    capture_dir: str | None
-    capture_prompts: bool
-    url: str = ""
-    token: str = ""
-    process: object = None
-    up: bool = False
-    inflight: int = 0
-    served: int = 0
-    failed: int = 0
-    started: float = 0.0
-    starting: bool = False  # restarted, not yet brought to the active variant
-    restarts: int = 0
-    ready_s: float = 0.0  # start to healthy, last start
-
-    def start(self) -> None:
-        import torch.multiprocessing as mp
-
-        port = _free_port()
-        self.url, self.token, self.started, self.up = f"http://127.0.0.1:{port}", secrets.token_hex(16), time.time(), False
-        ctx = mp.get_context("spawn")
-        self.process = ctx.Process(
-            target=_replica_main, name=f"polyinf-replica{self.index}", daemon=False,
-            args=(self.config, self.name, port, self.token, self.capture_dir, self.capture_prompts, self.threads,
-                  self.devices, os.getpid()))
-        with secrets_withheld():
-            self.process.start()
-
-    def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.time() + timeout_s
-        while time.time() < deadline:
-            if self.process.exitcode is not None:
-                raise ConfigError(f"replica {self.index} exited with code {self.process.exitcode} while starting "
-                                  "(its error is above)")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    self.ready_s = time.time() - self.started
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise ConfigError(f"replica {self.index} did not become healthy within {timeout_s:.0f} s")
-
-    def admin(self) -> dict:
-        return {"authorization": f"Bearer {self.token}"}
-
-    def stop(self) -> None:
-        p = self.process
-        if p is not None and p.exitcode is None:
-            p.terminate()
-            p.join(timeout=20)
-            if p.exitcode is None:
-                p.kill()
-                p.join(timeout=5)
-
-
-@dataclass
-class ReplicaSet:
-    """The replicas of one data-parallel layout, started, watched and restarted together."""
-
-    replicas: list[Replica]
-    startup_s: float = 600.0
-    restart: bool = True
-    active_variant: dict | None = None  # the variant the admin API last made active on every replica
-
-    @classmethod
-    def start(cls, config, dp: int, name: str, capture_dir: str | None = None, capture_prompts: bool = False,
-              startup_s: float = 600.0, restart: bool = True) -> "ReplicaSet":
-        """``dp`` replicas of ``config``'s variant (its tp per replica): replica i on GPUs i*tp .. i*tp+tp-1, or on
-        1/dp of the CPU's cores; replica i captures in ``capture_dir``/replica-i (a capture folder has one writer)."""
-        variant = config.initial_variant()
-        tp = variant.tp
-        single = dataclasses.replace(config, variant=dataclasses.replace(variant, dp=1))
-        cuda = str(config.device).startswith("cuda")
-        if cuda:
-            import torch
-
-            if torch.cuda.device_count() < dp * tp:
-                raise ConfigError(f"dp={dp} x tp={tp} needs {dp * tp} GPUs; this machine has "
-                                  f"{torch.cuda.device_count()}")
-        cores = os.cpu_count() or 1
-        reps = [Replica(i, single, name, ",".join(str(i * tp + r) for r in range(tp)) if cuda else None,
-                        max(1, cores // dp), os.path.join(capture_dir, f"replica-{i}") if capture_dir else None,
-                        capture_prompts) for i in range(dp)]
-        rs = cls(reps, startup_s, restart)
-        try:
-            for r in reps:
-                r.start()
-            for r in reps:
-                r.wait_ready(startup_s)
-                r.up = True
-        except BaseException:
-            rs.stop()
-            raise
-        return rs
-
-    def stop(self) -> None:
-        self.restart = False
-        for r in self.replicas:
-            r.stop()
-
-    def check(self, r: Replica) -> None:
-        """Marks ``r`` up or down by its process and its /health; a replica whose process ended is started again
-        (in a thread: it loads its weights) and brought to the active variant before it is up."""
-        if r.starting:
-            return
-        if r.process is not None and r.process.exitcode is not None:
-            if r.up:
-                r.up = False
-                log.error("replica %d exited (code %s)", r.index, r.process.exitcode)
-            if self.restart and time.time() - r.started >= RESTART_BACKOFF_S:
-                r.starting = True
-                r.restarts += 1
-                r.start()
-                threading.Thread(target=self._bring_up, args=(r,), daemon=True).start()
-            return
-        try:
-            r.up = httpx.get(r.url + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            r.up = False
-
-    def _bring_up(self, r: Replica) -> None:
-        try:
-            r.wait_ready(self.startup_s)
-            if self.active_variant is not None:
-                resp = httpx.post(r.url + "/admin/variant", json=self.active_variant, headers=r.admin(), timeout=None)
-                if resp.status_code != 200:
-                    log.error("restarted replica %d refused the active variant: %s", r.index, resp.text[:300])
-                    r.stop()
-                    return
-            r.up = True
-            log.warning("replica %d restarted in %.1f s", r.index, time.time() - r.started)
-        except Exception as e:  # noqa: BLE001 -- it stays down; the next check tries again
-            log.error("replica %d could not be restarted: %s", r.index, e)
-            r.stop()
-        finally:
-            r.starting = False
 
 
 class _Families:
@@ -393,7 +222,8 @@ class Router:
 
 def build_router_app(replicas: ReplicaSet, model_name: str, admin_token: str | None = None,
                      api_key: str | None = None) -> FastAPI:
-    """The OpenAI routes, /health, /metrics and /admin of one endpoint over ``replicas``."""
+    """The OpenAI routes, /health, /metrics and /admin of one endpoint over ``replicas``. ``api_key`` None:
+    $POLYINF_API_KEY, else $VLLM_API_KEY; an empty one: the routes stay open."""
     router = Router(replicas)
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -406,7 +236,8 @@ def build_router_app(replicas: ReplicaSet, model_name: str, admin_token: str | N
 
     app = FastAPI(title="polyinf router", description=__doc__, lifespan=lifespan)
     admin_token = admin_token or os.environ.get("POLYINF_ADMIN_TOKEN") or None
-    api_key = api_key or os.environ.get("POLYINF_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+    if api_key is None:
+        api_key = os.environ.get("POLYINF_API_KEY") or os.environ.get("VLLM_API_KEY") or None
     require_api_key(app, api_key)
     install_error_handlers(app)
     authorize = admin_authorizer(admin_token)
@@ -480,7 +311,7 @@ def build_router_app(replicas: ReplicaSet, model_name: str, admin_token: str | N
                 message = resp.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 message = resp.text[:300]
-            return _error(resp.status_code if resp.status_code < 500 else 502,
+            return error_response(resp.status_code if resp.status_code < 500 else 502,
                           f"replica {r.index}: {message}" + (f" (rolled back on replicas {[x.index for x in took]})"
                                                              if took else ""), code="variant_refused")
         replicas.active_variant = body
@@ -493,7 +324,7 @@ def build_router_app(replicas: ReplicaSet, model_name: str, admin_token: str | N
         bad = [(r, resp) for r, resp in got if resp.status_code != 200]
         if bad:
             r, resp = bad[0]
-            return _error(422, f"replica {r.index}: {resp.text[:300]}", code="rollback_refused")
+            return error_response(422, f"replica {r.index}: {resp.text[:300]}", code="rollback_refused")
         active = (await router.admin_all("GET", "/admin/variant"))[0][1].json()["active"]
         replicas.active_variant = active
         return {**got[0][1].json(), "variant_id": as_served(active)["variant_id"], "replicas": len(got)}
@@ -518,3 +349,50 @@ def serve_replicas(config, name: str, host: str = "127.0.0.1", port: int = 8000,
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=65)
     finally:
         replicas.stop()
+
+
+class ServedLayout:
+    """A variant served in its parallel layout on loopback, for the slow tier to replay against: one server (its
+    tp ranks) or ``dp`` replicas behind a router running in a thread of this process. ``start_s``: from starting
+    the processes to serving, what a restart-scope swap to this layout costs."""
+
+    def __init__(self, config, name: str = "polyinf", startup_s: float = 600.0) -> None:
+        self.config, self.name, self.startup_s = config, name, startup_s
+        self.url, self.start_s = "", 0.0
+        self.replicas: ReplicaSet | None = None
+        self._server = None
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> "ServedLayout":
+        import uvicorn
+
+        t0 = time.time()
+        dp = self.config.initial_variant().dp
+        self.replicas = ReplicaSet.start(self.config, dp, self.name, startup_s=self.startup_s, restart=False)
+        try:
+            if dp == 1:
+                self.url = self.replicas.replicas[0].url
+            else:
+                port = free_port()
+                app = build_router_app(self.replicas, self.name, admin_token=secrets.token_hex(16), api_key="")
+                self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                                             timeout_keep_alive=65))
+                self._thread = threading.Thread(target=self._server.run, daemon=True, name="layout-router")
+                self._thread.start()
+                self.url = f"http://127.0.0.1:{port}"
+                while not self._server.started:
+                    if not self._thread.is_alive():
+                        raise ConfigError("the router did not start")
+                    time.sleep(0.05)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        self.start_s = time.time() - t0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=30)
+        if self.replicas is not None:
+            self.replicas.stop()

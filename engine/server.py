@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import itertools
 import json
 import logging
@@ -27,11 +26,9 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import AsyncEngine
 from engine.openai_protocol import (
@@ -39,75 +36,24 @@ from engine.openai_protocol import (
     message_text,
 )
 from engine.errors import EngineError, RequestError, VariantError
+from engine.http_base import error_response, admin_authorizer, install_error_handlers, require_api_key
 from engine.llm_engine import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured import schema_text
 from engine.variant import VariantSpec
 
-
-def _error(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
-    return JSONResponse(status_code=status,
-                        content={"error": {"message": message, "type": type_, "param": param, "code": code}})
-
-
 log = logging.getLogger("polyinf.server")
-
-
-def require_api_key(app: FastAPI, api_key: str | None) -> None:
-    """With ``api_key``, the /v1 routes answer only requests bearing it (compared in constant time)."""
-    if not api_key:
-        return
-    expected = f"Bearer {api_key}".encode()
-
-    @app.middleware("http")
-    async def _require_api_key(request: Request, call_next):
-        if request.url.path.startswith("/v1") and not hmac.compare_digest(
-                request.headers.get("authorization", "").encode(), expected):
-            return _error(401, "missing or wrong API key", "authentication_error", code="invalid_api_key")
-        return await call_next(request)
-
-
-def admin_authorizer(admin_token: str | None):
-    """The check every /admin route runs first: the bearer token, in constant time; none configured: refused."""
-    def authorize(request: Request) -> None:
-        if not admin_token:
-            raise APIError(403, "admin endpoints are disabled: no admin token is configured", "permission_error")
-        header = request.headers.get("authorization", "")
-        if not hmac.compare_digest(header.encode(), f"Bearer {admin_token}".encode()):
-            raise APIError(401, "missing or wrong bearer token", "authentication_error")
-    return authorize
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    """Errors in OpenAI's shape, whatever raised them."""
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError):
-        return _error(e.status, e.message, e.type, e.param, e.code)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: RequestValidationError):
-        errs = e.errors()
-        first = errs[0] if errs else {}
-        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        if first.get("type") == "json_invalid":
-            return _error(400, "request body is not valid JSON", code="invalid_json")
-        if first.get("type") == "extra_forbidden":
-            return _error(400, f"unknown field {loc!r}", param=loc, code="unknown_field")
-        return _error(400, f"{loc}: {first.get('msg', 'invalid request')}", param=loc or None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException):
-        return _error(e.status_code, str(e.detail), "not_found_error" if e.status_code == 404 else "invalid_request_error")
 
 
 def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = None,
               api_key: str | None = None) -> FastAPI:
-    """``api_key`` (default: $POLYINF_API_KEY, else $VLLM_API_KEY): the bearer token the /v1 routes require, as
-    vLLM's --api-key; none leaves them open."""
+    """``api_key`` (None: $POLYINF_API_KEY, else $VLLM_API_KEY): the bearer token the /v1 routes require, as
+    vLLM's --api-key; none (or an empty one) leaves them open."""
     app = FastAPI(title="polyinf", description=__doc__)
     engine = aengine.engine
     admin_token = admin_token or os.environ.get("POLYINF_ADMIN_TOKEN") or None
-    api_key = api_key or os.environ.get("POLYINF_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+    if api_key is None:
+        api_key = os.environ.get("POLYINF_API_KEY") or os.environ.get("VLLM_API_KEY") or None
 
     require_api_key(app, api_key)
     install_error_handlers(app)
@@ -262,7 +208,7 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
     @app.get("/health")
     async def health():
         if aengine.error is not None and not aengine._thread.is_alive():
-            return _error(503, f"engine loop stopped: {aengine.error}", "server_error")
+            return error_response(503, f"engine loop stopped: {aengine.error}", "server_error")
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -485,7 +431,8 @@ def serve(config, name: str, host: str = "127.0.0.1", port: int = 8000, admin_to
     tp, ranks = config.initial_variant().tp, None
     if tp > 1:
         from engine.loader import load_config
-        from engine.parallel import RankGroup, rank_device, shard_config
+        from engine.parallel import rank_device, shard_config
+        from engine.rank_group import RankGroup
 
         shard_config(load_config(config.source), tp)  # an indivisible model fails here, before any process starts
         ranks = RankGroup(tp, config)

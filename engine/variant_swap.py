@@ -77,7 +77,9 @@ def apply(engine: "LLMEngine", spec: VariantSpec, prepared: PreparedVariant | No
         t0 = time.perf_counter()
         scopes = spec.changed_scopes(engine.variant)
         if PARALLEL in scopes:
-            raise VariantError(f"variant {spec.variant_id} changes tp/dp: that needs a restart (re-shard)")
+            raise VariantError(f"variant {spec.variant_id} changes the parallel layout (tp {engine.variant.tp} x dp "
+                               f"{engine.variant.dp} -> tp {spec.tp} x dp {spec.dp}): that needs a restart "
+                               f"(polyinf serve -tp {spec.tp} -dp {spec.dp})")
         if prepared is not None and prepared.spec != spec:
             raise VariantError(f"the prepared variant is {prepared.spec.variant_id}, not {spec.variant_id}")
         engine.drain()

@@ -58,6 +58,9 @@ class BenchResult:
     # verified draft (vLLM's mean acceptance length); 0 when the variant did not speculate
     spec_acceptance: float = 0.0
     spec_accepted_length: float = 0.0
+    # served layouts (``served_tier``): seconds from starting the variant's processes to serving it, what a
+    # restart-scope swap to its parallel layout costs; 0 for the in-process replay
+    start_s: float = 0.0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -259,6 +262,70 @@ def slow_tier(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[
             max_probes=capacity_probes, min_rate=0.5 / max(res.e2e_p50, 1e-3),
             max_rate=max(1, len(records) - 1) / (0.05 * max(min(m["e2e"]), 1e-3)))
         res.wall_s = time.perf_counter() - t0
+    return res
+
+
+def served_tier(config, records: list[TraceRecord], prompts: list[list[int]], trace_id: str, repeats: int = 3,
+                time_scale: float = 1.0, max_output: int | None = None, slo: SLO = SLO(),
+                capacity_guess: float | None = None, capacity_probes: int = 6) -> BenchResult:
+    """The slow tier through the variant as it would serve: its parallel layout started on loopback (``tp`` ranks,
+    ``dp`` replicas behind the router: engine/router.py's ServedLayout, timed as ``start_s``), the slice replayed
+    over HTTP in real time ``repeats`` times, then the capacity search as ``slow_tier``'s (a rate passes only if
+    every replay does). Every variant of a search that compares layouts is measured this way, static-best too,
+    so the HTTP path and real-time arrivals weigh on all of them alike. A failed request misses the SLO."""
+    import asyncio
+
+    from engine.loader import load_config
+    from engine.router import ServedLayout
+    from ops.replay import replay_async
+
+    if not records or len(records) != len(prompts):
+        raise ValueError("served_tier needs one prompt per trace record")
+    t0 = time.perf_counter()
+    variant = config.initial_variant()
+
+    def replay(url: str, scale: float) -> dict:
+        rep = asyncio.run(replay_async(records, prompts, url + "/v1", "polyinf", time_scale=scale,
+                                       max_output=max_output, timeout=3600))
+        ok = [r for r in rep.results if r.ok]
+        tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+        good = sum(1 for r in ok if r.ttft <= slo.ttft_s and (r.output_tokens <= 1 or
+                                                               (r.e2e - r.ttft) / (r.output_tokens - 1) <= slo.tpot_s))
+        return {"wall": rep.duration_s, "out": rep.total_output_tokens, "in": rep.total_input_tokens,
+                "ttft": [r.ttft for r in ok], "tpot": tpot, "e2e": [r.e2e for r in ok], "good": good,
+                "errors": rep.errors}
+
+    with ServedLayout(config) as served:
+        asyncio.run(replay_async(records[:2], [p[:16] for p in prompts[:2]], served.url + "/v1", "polyinf",
+                                 time_scale=0.0, max_output=2))  # untimed: first steps compile and capture
+        runs = [replay(served.url, time_scale) for _ in range(repeats)]
+        rates = [r["out"] / r["wall"] for r in runs]
+        mid = sorted(range(repeats), key=lambda i: rates[i])[repeats // 2]
+        m = runs[mid]
+        res = BenchResult(
+            variant_id=variant.variant_id, tier="slow", trace_id=trace_id,
+            layers=config.layers or load_config(config.source).num_hidden_layers,
+            output_tok_s=statistics.median(rates), total_tok_s=(m["out"] + m["in"]) / m["wall"],
+            ttft_p50=percentile(m["ttft"], .5), ttft_p90=percentile(m["ttft"], .9), ttft_p99=percentile(m["ttft"], .99),
+            tpot_p50=percentile(m["tpot"], .5), tpot_p90=percentile(m["tpot"], .9), tpot_p99=percentile(m["tpot"], .99),
+            e2e_p50=percentile(m["e2e"], .5), e2e_p90=percentile(m["e2e"], .9), e2e_p99=percentile(m["e2e"], .99),
+            goodput=m["good"] / m["wall"], repeats=repeats, spread=max(rates) - min(rates),
+            goodput_spread=max(r["good"] / r["wall"] for r in runs) - min(r["good"] / r["wall"] for r in runs),
+            attainment=m["good"] / len(records), slo_ttft_s=slo.ttft_s, slo_tpot_s=slo.tpot_s,
+            hardware=hardware_label(torch.device(config.device)), errors=m["errors"], start_s=served.start_s)
+        if capacity_guess is not None:
+            def attain(rate: float) -> float:
+                scale = own_rate(records) / rate if rate > 0 else 0.0
+                worst = 1.0
+                for _ in range(max(1, repeats)):
+                    worst = min(worst, replay(served.url, scale)["good"] / len(records))
+                    if worst < 0.9:
+                        break
+                return worst
+            res.capacity, res.capacity_spread, res.rate_probes = capacity_search(
+                attain, capacity_guess, max_probes=capacity_probes, min_rate=0.5 / max(res.e2e_p50, 1e-3),
+                max_rate=max(1, len(records) - 1) / (0.05 * max(min(m["e2e"] or [1e-3]), 1e-3)))
+    res.wall_s = time.perf_counter() - t0
     return res
 
 

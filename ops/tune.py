@@ -99,9 +99,13 @@ class Search:
     @property
     def plan(self) -> CostModelPlan:
         if self._plan is None:
-            self._plan = plan(self.model_spec, self.hardware, self.bench.traffic, self.baseline, self.cal or ROOFLINE,
-                              records=self.bench.records, **self.cfg.sim)
+            self._plan = self._ranked(self.cal or ROOFLINE)
         return self._plan
+
+    def _ranked(self, cal: Calibration) -> CostModelPlan:
+        devices = self.cfg.layout_devices if self.cfg.layout_devices > 1 else None  # None: the hardware's
+        return plan(self.model_spec, self.hardware, self.bench.traffic, self.baseline, cal, records=self.bench.records,
+                    devices=devices, **self.cfg.sim)
 
     def benches(self, tier: str, variants: list[VariantSpec]) -> list[tuple[VariantSpec, BenchResult]]:
         """The tier's measurements of ``variants``, in their order (those not measured left out)."""
@@ -156,7 +160,9 @@ class Search:
         """The baseline and the ``top`` best of the fast tier, queued for the slow tier; with ``speculation``,
         also the baseline with prompt-lookup speculation where the slice's prompts are real text (only the slow
         tier can judge it: the fast tier's shapes carry no text to look up); with ``precision``, the baseline
-        with quantized weights (``precision_candidate``: its quality is judged on the full model)."""
+        with quantized weights (``precision_candidate``: its quality is judged on the full model); on more than one
+        device (``layout_devices``), the baseline in each parallel layout the cost model finds fitting
+        (``layout_candidates``)."""
         fast = self.fast_results()
         base_fast = next((r for r, v in fast if v.variant_id == self.baseline.variant_id), None)
         self.board.enqueue(self.id, self.baseline, SLOW, "tuner", "baseline for the slow tier",
@@ -179,11 +185,23 @@ class Search:
         if quant is not None:
             extra.append((quant, f"{quant.weight_dtype} weights on static-best: a decode step reads a quarter to half "
                                  "the bytes; the quality gate decides whether it may be chosen"))
+        extra += self.layout_candidates()
         for v, why in extra:
             if all(o.variant_id != v.variant_id for o in out):
                 self.board.enqueue(self.id, v, SLOW, "tuner", why)
                 out.append(v)
         return out
+
+    def layout_candidates(self) -> list[tuple[VariantSpec, str]]:
+        """Static-best in every parallel layout other than one device that the cost model finds fitting on
+        ``layout_devices`` devices, best predicted first, each with the cost model's rationale. Static-best itself
+        runs on one device: the layout a traffic-agnostic choice keeps."""
+        if self.cfg.layout_devices <= 1:
+            return []
+        return [(replace(self.baseline, name=f"static-best, tp {d['tp']} x dp {d['dp']}", tp=d["tp"], dp=d["dp"]),
+                 f"parallel layout tp {d['tp']} x dp {d['dp']} on {self.cfg.layout_devices} devices: {d['rationale']}; "
+                 "a layout change restarts the engine (timed)")
+                for d in self.plan.layouts if d["fits"] and (d["tp"], d["dp"]) != (1, 1)]
 
     def precision_candidate(self) -> VariantSpec | None:
         """The baseline with quantized dense weights: FP8 where the device has FP8 tensor cores, int8 elsewhere
@@ -271,8 +289,7 @@ class Search:
         self.board.post("cost-model", "note", body)
         self.cal = cal
         # rank the knobs again with the calibrated model: the agents seed from this plan
-        self._plan = plan(self.model_spec, self.hardware, self.bench.traffic, self.baseline, cal,
-                          records=self.bench.records, **self.cfg.sim)
+        self._plan = self._ranked(cal)
         self.board.post("cost-model", "note", {"search": self.id, "calibrated_plan_top": [
             e.to_json() | {"variant": e.variant.name} for e in self.plan.entries[:5]], "ranges": self.plan.ranges})
         return cal
@@ -369,7 +386,10 @@ class Search:
                            capacity=r.bench.get("capacity", 0.0) if e["tier"] == SLOW else fast_score(r.bench)[0],
                            capacity_spread=r.bench.get("capacity_spread", 0.0) if e["tier"] == SLOW else 0.0,
                            attainment=r.bench.get("attainment", 0.0) if e["tier"] == SLOW else fast_score(r.bench)[1])
-                row["weight_dtype"] = json.loads(e["variant"]).get("weight_dtype", "auto")
+                spec = json.loads(e["variant"])
+                row.update(weight_dtype=spec.get("weight_dtype", "auto"), tp=spec.get("tp", 1), dp=spec.get("dp", 1))
+                if r.bench.get("start_s"):
+                    row["start_s"] = r.bench["start_s"]
                 if r.bench.get("spec_accepted_length"):
                     row.update(spec_acceptance=r.bench["spec_acceptance"],
                                spec_accepted_length=r.bench["spec_accepted_length"])
@@ -403,7 +423,7 @@ def tune(cfg: SearchConfig, board_path: str | Path, agents: list[Agent] | None =
     # the slow tier's share: static-best, the fast tier's best and, where the replay is real text, two settings
     # of speculation
     spec_slots = (2 if speculation and s.speculation_candidate() is not None else 0) + \
-        (1 if precision and s.precision_candidate() is not None else 0)
+        (1 if precision and s.precision_candidate() is not None else 0) + len(s.layout_candidates())
     fast_budget = max(1, budget.experiments - (slow_top + 1 + spec_slots))
     s.measure_fast(deadline)  # the baseline, then the full model's calibration the fast tier scales from
     cal = s.cal

@@ -47,6 +47,12 @@ class TuneReport:
                              f"{base_row['capacity']:.3f} req/s, output {r['output_tok_s']:.1f} vs "
                              f"{base_row['output_tok_s']:.1f} tok/s ({r['output_tok_s'] / base_row['output_tok_s']:.2f}x)")
         for r in self.rows:
+            if r["tier"] == SLOW and "capacity" in r and (r.get("tp", 1), r.get("dp", 1)) != (1, 1) and base_row:
+                lines.append(f"    layout: {r['name']}: capacity {r['capacity']:.3f} vs static-best on one device "
+                             f"{base_row['capacity']:.3f} req/s, output {r['output_tok_s']:.1f} vs "
+                             f"{base_row['output_tok_s']:.1f} tok/s; started (restart-scope swap) in "
+                             f"{r.get('start_s', 0.0):.1f} s")
+        for r in self.rows:
             if r.get("spec_accepted_length"):
                 lines.append(f"    {r['name']}: speculation accepted {r['spec_acceptance']:.0%} of drafted tokens, "
                              f"{r['spec_accepted_length']:.2f} tokens per verified draft")

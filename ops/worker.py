@@ -18,10 +18,11 @@ from functools import cached_property
 
 from engine import EngineConfig, resolve
 from engine.llm_engine import LLMEngine, LoadedModel
+from engine.loader import load_config
 from engine.tokenizer import Tokenizer
 from engine.trace_record import TraceRecord
 from engine.variant import VariantSpec
-from ops.bench import SLO, BenchResult, fast_shapes, fast_tier, own_rate, slow_tier
+from ops.bench import SLO, BenchResult, fast_shapes, fast_tier, own_rate, served_tier, slow_tier
 from ops.board import Board, Experiment, worker_name
 from ops.cost_model import Calibration, calibrate, predicted_capacity, scaled, shapes_from_fast, simulate
 from ops.hardware import HardwareProfile
@@ -55,6 +56,10 @@ class SearchConfig:
     slo_tpot_s: float | None = None
     slo_source: str = "given"  # or how it was derived
     lenient: bool = False
+    # devices a parallel layout may span (GPUs; on a CPU, process groups sharing its cores). Above 1 the search
+    # also measures the layouts the cost model ranks ({tp, dp} with tp x dp = devices), and its slow tier
+    # measures every variant as served in its layout (ops/bench.served_tier), static-best included
+    layout_devices: int = 1
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -162,6 +167,13 @@ class Workbench:
         compare with the baseline's on the same shapes (before the full-model calibration exists: the
         cost model calibrated on this variant's own few-layer shapes)."""
         c = self.with_slo()
+        if tier == SLOW and c.layout_devices > 1:
+            vocab = load_config(resolve(c.model)).vocab_size
+            return served_tier(self.engine_config(SLOW, variant), self.records, self.prompts(vocab),
+                               f"{c.trace}[:{len(self.records)}]", repeats=c.slow_repeats, time_scale=c.time_scale,
+                               max_output=c.max_output, slo=SLO(c.slo_ttft_s, c.slo_tpot_s),
+                               capacity_guess=self.capacity_guess(variant) if c.capacity_probes > 0 else None,
+                               capacity_probes=c.capacity_probes).to_json()
         eng = self.engine(tier, variant)
         if tier == FAST:
             prefill, decode = fast_shapes(self.traffic, variant, c.max_input)

@@ -43,6 +43,9 @@ def parser(description: str) -> argparse.ArgumentParser:
                     help="precision: the decode rows only (no kernel checks, profile or prefill), for a warm machine")
     ap.add_argument("--step-quick", action="store_true",
                     help="precision-step: each precision in the dense-decode form only (no other forms, no tile sweep)")
+    ap.add_argument("--step-fp8-sweep", action="store_true",
+                    help="precision-step: bf16 and FP8 in the dense-decode form only, then FP8's per-op tiles timed in "
+                         "the whole step")
     ap.add_argument("--kv-length", type=int, default=32000, help="kv-fp8: the long prompts' length in tokens")
     ap.add_argument("--moe-layers", type=int, default=None)
     ap.add_argument("--moe-sweep", action="store_true", help="MoE: also sweep the experts' tiles at batch 1")
@@ -91,7 +94,10 @@ def main(description: str = __doc__.split("\n\n")[0]) -> None:
                 if want("precision"):
                     llama8b_precision(m, bw, prefill=not args.decode_only, profile=not args.decode_only)
                 if want("precision-step"):
-                    decode_forms_by_precision(m, sweep=() if args.step_quick else ("auto", "fp8"))
+                    if args.step_fp8_sweep:
+                        decode_forms_by_precision(m, kinds=("auto", "fp8"), sweep=("fp8",), forms=1, budget_s=260.0)
+                    else:
+                        decode_forms_by_precision(m, sweep=() if args.step_quick else ("auto", "fp8"))
                 if want("precision-serve"):
                     served_decode_by_precision(m, args.out)
                 if want("kv-fp8"):

@@ -42,8 +42,8 @@ def scale(text: str) -> float:
 
 
 MODEL_HELP = ("alias (smollm2), a .gguf file, a Hugging Face model folder (config.json + safetensors) or a model id "
-              "already in the local Hugging Face cache (nothing is downloaded), or a preset name for synthetic "
-              "weights (llama-3.1-8b, qwen3-30b-a3b)")
+              "already in the local Hugging Face cache (nothing is downloaded), or a preset name or config.json file "
+              "for synthetic weights (llama-3.1-8b, qwen3-30b-a3b)")
 
 
 def add_model_args(p: argparse.ArgumentParser, positional: bool = False, parallel: bool = False) -> None:

@@ -76,6 +76,14 @@ def print_optimize_report(result) -> None:
             print(f"plot, {title}: {path}")
 
 
+def _gpus(device: str) -> int:
+    if not device.startswith("cuda"):
+        return 1
+    import torch
+
+    return max(1, torch.cuda.device_count())
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     import os
 
@@ -95,7 +103,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
                             max_output=args.max_output, time_scale=args.time_scale, lenient=args.lenient)
     cfg = search_config(runner, traffic, slow_layers=args.slow_layers, slow_repeats=args.repeats,
                         slo_ttft_s=args.slo_ttft_ms / 1e3 if args.slo_ttft_ms else None,
-                        slo_tpot_s=args.slo_tpot_ms / 1e3 if args.slo_tpot_ms else None)
+                        slo_tpot_s=args.slo_tpot_ms / 1e3 if args.slo_tpot_ms else None,
+                        layout_devices=args.layout_devices or _gpus(args.device))
     board = Board(args.board)
     llm = None
     if args.llm_base_url:
@@ -187,6 +196,10 @@ def add_parsers(sub) -> None:
     tn.add_argument("--slo-ttft-ms", type=seconds, default=None,
                     help="TTFT target (default: derived from static-best's unloaded latency on the slice)")
     tn.add_argument("--slo-tpot-ms", type=seconds, default=None, help="TPOT target (default: derived likewise)")
+    tn.add_argument("--layout-devices", type=positive, default=None,
+                    help="devices a parallel layout may span (default: the GPUs with --device cuda, else 1): above 1 "
+                         "the search also measures static-best as tensor-parallel ranks and as data-parallel replicas "
+                         "(each layout served over HTTP, static-best too; on a CPU, process groups sharing its cores)")
     tn.add_argument("--lenient", action="store_true", help="skip malformed trace rows")
     tn.add_argument("--gate", action="store_true", help="run the quality and contamination gates on the choice")
     tn.add_argument("--speculation", action=argparse.BooleanOptionalAction, default=True,

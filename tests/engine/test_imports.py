@@ -15,7 +15,7 @@ def test_engine_and_kernels_import_without_optional_packages():
         blocked = ("transformers", "gguf", "fastapi", "uvicorn", "dagster", "accelerate", "tokenizers", "jinja2",
                    "prometheus_client", "starlette", "openai")
         # the serving modules need the web stack by design; everything else must import without it
-        serving = {"engine.server", "engine.metrics", "engine.async_engine"}
+        serving = {"engine.server", "engine.metrics", "engine.async_engine", "engine.router", "engine.http_base"}
         real_import = builtins.__import__
         def guarded(name, *a, **k):
             if name.split(".")[0] in blocked:

@@ -105,3 +105,34 @@ def test_tune_measures_templated_kernels_like_any_variant(tmp_path):
     tpl = [r for r in report.rows if r["proposer"] == "kernel-templates"]
     assert tpl and all(r["status"] == DONE and r["result_id"] for r in tpl), report.rows
     assert "silu_and_mul: silu_tile" in tpl[0]["rationale"]
+
+
+@pytest.mark.slow
+def test_tune_measures_parallel_layouts_served(tmp_path):
+    """On two devices' worth of process groups (gloo on this CPU) the search measures static-best on one device, in
+    tensor parallel (tp 2) and as two replicas behind the router (dp 2), each served and replayed over HTTP, each
+    layout's start timed; the decision compares them like any variants."""
+    model = tmp_path / "tiny" / "config.json"
+    model.parent.mkdir()
+    model.write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "max_position_embeddings": 512}))
+    import dataclasses
+
+    from engine.variant import VariantSpec
+
+    cfg = SearchConfig(model=str(model), trace=str(TRACE), requests=6, max_input=48, max_output=4,
+                       time_scale=0.0, fast_layers=1, fast_repeats=1, slow_repeats=1, capacity_probes=2,
+                       num_kv_blocks=64, layout_devices=2, slo_ttft_s=5.0, slo_tpot_s=1.0)
+    report = tune(cfg, tmp_path / "board.db", [], Budget(experiments=4, seconds=600), slow_top=0,
+                  speculation=False, precision=False, baseline=dataclasses.replace(VariantSpec(name="static-best")))
+    slow = {(r.get("tp"), r.get("dp")): r for r in report.rows if r["tier"] == "slow"}
+    assert all(r["status"] == DONE for r in report.rows), [(r["name"], r["error"]) for r in report.rows]
+    assert set(slow) == {(1, 1), (2, 1), (1, 2)}, [(r["name"], r["tier"]) for r in report.rows]
+    for r in slow.values():
+        assert r["status"] == DONE and r["output_tok_s"] > 0 and r["start_s"] > 0, r
+    assert "tp 2 x dp 1 on 2 devices" in slow[(2, 1)]["rationale"]
+    text = report.text()
+    assert "layout: static-best, tp 1 x dp 2: capacity" in text and "restart-scope swap" in text
+    assert report.decision["refs"]
