@@ -114,6 +114,7 @@ class VariantSource(dg.ConfigurableResource):
     # best fast-tier variants replayed on the slow tier beside static-best: one keeps the main job within minutes
     # on a 2-core CPU, where a slow-tier variant (replay and rate probes of the full model) takes one to two
     slow_top: int = 1
+    slow_layers: int = 0  # the slow tier's depth; 0: the whole model (fewer: a cheap run that checks the wiring)
     # static-best with prompt-lookup speculation on the slow tier too, where the replay is real text; off by
     # default: the embedded replay's outputs (16 tokens) leave it little to gain for another slow-tier variant's time
     speculation: bool = False
@@ -148,7 +149,7 @@ class VariantSource(dg.ConfigurableResource):
         from ops.tune import Search
 
         # one timed replay at the trace's rate and up to three capacity probes per variant: the job stays minutes
-        cfg = search_config(runner, traffic, slow_repeats=1, capacity_probes=3)
+        cfg = search_config(runner, traffic, slow_repeats=1, capacity_probes=3, slow_layers=self.slow_layers or None)
         return Search.start(cfg, self.board_url(), f"run-{context.run.run_id}", hardware=hardware, cost_plan=cost_plan,
                             log=context.log.info)
 

@@ -3,10 +3,13 @@ partitions registered by a sensor, and the whole graph with every step in its ow
 server (moto) and a real Postgres board, deploying to a running engine by its URL."""
 from __future__ import annotations
 
+import os
+import pickle
 from pathlib import Path
 
 import boto3
 import dagster as dg
+import httpx
 import pytest
 
 from assets import pipeline
@@ -136,3 +139,84 @@ def test_outputs_go_to_s3_and_a_fresh_instance_reads_them_there(s3_server, tmp_p
         Bucket="runs")["Contents"]]
     assert sorted(keys) == [f"t1/io/traffic_profile/{key}", f"t1/io/traffic_traces/{key}"]
     assert not list(tmp_path.rglob("storage/traffic_*"))  # nothing on the instances' local storage
+
+
+@pytest.mark.slow
+def test_every_step_in_its_own_process_shares_only_real_services(postgres_server, postgres_url, s3_server, tmp_path,
+                                                                  monkeypatch):
+    """The code location's job (pipelines/definitions.py) with the multiprocess executor: each step a fresh
+    process loading the definitions anew, as a pod would. What one step leaves for another can only be in moto's
+    S3 (outputs, artifacts), on the Postgres board (the search, its queue and results) or behind the running
+    engine's URL (the deployment); the settings the smallest end-to-end test uses (tests/pipelines/test_optimize.py)."""
+    from dagster._core.definitions.reconstruct import ReconstructableRepository
+
+    from assets.resources import EngineRunner as Runner
+    from ops.board import Board
+    from ops.board_store import with_password
+    from ops.deploy import ServerProcess
+    from ops.drift import DeploymentRecord
+
+    _, password = postgres_server
+    monkeypatch.delenv("PGPASSWORD")  # the board's password reaches the steps only through dg.EnvVar
+    s3 = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
+    s3.create_bucket(Bucket="polyinf-runs")
+    shared = tmp_path / "shared"  # the volume the engine and the code location mount
+    # the engine Deployment, serving a form no build of this run is (3 sequences), so the deploy step must swap it
+    engine = ServerProcess([*Runner().model_args(), "--max-num-seqs", "3"], "polyinf", shared / "capture")
+    try:
+        for k, v in {"POLYINF_BOARD": postgres_url, "POLYINF_BOARD_PASSWORD": password,
+                     "POLYINF_S3_BUCKET": "polyinf-runs", "POLYINF_S3_ENDPOINT_URL": s3_server,
+                     "POLYINF_ARTIFACTS": str(shared / "artifacts"), "POLYINF_CAPTURE_DIR": str(shared / "capture"),
+                     "POLYINF_ENDPOINT_URL": engine.url, "POLYINF_ADMIN_TOKEN": engine.token,
+                     "POLYINF_TRACE": str(AZURE)}.items():
+            monkeypatch.setenv(k, v)
+        serving_before = httpx.get(engine.url + "/admin/variant", headers={"Authorization": f"Bearer {engine.token}"}
+                                   ).json()["active"]["variant_id"]
+        key = deployment_key("smollm2", "cpu", engine.url)
+        traffic = TrafficSource(trace=str(AZURE), max_requests=6, max_input=96, max_output=6, time_scale=0.02)
+        run_config = {"resources": {
+            "traffic": {"config": traffic.model_dump()},
+            "runner": {"config": {"fast_layers": 2}},
+            "source": {"config": {"board": postgres_url, "board_password": {"env": "POLYINF_BOARD_PASSWORD"},
+                                  "candidates": 1, "precision": False, "slow_layers": 4}}},
+            "execution": {"config": {"multiprocess": {"max_concurrent": 2}}}}
+        home = tmp_path / "dagster"
+        home.mkdir()
+        instance = dg.DagsterInstance.local_temp(tempdir=str(home))
+        instance.add_dynamic_partitions("deployments", [key])
+        job = ReconstructableRepository.for_module("pipelines.definitions", "defs", working_directory=str(ROOT)
+                                                   ).get_reconstructable_job("reoptimize")
+        with dg.execute_job(job, instance, run_config=run_config, tags={"dagster/partition": key}) as result:
+            events = instance.all_logs(result.run_id)
+            failures = [e.message for e in events if e.dagster_event and e.dagster_event.is_failure]
+            assert result.success, failures
+
+        def output(asset: str):
+            (obj,) = s3.list_objects_v2(Bucket="polyinf-runs", Prefix=f"polyinf/io/{asset}/")["Contents"]
+            return pickle.loads(s3.get_object(Bucket="polyinf-runs", Key=obj["Key"])["Body"].read())
+        dep, build = output("deployed_endpoint"), output("engine_build")
+        starts = [e for e in events if e.dagster_event and e.dagster_event.event_type_value == "STEP_START"]
+        pids = [e.dagster_event.pid for e in starts]
+        assert len(starts) >= 10 and len(set(pids)) == len(starts) and os.getpid() not in pids  # a process per step
+        # the outputs are in the bucket, the artifacts beside them; none on the instance's or the shared disk
+        keys = [o["Key"] for o in s3.list_objects_v2(Bucket="polyinf-runs")["Contents"]]
+        assets = {k.to_user_string() for a in dg.load_assets_from_modules([pipeline]) for k in a.keys}
+        assert {k.split("/")[2] for k in keys if k.startswith("polyinf/io/")} == assets, keys
+        assert f"polyinf/builds/{build.source_hash}.json" in keys
+        assert not [p for p in home.rglob("*") if p.name in assets] and not list(shared.rglob("*.sqlite"))
+        # the search, its queue and its results on the Postgres board
+        board = Board(with_password(postgres_url, password))
+        search = build.provenance["search"]
+        assert board.counts(search).get("done", 0) >= 3 and build.provenance["board"] == postgres_url
+        # the running engine was swapped (not a server on loopback started by the step) and the swap recorded
+        active = httpx.get(engine.url + "/admin/variant", headers={"Authorization": f"Bearer {engine.token}"}
+                           ).json()["active"]["variant_id"]
+        assert dep.endpoint == engine.url and dep.status in ("deployed", "rolled back") and active == dep.build_id
+        assert dep.previous_build == serving_before and (dep.status == "rolled back") == (active == serving_before)
+        record = DeploymentRecord.load(shared / "artifacts" / "deployments" / "current.json")
+        assert record.partition_key == key and record.capture_dir == str(shared / "capture")
+        # no secret in the run's event log
+        text = "\n".join(str(e.message) + str(e.user_message) for e in events)
+        assert password not in text and engine.token not in text
+    finally:
+        engine.stop()
