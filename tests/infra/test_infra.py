@@ -62,10 +62,51 @@ def test_engine_manifest_runs_a_valid_serve_command():
     cmd = container["command"]
     assert cmd[:2] == ["polyinf", "serve"]
     args = build_parser().parse_args(cmd[1:])
-    assert args.port == 8000 and args.capture_dir == "/capture" and args.device == "cuda"
+    assert args.port == 8000 and args.capture_dir == "/shared/capture" and args.device == "cuda"
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
-    assert any(e["name"] == "POLYINF_ADMIN_TOKEN" for e in container["env"])
+    startup = container["startupProbe"]  # the weights load before the first answer: minutes, not seconds
+    assert startup["httpGet"]["path"] == "/health" and startup["periodSeconds"] * startup["failureThreshold"] >= 600
+    token = next(e for e in container["env"] if e["name"] == "POLYINF_ADMIN_TOKEN")
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "polyinf-secrets", "key": "POLYINF_ADMIN_TOKEN"}
+    assert container["image"].endswith(":cuda")
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert args.capture_dir.startswith(mounts["shared"] + "/")  # on the volume the code location reads
+    claim = next(d for d in docs if d["kind"] == "PersistentVolumeClaim")
+    assert claim["metadata"]["name"] == "polyinf-shared" and claim["spec"]["accessModes"] == ["ReadWriteMany"]
     assert "dagster" in (INFRA / "Dockerfile").read_text() and "pipelines.definitions" in (INFRA / "Dockerfile").read_text()
+
+
+def test_dockerfile_builds_cpu_or_cuda_torch_at_the_pinned_version():
+    text = (INFRA / "Dockerfile").read_text()
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
+    assert args["TORCH_VARIANT"] == "cpu" and args["BASE"].startswith("python:3.11")
+    assert text.index("ARG BASE") < text.index("FROM ${BASE}") < text.index("ARG TORCH_VARIANT")
+    assert 'https://download.pytorch.org/whl/${TORCH_VARIANT}' in text
+    assert "grep -E '^torch==' requirements.lock" in text  # the version the suite runs, whatever the variant
+    lock = (INFRA.parent / "requirements.lock").read_text()
+    assert re.search(r"^torch==\S+$", lock, re.M)
+    assert "--build-arg TORCH_VARIANT=cu" in text  # the CUDA build, as infra/README.md gives it
+
+
+def test_every_pod_reaches_the_same_services():
+    """The code location (sensors, schedule) and the run and step pods get the same service settings and the
+    shared volume; the settings make a valid wiring.Services with every service on."""
+    from pipelines.wiring import Services
+
+    values = yaml.safe_load((INFRA / "helm" / "values.yaml").read_text())
+    user = values["dagster-user-deployments"]["deployments"][0]
+    launcher = values["runLauncher"]["config"]["k8sRunLauncher"]
+    instance = yaml.safe_load((INFRA / "helm" / "dagster-instance.yaml").read_text())["run_launcher"]["config"]
+    code_env = {e["name"]: e["value"] for e in user["env"]}
+    run_env = dict(v.split("=", 1) for v in launcher["envVars"])
+    assert code_env == run_env == dict(v.split("=", 1) for v in instance["env_vars"])
+    assert user["volumes"] == launcher["volumes"] == instance["volumes"]
+    assert user["volumeMounts"] == launcher["volumeMounts"] == instance["volume_mounts"]
+    services = Services.from_env(code_env)
+    assert services.board.startswith("postgresql://") and services.s3_bucket and services.deployments
+    shared = user["volumeMounts"][0]["mountPath"]
+    assert code_env["POLYINF_CAPTURE_DIR"].startswith(shared) and code_env["POLYINF_ARTIFACTS"].startswith(shared)
+    assert not [k for k in code_env if any(m in k for m in ("PASSWORD", "SECRET", "TOKEN", "KEY"))]  # secrets: envSecrets
 
 
 def test_k8s_job_executor_is_used_on_kubernetes():
