@@ -107,6 +107,10 @@ def test_every_pod_reaches_the_same_services():
     shared = user["volumeMounts"][0]["mountPath"]
     assert code_env["POLYINF_CAPTURE_DIR"].startswith(shared) and code_env["POLYINF_ARTIFACTS"].startswith(shared)
     assert not [k for k in code_env if any(m in k for m in ("PASSWORD", "SECRET", "TOKEN", "KEY"))]  # secrets: envSecrets
+    assert user["image"]["tag"] == "cuda"  # the GPU steps' pods run the code location's image
+    guide = (INFRA / "README.md").read_text()
+    for name in [*code_env, "POLYINF_BOARD_PASSWORD", "POLYINF_ADMIN_TOKEN", "AWS_ACCESS_KEY_ID"]:
+        assert name in guide or name == "POLYINF_EXECUTOR", f"infra/README.md does not say what {name} is"
 
 
 def test_k8s_job_executor_is_used_on_kubernetes():
