@@ -4,13 +4,16 @@ admin token on /admin, both compared in constant time."""
 from __future__ import annotations
 
 import hmac
+import json
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.errors import EngineError
 from engine.openai_protocol import APIError
+from engine.variant import VariantSpec
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param=None,
@@ -29,7 +32,8 @@ def require_api_key(app: FastAPI, api_key: str | None) -> None:
     async def _require_api_key(request: Request, call_next):
         if request.url.path.startswith("/v1") and not hmac.compare_digest(
                 request.headers.get("authorization", "").encode(), expected):
-            return error_response(401, "missing or wrong API key", "authentication_error", code="invalid_api_key")
+            return error_response(401, "missing or wrong API key", "authentication_error",
+                                  code="invalid_api_key")
         return await call_next(request)
 
 
@@ -63,4 +67,17 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException):
-        return error_response(e.status_code, str(e.detail), "not_found_error" if e.status_code == 404 else "invalid_request_error")
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return error_response(e.status_code, str(e.detail), kind)
+
+
+async def variant_from_body(request: Request) -> VariantSpec:
+    """The VariantSpec an admin POST carries; a 400 that says why when the body is not one."""
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
+    try:
+        return VariantSpec.from_json(body)
+    except EngineError as e:
+        raise APIError(400, str(e)) from None

@@ -39,10 +39,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, gen
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.errors import ConfigError, EngineError
+from engine.errors import ConfigError
 from engine.openai_protocol import APIError
 from engine.replicas import Replica, ReplicaSet, free_port
-from engine.http_base import error_response, admin_authorizer, install_error_handlers, require_api_key
+from engine.http_base import (admin_authorizer, error_response, install_error_handlers, require_api_key,
+                              variant_from_body)
 from engine.variant import VariantSpec
 
 log = logging.getLogger("polyinf.router")
@@ -288,14 +289,7 @@ def build_router_app(replicas: ReplicaSet, model_name: str, admin_token: str | N
     @app.post("/admin/variant")
     async def apply_variant(request: Request):
         authorize(request)
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
-        try:
-            spec = VariantSpec.from_json(body)
-        except EngineError as e:
-            raise APIError(400, str(e)) from None
+        spec = await variant_from_body(request)
         if spec.dp != dp:
             raise APIError(422, f"variant {spec.variant_id} has dp {spec.dp}; this endpoint runs {dp} replicas: "
                                 "changing that needs a restart", code="variant_refused")
@@ -311,9 +305,9 @@ def build_router_app(replicas: ReplicaSet, model_name: str, admin_token: str | N
                 message = resp.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 message = resp.text[:300]
+            undone = f" (rolled back on replicas {[x.index for x in took]})" if took else ""
             return error_response(resp.status_code if resp.status_code < 500 else 502,
-                          f"replica {r.index}: {message}" + (f" (rolled back on replicas {[x.index for x in took]})"
-                                                             if took else ""), code="variant_refused")
+                                  f"replica {r.index}: {message}{undone}", code="variant_refused")
         replicas.active_variant = body
         return {**got[0][1].json(), "variant_id": spec.variant_id, "replicas": len(got)}
 

@@ -36,11 +36,11 @@ from engine.openai_protocol import (
     message_text,
 )
 from engine.errors import EngineError, RequestError, VariantError
-from engine.http_base import error_response, admin_authorizer, install_error_handlers, require_api_key
+from engine.http_base import (admin_authorizer, error_response, install_error_handlers, require_api_key,
+                              variant_from_body)
 from engine.llm_engine import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured import schema_text
-from engine.variant import VariantSpec
 
 log = logging.getLogger("polyinf.server")
 
@@ -391,14 +391,7 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
     @app.post("/admin/variant")
     async def apply_variant(request: Request):
         _authorize(request)
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
-        try:
-            spec = VariantSpec.from_json(body)
-        except EngineError as e:
-            raise APIError(400, str(e)) from None
+        spec = await variant_from_body(request)
         try:
             report = await asyncio.to_thread(aengine.swap_variant, spec)  # prepared while serving
         except (VariantError, EngineError) as e:
