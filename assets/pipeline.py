@@ -8,6 +8,7 @@ import dagster as dg
 
 from assets.deployments import DEPLOYMENTS, deployment_key, for_deployment  # noqa: F401 (callers' names)
 from assets.resources import ArtifactStore, Endpoint, EngineRunner, TrafficSource, VariantSource
+from ops.board_store import masked
 
 
 # The checks' partitions are a Dagster preview feature that this graph relies on; its warning at import time
@@ -15,8 +16,9 @@ from assets.resources import ArtifactStore, Endpoint, EngineRunner, TrafficSourc
 warnings.filterwarnings("ignore", category=dg.PreviewWarning, message=".*partitions_def on an AssetCheckSpec")
 
 
-# dagster-k8s/config for the benchmark steps: on Kubernetes their pods land on GPU nodes
-# (the same as infra/helm/gpu-op-tags.yaml; a test keeps the two equal and validates them).
+# dagster-k8s/config for the steps that run the model on the deployment's device (the hardware probe, the SLO
+# measured when the search starts, the two benchmark tiers, the gates): on Kubernetes their pods land on GPU
+# nodes (the same as infra/helm/gpu-op-tags.yaml; a test keeps the two equal and validates them).
 GPU_OP_TAGS = {"dagster-k8s/config": {
     "container_config": {"resources": {"limits": {"nvidia.com/gpu": "1"},
                                        "requests": {"nvidia.com/gpu": "1", "cpu": "8", "memory": "64Gi"}}},
@@ -120,7 +122,7 @@ def model_spec(context: dg.AssetExecutionContext, runner: EngineRunner):
     return spec
 
 
-@dg.asset(partitions_def=DEPLOYMENTS, group_name="plan", kinds={"pytorch"},
+@dg.asset(partitions_def=DEPLOYMENTS, group_name="plan", kinds={"pytorch"}, op_tags=GPU_OP_TAGS,
           description="Measured memory bandwidth, matmul FLOP/s and launch overhead of this machine.")
 def hardware_profile(context: dg.AssetExecutionContext, runner: EngineRunner):
     runner = for_deployment(context, runner)
@@ -156,8 +158,9 @@ def cost_model_plan(context: dg.AssetExecutionContext, model_spec, hardware_prof
     return p
 
 
-@dg.asset(partitions_def=DEPLOYMENTS, group_name="plan", kinds={"sqlite"},
-          description="Agents read the board and propose; their proposals wait in the experiment queue.")
+@dg.asset(partitions_def=DEPLOYMENTS, group_name="plan", kinds={"postgres", "sqlite"}, op_tags=GPU_OP_TAGS,
+          description="Agents read the board and propose; their proposals wait in the experiment queue. Starting "
+                      "the search measures static-best's unloaded latency on the device (the derived SLO).")
 def variant_candidates(context: dg.AssetExecutionContext, cost_model_plan, hardware_profile, source: VariantSource,
                        runner: EngineRunner, traffic: TrafficSource) -> list:
     runner = for_deployment(context, runner)
@@ -171,7 +174,7 @@ def variant_candidates(context: dg.AssetExecutionContext, cost_model_plan, hardw
                                     if v.variant_id != search.baseline.variant_id]
     context.log.info(f"{len(variants)} variants to measure (static-best first): "
                      + "; ".join(f"{v.name} ({v.variant_id})" for v in variants))
-    context.add_output_metadata({"board": source.board, "search": search.id, "variants": _table([
+    context.add_output_metadata({"board": masked(source.board), "search": search.id, "variants": _table([
         {"name": json.loads(e["variant"])["name"], "id": e["variant_id"], "proposer": e["proposer"],
          "why": e["rationale"]} for e in exps])})
     return variants
@@ -260,7 +263,7 @@ def engine_build(context: dg.AssetExecutionContext, slow_bench_results: list, tr
                         bench=choice.result.to_json(), baseline_bench=choice.baseline.to_json(), reason=choice.reason,
                         traffic_profile=traffic_profile.to_json(), model_weights_hash=model_spec.weights_hash,
                         provenance={"run_id": context.run.run_id, "variant_source": "agents on the board",
-                                    "board": source.board, "search": search.id,
+                                    "board": masked(source.board), "search": search.id,
                                     "decision_message": decision.get("message_id"),
                                     "slo_source": search.cfg.slo_source,
                                     "result_ids": decision.get("refs", [])})
@@ -303,7 +306,7 @@ def slow_bench_expectations(slow_bench_results: list) -> dg.AssetCheckResult:
     return _expectation_result(expect_bench_results([r for _, r in slow_bench_results]))
 
 
-@dg.asset_check(asset=engine_build, blocking=True, partitions_def=DEPLOYMENTS,
+@dg.asset_check(asset=engine_build, blocking=True, partitions_def=DEPLOYMENTS, op_tags=GPU_OP_TAGS,
                 description="Quality and KV-cache contamination gates.")
 def engine_build_gates(context: dg.AssetCheckExecutionContext, engine_build,
                        runner: EngineRunner) -> dg.AssetCheckResult:

@@ -41,14 +41,15 @@ def test_helm_values_match_the_instance_config():
     assert user["dagsterApiGrpcArgs"] == ["-m", "pipelines.definitions"]
 
 
-def test_gpu_op_tags_validate_and_are_on_the_benchmark_assets():
-    from assets.pipeline import GPU_OP_TAGS, fast_bench_results, slow_bench_results
+def test_gpu_op_tags_validate_and_are_on_the_steps_that_run_the_model_on_its_device():
+    from assets.pipeline import (GPU_OP_TAGS, engine_build_gates, fast_bench_results, hardware_profile,
+                                 slow_bench_results, variant_candidates)
 
     tags = yaml.safe_load((INFRA / "helm" / "gpu-op-tags.yaml").read_text())
     assert tags == GPU_OP_TAGS
     result = process_config(USER_DEFINED_K8S_JOB_CONFIG_SCHEMA, tags["dagster-k8s/config"])
     assert result.success, result.errors
-    for asset in (fast_bench_results, slow_bench_results):
+    for asset in (hardware_profile, variant_candidates, fast_bench_results, slow_bench_results, engine_build_gates):
         tag = asset.op.tags["dagster-k8s/config"]  # Dagster keeps structured tags as JSON text
         assert (json.loads(tag) if isinstance(tag, str) else tag) == GPU_OP_TAGS["dagster-k8s/config"]
 
