@@ -7,8 +7,10 @@ rest of their settings (dtype, fast-tier layers, admin token, watch window) from
 """
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import dagster as dg
 
@@ -57,6 +59,13 @@ class Deployment:
                              f"(e.g. smollm2|cpu|{EMBEDDED} or /models/llama|cuda|http://polyinf-engine:8000)")
         model, device, endpoint = parts
         return cls(model, device, "" if endpoint == EMBEDDED else endpoint)
+
+
+def record_file(folder: Path, key: str) -> Path:
+    """Where the deployment ``key``'s record lives in ``folder`` (beside the latest deployment's current.json):
+    a file name readable by eye and unique by the key's hash (keys hold '|', '/' and ':')."""
+    readable = re.sub(r"[^A-Za-z0-9_.-]+", "_", key).strip("_")[:80]
+    return Path(folder) / f"{readable}-{hashlib.sha256(key.encode()).hexdigest()[:10]}.json"
 
 
 def for_deployment(context, runner, endpoint=None):

@@ -6,7 +6,7 @@ import warnings
 
 import dagster as dg
 
-from assets.deployments import DEPLOYMENTS, deployment_key, for_deployment  # noqa: F401 (callers' names)
+from assets.deployments import DEPLOYMENTS, deployment_key, for_deployment, record_file  # noqa: F401 (callers' names)
 from assets.resources import ArtifactStore, Endpoint, EngineRunner, TrafficSource, VariantSource
 from ops.board_store import masked
 
@@ -350,13 +350,15 @@ def deployed_endpoint(context: dg.AssetExecutionContext, engine_build, runner: E
                  max_tokens=endpoint.watch_max_tokens, tolerance=endpoint.tolerance, spread=spread)
     if dep.status in ("deployed", "kept"):  # what the drift sensors compare live traffic, model and hardware against
         capture_dir = endpoint.capture_dir or str(Path(artifacts.root) / "capture")
-        DeploymentRecord(endpoint=url, variant_id=dep.build_id, traffic_profile=engine_build.traffic_profile,
-                         partition_key=context.partition_key,
-                         model_weights_hash=engine_build.model_weights_hash, model=runner.model,
-                         deployed_at=time.time(), capture_dir=capture_dir,
-                         capture_start=capture_position(capture_dir),
-                         hardware=hardware_identity(runner.device).to_json()).save(
-            Path(endpoint.deployment_record or Path(artifacts.root) / "deployments" / "current.json"))
+        record = DeploymentRecord(endpoint=url, variant_id=dep.build_id, traffic_profile=engine_build.traffic_profile,
+                                  partition_key=context.partition_key,
+                                  model_weights_hash=engine_build.model_weights_hash, model=runner.model,
+                                  deployed_at=time.time(), capture_dir=capture_dir,
+                                  capture_start=capture_position(capture_dir),
+                                  hardware=hardware_identity(runner.device).to_json())
+        latest = Path(endpoint.deployment_record or Path(artifacts.root) / "deployments" / "current.json")
+        record.save(latest)  # the latest deployment, which the drift sensors watch
+        record.save(record_file(latest.parent, context.partition_key))  # this deployment's, for the schedule
     context.log.info(f"deployment: {dep.status} at {url}: {dep.reason}")
     context.add_output_metadata({"endpoint": url, "status": dep.status, "serving": dep.build_id,
                                  "previous": str(dep.previous_build), "why": dg.MetadataValue.md(dep.reason)})

@@ -1,8 +1,10 @@
-"""Sensors (traffic, model and hardware drift) and the nightly re-optimization schedule.
+"""Sensors (traffic, model and hardware drift, deployments) and the nightly re-optimization schedule.
 
-Every run they request for the deployment on record tunes on the traffic that deployment captured since its
+Every run they request for a deployment on record tunes on the traffic that deployment captured since its
 last build: the request's run config points the ``traffic`` resource at that range of the capture directory
-(``_capture_config``), so the run's traffic assets read the capture, not the trace file.
+(``_capture_config``), so the run's traffic assets read the capture, not the trace file. Each deployment's
+record is kept (``DriftConfig.record_for``): the schedule re-tunes each on its own capture; the drift sensors
+watch the latest deployment's (``DriftConfig.record``).
 """
 from __future__ import annotations
 
@@ -42,10 +44,31 @@ class DriftConfig(dg.ConfigurableResource):
                                self.confirmations, self.min_interval_s)
 
     def record(self):
-        """The ops.drift.DeploymentRecord of the deployed build, or None before the first deployment."""
+        """The ops.drift.DeploymentRecord of the latest deployed build, or None before the first deployment."""
         from ops.drift import DeploymentRecord
 
         return DeploymentRecord.load(Path(self.deployment_record))
+
+    def record_for(self, key: str):
+        """The record of the deployment partition ``key`` (each deployment's is kept beside the latest), or None."""
+        from assets.deployments import record_file
+        from ops.drift import DeploymentRecord
+
+        latest = self.record()
+        if latest is not None and latest.partition_key == key:
+            return latest
+        return DeploymentRecord.load(record_file(Path(self.deployment_record).parent, key))
+
+    def records(self) -> list:
+        """Every deployment's record: the latest, and each one kept beside it."""
+        from ops.drift import DeploymentRecord
+
+        folder = Path(self.deployment_record).parent
+        found = [DeploymentRecord.load(p) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
+        latest = self.record()
+        by_key = {r.partition_key: r for r in found if r is not None and r.partition_key}
+        return [*([latest] if latest is not None else []),
+                *(r for k, r in by_key.items() if latest is None or k != latest.partition_key)]
 
 
 def _capture_config(traffic: TrafficSource, capture) -> dict:
@@ -77,11 +100,11 @@ def nightly(context: dg.ScheduleEvaluationContext, drift: DriftConfig, traffic: 
     keys = context.instance.get_dynamic_partitions("deployments")
     if not keys:
         return dg.SkipReason("no deployments yet")
-    record = drift.record()
     requests = []
     for key in keys:
         run_config, tuned_on = {}, f"trace file {traffic.trace}"
-        if record is not None and record.partition_key == key:  # the deployment whose capture is on record
+        record = drift.record_for(key)
+        if record is not None:  # a deployment whose capture is on record
             run_config, tuned_on = _since_build(record, traffic, drift.min_requests)
         requests.append(dg.RunRequest(run_key=f"nightly-{key}-{context.scheduled_execution_time:%Y%m%d}",
                                       partition_key=key, run_config=run_config,
@@ -192,15 +215,12 @@ def hardware_drift_sensor(context: dg.SensorEvaluationContext, drift: DriftConfi
 
 
 @dg.sensor(minimum_interval_seconds=60,
-           description="Registers a partition for each deployment it sees (the configured ones, the one on record), "
+           description="Registers a partition for each deployment it sees (the configured ones, those on record), "
                        "so the schedule and the drift sensors tune each of them from this one code location.")
 def deployments_sensor(context: dg.SensorEvaluationContext, drift: DriftConfig):
     from assets.deployments import DEPLOYMENTS, Deployment
 
-    seen = list(drift.deployments)
-    record = drift.record()
-    if record is not None and record.partition_key:
-        seen.append(record.partition_key)
+    seen = [*drift.deployments, *(r.partition_key for r in drift.records() if r.partition_key)]
     keys = []
     for key in dict.fromkeys(seen):
         try:

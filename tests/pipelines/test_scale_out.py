@@ -3,6 +3,7 @@ partitions registered by a sensor, and the whole graph with every step in its ow
 server (moto) and a real Postgres board, deploying to a running engine by its URL."""
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
 from pathlib import Path
@@ -13,7 +14,7 @@ import httpx
 import pytest
 
 from assets import pipeline
-from assets.deployments import Deployment, deployment_key, for_deployment
+from assets.deployments import Deployment, deployment_key, for_deployment, record_file
 from assets.resources import Endpoint, EngineRunner, TrafficSource
 from engine.isolation import without_secrets
 from pipelines.sensors import DriftConfig, deployments_sensor
@@ -97,15 +98,22 @@ def test_a_partition_key_names_the_model_device_and_endpoint():
                    ("smollm2", "cpu", "bfloat16", 2, "", 3)]
 
 
-def test_the_sensor_registers_each_deployment_it_sees(tmp_path):
+def _record(folder: Path, key: str, latest: bool = False, capture_dir: str = "", capture_start: int = 0):
     from ops.drift import DeploymentRecord
 
-    record = tmp_path / "current.json"
-    DeploymentRecord(endpoint="http://polyinf-engine:8000", variant_id="v1", traffic_profile={},
-                     model_weights_hash="h", model="smollm2", deployed_at=0.0, capture_dir="",
-                     partition_key="smollm2|cuda|http://polyinf-engine:8000").save(record)
-    drift = DriftConfig(deployment_record=str(record), deployments=["/models/llama|cuda|http://llama:8000",
-                                                                     "not a key"])
+    rec = DeploymentRecord(endpoint=Deployment.parse(key).endpoint, variant_id="v1", traffic_profile={},
+                           model_weights_hash="h", model="smollm2", deployed_at=0.0, capture_dir=capture_dir,
+                           partition_key=key, capture_start=capture_start)
+    rec.save(record_file(folder, key))  # what the deploy step writes: each deployment's record, and the latest
+    if latest:
+        rec.save(folder / "current.json")
+
+
+def test_the_sensor_registers_each_deployment_it_sees(tmp_path):
+    _record(tmp_path, "qwen|cuda|http://qwen:8000")
+    _record(tmp_path, "smollm2|cuda|http://polyinf-engine:8000", latest=True)
+    drift = DriftConfig(deployment_record=str(tmp_path / "current.json"),
+                        deployments=["/models/llama|cuda|http://llama:8000", "not a key"])
     with dg.instance_for_test() as instance:
         with dg.build_sensor_context(instance=instance, resources={"drift": drift}) as ctx:
             result = deployments_sensor(ctx)
@@ -113,11 +121,39 @@ def test_the_sensor_registers_each_deployment_it_sees(tmp_path):
         (request,) = result.dynamic_partitions_requests
         assert request.partitions_def_name == "deployments"
         assert list(request.partition_keys) == ["/models/llama|cuda|http://llama:8000",
-                                                "smollm2|cuda|http://polyinf-engine:8000"]
+                                                "smollm2|cuda|http://polyinf-engine:8000", "qwen|cuda|http://qwen:8000"]
         instance.add_dynamic_partitions("deployments", list(request.partition_keys))
         with dg.build_sensor_context(instance=instance, resources={"drift": drift}) as ctx:
             again = deployments_sensor(ctx)
         assert isinstance(again, dg.SkipReason) and "all registered" in again.skip_message
+
+
+def test_the_schedule_retunes_each_deployment_on_its_own_capture(tmp_path):
+    """Two deployments on record, each capturing its own traffic: each nightly run reads its own capture since
+    its own build, not the latest deployment's."""
+    from engine.capture import CaptureWriter
+    from engine.trace_record import TraceRecord
+    from pipelines.sensors import nightly
+
+    keys = {"a": "smollm2|cpu|http://a:8000", "b": "qwen|cuda|http://b:8000"}
+    for name, n in (("a", 30), ("b", 50)):
+        w = CaptureWriter(tmp_path / name)
+        for i in range(n):
+            w.write(TraceRecord(arrival_s=float(i), input_tokens=10 + i, output_tokens=4, source="capture"))
+        w.close()
+        _record(tmp_path / "records", keys[name], latest=name == "b", capture_dir=str(tmp_path / name),
+                capture_start=5)
+    drift = DriftConfig(deployment_record=str(tmp_path / "records" / "current.json"), min_requests=10)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("deployments", [*keys.values(), "llama|cuda|http://c:8000"])
+        when = datetime.datetime(2026, 12, 1, 3, 0, tzinfo=datetime.timezone.utc)
+        with dg.build_schedule_context(instance=instance, scheduled_execution_time=when, resources={
+                "drift": drift, "traffic": TrafficSource(trace=str(AZURE))}) as context:
+            requests = {r.partition_key: r for r in nightly(context)}
+    for name, n in (("a", 30), ("b", 50)):
+        config = requests[keys[name]].run_config["resources"]["traffic"]["config"]
+        assert (config["capture_dir"], config["capture_from"], config["capture_until"]) == (str(tmp_path / name), 5, n)
+    assert not requests["llama|cuda|http://c:8000"].run_config  # nothing on record: the trace file
 
 
 def test_outputs_go_to_s3_and_a_fresh_instance_reads_them_there(s3_server, tmp_path):
@@ -213,8 +249,10 @@ def test_every_step_in_its_own_process_shares_only_real_services(postgres_server
                            ).json()["active"]["variant_id"]
         assert dep.endpoint == engine.url and dep.status in ("deployed", "rolled back") and active == dep.build_id
         assert dep.previous_build == serving_before and (dep.status == "rolled back") == (active == serving_before)
-        record = DeploymentRecord.load(shared / "artifacts" / "deployments" / "current.json")
+        records = shared / "artifacts" / "deployments"
+        record = DeploymentRecord.load(records / "current.json")
         assert record.partition_key == key and record.capture_dir == str(shared / "capture")
+        assert DeploymentRecord.load(record_file(records, key)) == record
         # no secret in the run's event log
         text = "\n".join(str(e.message) + str(e.user_message) for e in events)
         assert password not in text and engine.token not in text
