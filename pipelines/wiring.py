@@ -110,12 +110,13 @@ def resources(model: str = "smollm2", trace: str | None = None, requests: int = 
 
 
 def code_location_resources(environ=None) -> dict:
-    """The code location's resources (pipelines/definitions.py): the shared services, the artifacts' root and
-    the default endpoint from the environment (infra/helm/values.yaml sets them); each run's partition key
-    then names the model, device and endpoint it tunes."""
+    """The code location's resources (pipelines/definitions.py): the shared services, the artifacts' root, the
+    default endpoint and the dtype the engine serves in, from the environment (infra/helm/values.yaml sets
+    them); each run's partition key then names the model, device and endpoint it tunes."""
     env = os.environ if environ is None else environ
     return resources(artifacts=env.get("POLYINF_ARTIFACTS", ".polyinf/artifacts"),
-                     endpoint_url=env.get("POLYINF_ENDPOINT_URL", ""), services=Services.from_env(env))
+                     endpoint_url=env.get("POLYINF_ENDPOINT_URL", ""), dtype=env.get("POLYINF_DTYPE", "float32"),
+                     services=Services.from_env(env))
 
 
 def dagster_home_for(artifacts: str, given: str | None = None) -> str:

@@ -104,6 +104,9 @@ def test_every_pod_reaches_the_same_services():
     assert user["volumes"] == launcher["volumes"] == instance["volumes"]
     assert user["volumeMounts"] == launcher["volumeMounts"] == instance["volume_mounts"]
     services = Services.from_env(code_env)
+    engine = next(d for d in yaml.safe_load_all((INFRA / "k8s" / "engine-deployment.yaml").read_text())
+                  if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert code_env["POLYINF_DTYPE"] == engine[engine.index("--dtype") + 1]  # tuned in the dtype it serves in
     assert services.board.startswith("postgresql://") and services.s3_bucket and services.deployments
     shared = user["volumeMounts"][0]["mountPath"]
     assert code_env["POLYINF_CAPTURE_DIR"].startswith(shared) and code_env["POLYINF_ARTIFACTS"].startswith(shared)

@@ -47,7 +47,7 @@ def test_secrets_reach_resources_as_env_vars_never_as_values(monkeypatch):
                "OPENAI_API_KEY": "llm-secret"}
     env = {**secrets, "POLYINF_BOARD": "postgresql://polyinf@db:5432/board", "POLYINF_S3_BUCKET": "runs",
            "POLYINF_ENDPOINT_URL": "http://polyinf-engine:8000", "POLYINF_CAPTURE_DIR": "/shared/capture",
-           "POLYINF_ARTIFACTS": "/shared/artifacts"}
+           "POLYINF_ARTIFACTS": "/shared/artifacts", "POLYINF_DTYPE": "bfloat16"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     res = code_location_resources()
@@ -62,7 +62,7 @@ def test_secrets_reach_resources_as_env_vars_never_as_values(monkeypatch):
     assert (s3.aws_access_key_id, s3.aws_secret_access_key) == ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
     assert isinstance(s3.aws_secret_access_key, dg.EnvVar)
     assert res["source"].board == env["POLYINF_BOARD"] and res["endpoint"].url == env["POLYINF_ENDPOINT_URL"]
-    assert res["endpoint"].capture_dir == "/shared/capture"
+    assert res["endpoint"].capture_dir == "/shared/capture" and res["runner"].dtype == "bfloat16"
     assert res["drift"].deployment_record == res["endpoint"].deployment_record == \
         "/shared/artifacts/deployments/current.json"  # where the deploy step writes, the sensors read
     # nothing a child process of ours (the embedded server) inherits holds one
