@@ -2,10 +2,12 @@
 throwaway Postgres server per session (``postgres_server``, ``postgres_url``)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -170,12 +172,20 @@ def _postgres_bin() -> Path | None:
     return versions[0].parent if versions else None
 
 
+@dataclasses.dataclass(frozen=True)
+class PostgresServer:
+    url: str  # the admin database's URL, without the password
+    password: str
+    stop: Callable[[], None]  # a fast shutdown (connections dropped), for tests of a database going away
+    start: Callable[[], None]
+
+
 @pytest.fixture(scope="session")
 def postgres_server():
     """A throwaway Postgres cluster for this test session (one per xdist worker): initdb in a temporary folder,
     started on a free loopback port with password authentication, stopped and removed at the end. As root it
-    runs as the `postgres` user (the server refuses root). Yields (admin URL without the password, password):
-    tests put the password in PGPASSWORD, as a deployment's secret would be."""
+    runs as the `postgres` user (the server refuses root). Yields a PostgresServer: tests put the password in
+    PGPASSWORD (or the board's POLYINF_BOARD_PASSWORD), as a deployment's secret would be."""
     import pwd
     import secrets as secrets_mod
     import subprocess
@@ -212,12 +222,15 @@ def postgres_server():
     run(bindir / "initdb", "-D", data, "-U", "polyinf", "--pwfile", pwfile, "--auth", "scram-sha-256",
         "-E", "UTF8", "--locale", "C", "--no-sync")
     pwfile.unlink()
-    # durability off: a test cluster never survives a crash, and fsync dominates its commit time
-    run(bindir / "pg_ctl", "-D", data, "-l", root / "log", "-w", "-t", "60", "start", "-o",
-        f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off "
-        "-c full_page_writes=off -c max_connections=200")
+    def start():  # durability off: a test cluster never survives a crash, and fsync dominates its commit time
+        run(bindir / "pg_ctl", "-D", data, "-l", root / "log", "-w", "-t", "60", "start", "-o",
+            f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off "
+            "-c full_page_writes=off -c max_connections=200")
+
+    start()
     try:
-        yield f"postgresql://polyinf@127.0.0.1:{port}/postgres", password
+        yield PostgresServer(f"postgresql://polyinf@127.0.0.1:{port}/postgres", password,
+                             lambda: run(bindir / "pg_ctl", "-D", data, "-m", "fast", "-w", "stop"), start)
     finally:
         subprocess.run([*prefix, str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
                        capture_output=True, env=env, cwd=root)
@@ -232,10 +245,8 @@ def postgres_url(postgres_server, monkeypatch, request):
 
     import psycopg
 
-    admin, password = postgres_server
-    monkeypatch.setenv("PGPASSWORD", password)
+    monkeypatch.setenv("PGPASSWORD", postgres_server.password)
     name = "t_" + re.sub(r"[^a-z0-9]+", "_", request.node.name.lower())[:40] + "_" + os.urandom(3).hex()
-    with psycopg.connect(admin, password=password,
-                         autocommit=True) as conn:
+    with psycopg.connect(postgres_server.url, password=postgres_server.password, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
-    return admin.rsplit("/", 1)[0] + "/" + name
+    return postgres_server.url.rsplit("/", 1)[0] + "/" + name

@@ -96,6 +96,23 @@ def test_concurrent_workers_claim_each_experiment_exactly_once(board_at):
     assert len(board.results("s")) == 40
 
 
+def test_a_board_outlives_a_database_restart_and_names_it_while_down(postgres_server, postgres_url):
+    """Postgres restarts under a worker: while it is down each call fails naming the database (its password
+    masked); once it is back the same Board carries on (pooled connections are pinged and replaced)."""
+    board = Board(postgres_url.replace("polyinf@", f"polyinf:{postgres_server.password}@"))
+    (eid, _) = board.enqueue("s", _variants(1)[0], "fast", "test", "r")
+    postgres_server.stop()
+    try:
+        with pytest.raises(BoardUnavailable) as err:
+            board.claim("w", "s")
+        assert "cannot reach the board's database at postgresql://polyinf:***@127.0.0.1" in str(err.value)
+        assert postgres_server.password not in str(err.value)
+    finally:
+        postgres_server.start()
+    exp = board.claim("w", "s")
+    assert exp.id == eid and board.complete(exp, "w", {"output_tok_s": 1.0}) is not None
+
+
 _CLAIMER = """
 import json, sys
 from ops.board import Board

@@ -192,7 +192,7 @@ def test_every_step_in_its_own_process_shares_only_real_services(postgres_server
     from ops.deploy import ServerProcess
     from ops.drift import DeploymentRecord
 
-    _, password = postgres_server
+    password = postgres_server.password
     monkeypatch.delenv("PGPASSWORD")  # the board's password reaches the steps only through dg.EnvVar
     s3 = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
     s3.create_bucket(Bucket="polyinf-runs")
