@@ -26,6 +26,17 @@ class EngineRunner(dg.ConfigurableResource):
     dtype: str = "float32"
     fast_layers: int = 4
     num_kv_blocks: int = 512
+    # devices a parallel layout may span; 0: the GPUs there are with a cuda device, else 1 (no layouts searched)
+    layout_devices: int = 0
+
+    def devices(self) -> int:
+        if self.layout_devices > 0:
+            return self.layout_devices
+        if not self.device.startswith("cuda"):
+            return 1
+        import torch
+
+        return max(1, torch.cuda.device_count())
 
     def config(self, layers: int | None = None, variant=None):
         from engine import EngineConfig, resolve
@@ -162,7 +173,8 @@ def search_config(runner: EngineRunner, traffic: TrafficSource, **tiers):
     return SearchConfig(model=runner.model, trace=traffic.trace_file(), device=runner.device, dtype=runner.dtype,
                         requests=traffic.max_requests, max_input=traffic.max_input, max_output=traffic.max_output,
                         time_scale=traffic.time_scale, fast_layers=runner.fast_layers,
-                        num_kv_blocks=runner.num_kv_blocks, lenient=traffic.lenient, **tiers)
+                        num_kv_blocks=runner.num_kv_blocks, lenient=traffic.lenient,
+                        layout_devices=runner.devices(), **tiers)
 
 
 class ArtifactStore(dg.ConfigurableResource):

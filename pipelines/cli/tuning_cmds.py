@@ -76,14 +76,6 @@ def print_optimize_report(result) -> None:
             print(f"plot, {title}: {path}")
 
 
-def _gpus(device: str) -> int:
-    if not device.startswith("cuda"):
-        return 1
-    import torch
-
-    return max(1, torch.cuda.device_count())
-
-
 def cmd_tune(args: argparse.Namespace) -> int:
     import os
 
@@ -98,13 +90,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if not Path(args.trace).is_file():
         raise ConfigError(f"trace not found: {args.trace}")
     runner = EngineRunner(model=args.model, device=args.device, dtype=args.dtype, fast_layers=args.fast_layers,
-                          num_kv_blocks=args.num_kv_blocks)
+                          num_kv_blocks=args.num_kv_blocks, layout_devices=args.layout_devices or 0)
     traffic = TrafficSource(trace=args.trace, max_requests=args.requests, max_input=args.max_input,
                             max_output=args.max_output, time_scale=args.time_scale, lenient=args.lenient)
     cfg = search_config(runner, traffic, slow_layers=args.slow_layers, slow_repeats=args.repeats,
                         slo_ttft_s=args.slo_ttft_ms / 1e3 if args.slo_ttft_ms else None,
-                        slo_tpot_s=args.slo_tpot_ms / 1e3 if args.slo_tpot_ms else None,
-                        layout_devices=args.layout_devices or _gpus(args.device))
+                        slo_tpot_s=args.slo_tpot_ms / 1e3 if args.slo_tpot_ms else None)
     board = Board(args.board)
     llm = None
     if args.llm_base_url:
