@@ -86,7 +86,7 @@ def _follow(engine, control) -> None:
                 engine.abort(rid)
 
 
-def _watch_parent(parent: int) -> None:
+def watch_parent(parent: int) -> None:
     """A follower ends when the process that started it is gone (killed without telling it)."""
     while os.getppid() == parent:
         time.sleep(1.0)
@@ -95,7 +95,7 @@ def _watch_parent(parent: int) -> None:
 
 def _follower_main(rank: int, tp: int, port: int, backend: str, config, threads: int, parent: int) -> None:
     torch.set_num_threads(threads)
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    threading.Thread(target=watch_parent, args=(parent,), daemon=True).start()
     control = _join(rank, tp, port, backend)
     engine = LLMEngine(dataclasses.replace(config, device=rank_device(config.device, rank)))
     _follow(engine, control)

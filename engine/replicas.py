@@ -39,11 +39,11 @@ def _replica_main(config, name: str, port: int, token: str, capture_dir: str | N
         os.environ["CUDA_VISIBLE_DEVICES"] = devices  # before anything touches CUDA
     import torch
 
-    from engine.rank_group import _watch_parent
+    from engine.rank_group import watch_parent
     from engine.server import serve
 
     torch.set_num_threads(threads)
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    threading.Thread(target=watch_parent, args=(parent,), daemon=True).start()
     serve(config, name, "127.0.0.1", port, admin_token=token, capture_dir=capture_dir,
           capture_prompts=capture_prompts)
 
