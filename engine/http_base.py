@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import os
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -81,3 +82,15 @@ async def variant_from_body(request: Request) -> VariantSpec:
         return VariantSpec.from_json(body)
     except EngineError as e:
         raise APIError(400, str(e)) from None
+
+
+def secure(app: FastAPI, admin_token: str | None, api_key: str | None):
+    """Errors in OpenAI's shape, the API key on /v1 and the admin token's check (returned, for the /admin routes).
+    ``admin_token`` None: $POLYINF_ADMIN_TOKEN; ``api_key`` None: $POLYINF_API_KEY, else $VLLM_API_KEY; an empty
+    one leaves the routes open (admin ones disabled)."""
+    admin_token = admin_token or os.environ.get("POLYINF_ADMIN_TOKEN") or None
+    if api_key is None:
+        api_key = os.environ.get("POLYINF_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+    require_api_key(app, api_key)
+    install_error_handlers(app)
+    return admin_authorizer(admin_token)

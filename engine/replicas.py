@@ -22,6 +22,7 @@ from engine.isolation import secrets_withheld
 log = logging.getLogger("polyinf.router")
 
 RESTART_BACKOFF_S = 10.0  # a replica that keeps failing is started again at most this often
+HEALTH_MISSES = 3  # health checks (one a second) a replica may fail in a row before it takes no requests
 
 
 def free_port() -> int:
@@ -67,6 +68,7 @@ class Replica:
     started: float = 0.0
     starting: bool = False  # restarted, not yet brought to the active variant
     restarts: int = 0
+    misses: int = 0  # health checks failed in a row
     ready_s: float = 0.0  # start to healthy, last start
 
     def start(self) -> None:
@@ -171,9 +173,15 @@ class ReplicaSet:
                 threading.Thread(target=self._bring_up, args=(r,), daemon=True).start()
             return
         try:
-            r.up = httpx.get(r.url + "/health", timeout=2).status_code == 200
+            ok = httpx.get(r.url + "/health", timeout=2).status_code == 200
+        except httpx.ConnectError:  # nothing listens: down at once
+            r.misses, r.up = HEALTH_MISSES, False
+            return
         except httpx.HTTPError:
-            r.up = False
+            ok = False
+        # a busy replica can answer late; down only after HEALTH_MISSES checks in a row fail
+        r.misses = 0 if ok else r.misses + 1
+        r.up = r.misses < HEALTH_MISSES
 
     def _bring_up(self, r: Replica) -> None:
         try:
@@ -184,7 +192,7 @@ class ReplicaSet:
                     log.error("restarted replica %d refused the active variant: %s", r.index, resp.text[:300])
                     r.stop()
                     return
-            r.up = True
+            r.misses, r.up = 0, True
             log.warning("replica %d restarted in %.1f s", r.index, time.time() - r.started)
         except Exception as e:  # noqa: BLE001 -- it stays down; the next check tries again
             log.error("replica %d could not be restarted: %s", r.index, e)

@@ -25,7 +25,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import secrets
 import sys
 import threading
@@ -42,8 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.errors import ConfigError
 from engine.openai_protocol import APIError
 from engine.replicas import Replica, ReplicaSet, free_port
-from engine.http_base import (admin_authorizer, error_response, install_error_handlers, require_api_key,
-                              variant_from_body)
+from engine.http_base import error_response, secure, variant_from_body
 from engine.variant import VariantSpec
 
 log = logging.getLogger("polyinf.router")
@@ -236,12 +234,7 @@ def build_router_app(replicas: ReplicaSet, model_name: str, admin_token: str | N
             await router.client.aclose()
 
     app = FastAPI(title="polyinf router", description=__doc__, lifespan=lifespan)
-    admin_token = admin_token or os.environ.get("POLYINF_ADMIN_TOKEN") or None
-    if api_key is None:
-        api_key = os.environ.get("POLYINF_API_KEY") or os.environ.get("VLLM_API_KEY") or None
-    require_api_key(app, api_key)
-    install_error_handlers(app)
-    authorize = admin_authorizer(admin_token)
+    authorize = secure(app, admin_token, api_key)
     app.state.router = router
 
     def forwarder(path: str):

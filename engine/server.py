@@ -20,7 +20,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import os
 import sys
 import time
 import uuid
@@ -36,8 +35,7 @@ from engine.openai_protocol import (
     message_text,
 )
 from engine.errors import EngineError, RequestError, VariantError
-from engine.http_base import (admin_authorizer, error_response, install_error_handlers, require_api_key,
-                              variant_from_body)
+from engine.http_base import error_response, secure, variant_from_body
 from engine.llm_engine import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured import schema_text
@@ -51,13 +49,7 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
     vLLM's --api-key; none (or an empty one) leaves them open."""
     app = FastAPI(title="polyinf", description=__doc__)
     engine = aengine.engine
-    admin_token = admin_token or os.environ.get("POLYINF_ADMIN_TOKEN") or None
-    if api_key is None:
-        api_key = os.environ.get("POLYINF_API_KEY") or os.environ.get("VLLM_API_KEY") or None
-
-    require_api_key(app, api_key)
-    install_error_handlers(app)
-    _authorize = admin_authorizer(admin_token)
+    _authorize = secure(app, admin_token, api_key)
 
     def _check_model(name: str) -> None:
         if name != model_name:
