@@ -19,12 +19,13 @@ from bench.gpu.kv_fp8 import fp8_kv_cache
 from bench.gpu.precision import gemv_bandwidth_by_precision, llama8b_precision, quantized_kernel_checks
 from bench.gpu.precision_serve import activation_quant_checks, served_decode_by_precision
 from bench.gpu.precision_step import decode_forms_by_precision, projections_alone
+from bench.gpu.qmma import qmma_checks, qmma_decode, qmma_projections, qmma_served
 from bench.gpu.swap import cold_start_and_swap, cold_start_child
 from bench.gpu.throughput import llama8b_throughput
 from engine.presets import preset_variant
 
 SECTIONS = ("attention", "gemv", "decode", "throughput", "swap", "moe", "experts", "precision", "precision-step",
-            "kv-fp8", "precision-serve")  # --only
+            "kv-fp8", "precision-serve", "qmma")  # --only
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -82,13 +83,16 @@ def main(description: str = __doc__.split("\n\n")[0]) -> None:
         projections_alone()
     if want("precision-serve"):
         activation_quant_checks()
+    if want("qmma"):
+        ok = qmma_checks() and ok
+        qmma_projections()
     if want("decode") or want("moe"):
         l2_survival()
     if not (ok and ok2):
         row("model figures", "skipped: correctness checks failed")
     else:
         if any(want(s) for s in ("decode", "throughput", "swap", "precision", "precision-step", "kv-fp8",
-                                        "precision-serve")):
+                                        "precision-serve", "qmma")):
             m = section(Llama8B)()
             if m is not None:
                 if want("precision"):
@@ -100,6 +104,9 @@ def main(description: str = __doc__.split("\n\n")[0]) -> None:
                         decode_forms_by_precision(m, sweep=() if args.step_quick else ("auto", "fp8"))
                 if want("precision-serve"):
                     served_decode_by_precision(m, args.out)
+                if want("qmma"):
+                    qmma_decode(m)
+                    qmma_served(m, args.out)
                 if want("kv-fp8"):
                     fp8_kv_cache(m, bw, args.kv_length, check=not args.skip_checks)
                 best = llama8b_decode(m, bw, args.decode_quick) if want("decode") else None

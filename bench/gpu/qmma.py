@@ -1,0 +1,205 @@
+"""12. Quantized weights on the tensor cores for 1-64 rows (kernels/qmma_triton.py): the kernel against its float64
+reference and the float64 product first, then each 8B projection alone (the GEMV the engine runs today, this
+kernel with its autotuned tiles, and cuBLAS on bf16 matrices of the same bytes and of the layer's own bytes),
+then batch-1 decode of each precision with and without it, then decode steps at the batch sizes a loaded server
+runs (1-32 sequences) against static-best in bf16. The baseline of every ratio is bf16's form of the same run."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from bench.gpu.harness import Llama8B, row, section
+
+SHAPES = (("qkv", 6144, 4096, "norm"), ("o_proj", 4096, 4096, "plain"), ("gate_up", 28672, 4096, "norm"),
+          ("down", 4096, 14336, "act"), ("lm_head", 128256, 4096, "norm"))
+
+
+@section
+def qmma_checks() -> bool:
+    """The kernel against its float64 reference (the same block-quantized activations: bf16 output rounding
+    only) and against the float64 product of the unquantized activations (the activations' quantization)."""
+    from kernels.activation import silu_and_mul_ref
+    from kernels.norm import fused_add_rms_norm_ref
+    from kernels.qmma_triton import ADD_RMS_NORM, NONE, SILU_MUL, qmma, qmma_ref
+    from kernels.quant import qlinear_exact, quantize
+
+    torch.manual_seed(12)
+    ok = True
+    for kind in ("fp8", "int8"):
+        for m, n, k, prologue, split in ((1, 6144, 4096, NONE, 1), (1, 4096, 4096, NONE, 4), (7, 4096, 14336, SILU_MUL, 0),
+                                         (16, 28672, 4096, ADD_RMS_NORM, 0), (33, 4096, 4096, NONE, 8),
+                                         (64, 1000, 576, ADD_RMS_NORM, 2)):
+            qw = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, kind)
+            bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if prologue == NONE else None
+            x = torch.randn(m, 2 * k if prologue == SILU_MUL else k, device="cuda", dtype=torch.bfloat16)
+            r, nw = torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.rand(k, device="cuda") + 0.5
+            nw = nw.to(torch.bfloat16)
+            tiles = {"block_n": 64, "block_k": 256, "split_k": split, "num_warps": 4, "num_stages": 4}
+            try:
+                if prologue == SILU_MUL:
+                    h, summed_ref = silu_and_mul_ref(x), None
+                    out, _ = qmma(x, qw, None, SILU_MUL, tiles, k=k)
+                elif prologue == ADD_RMS_NORM:
+                    h, summed_ref = fused_add_rms_norm_ref(x, r, nw, 1e-5)
+                    out, summed = qmma(x, qw, None, ADD_RMS_NORM, tiles, r=r, norm_weight=nw, eps=1e-5)
+                    assert torch.equal(summed, summed_ref), "the residual sum differs"
+                else:
+                    h = x
+                    out, _ = qmma(x, qw, bias, NONE, tiles)
+                torch.cuda.synchronize()
+                again = qmma(x, qw, bias, prologue, tiles, r=r, norm_weight=nw, eps=1e-5,
+                             k=k if prologue == SILU_MUL else None)[0]
+                ref = qmma_ref(h, qw, 256, bias)
+                exact = qlinear_exact(h, qw, bias)
+                scale = exact.abs().max().item()
+                e_ref = (out.double() - ref).abs().max().item() / scale
+                e_exact = (out.double() - exact).abs().max().item() / scale
+                same = torch.equal(out, again)  # the split's counts were reset: a second call is the same
+            except Exception as e:
+                traceback.print_exc()
+                row(f"qmma {kind} {m}x{k} -> {n} prologue {prologue} split {split}", f"FAILED {type(e).__name__}: {e}")
+                ok = False
+                continue
+            good = e_ref <= 0.006 and e_exact <= (0.05 if kind == "fp8" else 0.01) and same
+            ok &= good
+            row(f"qmma {kind} {m}x{k} -> {n}, prologue {prologue}, split {split or 'auto'}",
+                f"{'OK' if good else 'ERROR'}: {e_ref:.2g} of the output's scale from its float64 reference, "
+                f"{e_exact:.2g} from the unquantized activations' product; repeat identical: {same}")
+    return ok
+
+
+@section
+def qmma_projections(kinds=("fp8", "int8"), rows=(1, 16)) -> None:
+    """Each projection alone: the engine's GEMV path, this kernel (autotuned tiles), cuBLAS bf16."""
+    import kernels.linear_triton as lt
+    import kernels.qmma_triton as qm
+    from kernels.linear_triton import graph_time
+    from kernels.quant import quantize
+
+    torch.manual_seed(2)
+    dev = "cuda"
+    for name, n, k, prologue in SHAPES:
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        nw = torch.randn(k, device=dev, dtype=torch.bfloat16)
+        for m in rows:
+            x, r = torch.randn(m, k, device=dev, dtype=torch.bfloat16), torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            gu = torch.randn(m, 2 * k, device=dev, dtype=torch.bfloat16)
+            t_bf16 = 1e3 * graph_time(lambda: F.linear(x, w))
+            for kind in kinds:
+                qw = quantize(w, kind)
+                same = w[: n // 2]  # bf16 rows of the same bytes
+                if prologue == "norm":
+                    path = lambda: lt.norm_linear_triton(x, r, nw, 1e-5, qw)  # noqa: E731
+                    mma = lambda: qm.qmma(x, qw, None, qm.ADD_RMS_NORM, r=r, norm_weight=nw, eps=1e-5)  # noqa: E731
+                elif prologue == "act":
+                    path = lambda: lt.act_linear_triton(gu, qw)  # noqa: E731
+                    mma = lambda: qm.qmma(gu, qw, None, qm.SILU_MUL, k=k)  # noqa: E731
+                else:
+                    path = lambda: lt.linear_triton(x, qw)  # noqa: E731
+                    mma = lambda: qm.qmma(x, qw, None, qm.NONE)  # noqa: E731
+                try:
+                    t = {label: 1e3 * graph_time(fn) for label, fn in
+                         (("path", path), ("mma", mma), ("cublas", lambda: F.linear(x, same)))}
+                except Exception as e:
+                    traceback.print_exc()
+                    row(f"{name} {n}x{k} rows {m}, {kind}", f"FAILED {type(e).__name__}: {str(e)[:160]}")
+                    continue
+                key = (max(16, triton.next_power_of_2(m)), n, k, kind,
+                       {"norm": qm.ADD_RMS_NORM, "act": qm.SILU_MUL, "plain": qm.NONE}[prologue], x.device)
+                tiles = qm._TUNED.get(key, {})
+                split = qm.split_for(n, k, tiles.get("block_n", 64), tiles.get("block_k", 256))
+                nbytes = n * k
+                row(f"{name} {n}x{k} rows {m}, {kind} ({nbytes / 1e6:.1f} MB)",
+                    f"tensor cores {t['mma']:.1f} us = {nbytes / t['mma'] / 1e3:,.0f} GB/s (tiles {tiles}, split {split}); "
+                    f"engine's GEMV path {t['path']:.1f} us; cuBLAS bf16 of the same bytes {t['cublas']:.1f}, of the "
+                    f"layer {t_bf16:.1f} us: {t_bf16 / t['mma']:.2f}x")
+        del w
+
+
+def _with_mma(spec, mma: int = 1):
+    """``spec`` with its quantized projections on the tensor-core kernel from ``mma`` rows (autotuned tiles)."""
+    from engine.presets import TRITON_GEMV
+
+    params = {op: dict(p) for op, p in spec.kernel_params}
+    for op in TRITON_GEMV:
+        if dict(spec.kernels).get(op) == "triton":
+            params[op] = {**params.get(op, {}), "mma": mma}
+    return dataclasses.replace(spec, kernel_params=params)
+
+
+@section
+def qmma_decode(m: Llama8B) -> None:
+    """Batch-1 decode: bf16 in the dense-decode form; each precision through the GEMV and through this kernel."""
+    from bench.gpu.precision_step import _forms, _measure
+
+    eng = m.engine
+    eng.config = dataclasses.replace(eng.config, async_decode=True)
+    prompt, new = list(range(1, 129)), 96
+    base = _forms(m)["dense-decode (pdl 1)"]
+    got = {}
+    for label, spec in (("bf16, dense-decode", base),
+                        ("fp8, dense-decode (GEMV)", dataclasses.replace(base, weight_dtype="fp8")),
+                        ("fp8, dense-decode + tensor cores", _with_mma(dataclasses.replace(base, weight_dtype="fp8"))),
+                        ("int8, dense-decode (GEMV)", dataclasses.replace(base, weight_dtype="int8")),
+                        ("int8, dense-decode + tensor cores", _with_mma(dataclasses.replace(base, weight_dtype="int8")))):
+        try:
+            got[label] = _measure(eng, spec, prompt, new)
+        except Exception as e:
+            traceback.print_exc()
+            row(f"8B decode b=1, {label}", f"FAILED {type(e).__name__}: {str(e)[:160]}")
+            continue
+        ref = got.get("bf16, dense-decode")
+        row(f"8B decode b=1, {label}", f"{got[label]:.1f} tok/s" + (f" = {got[label] / ref:.2f}x bf16" if ref else ""))
+    eng.apply_variant(dataclasses.replace(base, weight_dtype="auto", cuda_graph_batch_sizes=()))
+
+
+@section
+def qmma_served(m: Llama8B, out=None, batches=(1, 8, 16, 32)) -> None:
+    """Decode steps at 1-32 sequences: static-best bf16, its pinned FP8 form (GEMV to 4 rows, FP8 GEMM above) and
+    its FP8 and int8 forms on the tensor-core kernel; the chosen tiles and the fastest form's change to
+    ``out``/qmma_change.json (for bench/capacity_ab.py)."""
+    import kernels.qmma_triton as qm
+    from bench.gpu.precision_serve import _step_ms
+    from engine.loader import resolve
+    from engine.presets import quantized_variant
+    from engine.static_best import lookup
+
+    eng = m.engine
+    base = lookup(resolve("llama-3.1-8b"), "cuda", "bfloat16")
+    if base is None:
+        row("qmma served", "skipped: no static-best recorded for the 8B on this device")
+        return
+    forms = {"static-best bf16": base,
+             "fp8, GEMV to 4 rows (pinned), FP8 GEMM above": quantized_variant(base, "fp8", "cuda"),
+             "fp8, tensor cores to 64 rows": _with_mma(quantized_variant(base, "fp8", "cuda")),
+             "int8, tensor cores to 64 rows": _with_mma(quantized_variant(base, "int8", "cuda"))}
+    got: dict[str, dict[int, float]] = {}
+    for label, spec in forms.items():
+        try:
+            t = time.perf_counter()
+            eng.apply_variant(spec)
+            prepared = time.perf_counter() - t
+            got[label] = {b: _step_ms(eng, b) for b in batches}
+        except Exception as e:
+            traceback.print_exc()
+            row(f"8B decode step, {label}", f"FAILED {type(e).__name__}: {str(e)[:160]}")
+            continue
+        ref = got.get("static-best bf16")
+        row(f"8B decode step, {label} (prepared in {prepared:.1f} s)",
+            "; ".join(f"b={b} {ms:.2f} ms" + (f" ({ref[b] / ms:.2f}x)" if ref and label != "static-best bf16" else "")
+                      for b, ms in got[label].items()))
+    eng.apply_variant(base)
+    row("qmma tiles chosen", json.dumps({f"{k[0]}x{k[1]}x{k[2]} {k[3]} p{k[4]}": v for k, v in qm._TUNED.items()}))
+    quant = {k: sum(v.values()) for k, v in got.items() if k != "static-best bf16"}
+    if quant and out is not None:
+        best = forms[min(quant, key=quant.get)]
+        change = {"weight_dtype": best.weight_dtype, "kernels": dict(best.kernels),
+                  "kernel_params": {op: dict(p) for op, p in best.kernel_params}}
+        (out / "qmma_change.json").write_text(json.dumps(change))
+        row("fastest quantized form over the batches", min(quant, key=quant.get))

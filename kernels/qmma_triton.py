@@ -1,0 +1,247 @@
+"""Quantized linear on tensor cores for 1-64 rows: one-byte weights against activations quantized in registers.
+
+The GEMV (kernels/linear_triton.py) converts every one-byte weight to float32 and multiplies it on the CUDA cores:
+per byte of FP8 weights that is twice the conversions and multiply-adds of bf16, and on an H200 the FP8 GEMV
+streams 2.0-2.9 TB/s where a bf16 one streams 3.1-3.7 (bench/RESULTS.md). Here the tensor cores do the products
+on the weights as they are stored: each program takes ``BLOCK_N`` weight rows (the MMA's M side: "swap AB", so a
+batch of one to a few rows pads only the narrow side of the MMA) and a share of K, and for each ``BLOCK_K`` chunk
+quantizes the activations' chunk to the weights' format with one scale per row and chunk (absmax / 448 for e4m3,
+/ 127 for int8: the fine-grained scaling of block-quantized FP8 GEMMs), multiplies on the tensor cores (e4m3 x
+e4m3 or int8 x int8, float32 / int32 sums) and adds the chunk's sums times its scales. The weights' per-row scales
+and the bias are applied once at the end. The same prologues as the GEMV produce the activations in the loop:
+the residual add + RMSNorm (statistics first, over the row in L2) or SiLU-and-multiply.
+
+Splitting K (``SPLIT_K`` programs per group of weight rows) keeps every SM busy on narrow projections (4,096
+outputs are 64 programs of 64 rows): each program writes its float32 partial sums to a workspace and counts
+itself in; the last one of a group adds the partials, writes the output and resets the count, in the same launch.
+
+The activations' e4m3 codes are rounded to 3 mantissa bits in float32 before the conversion, so the conversion is
+exact and the codes equal torch's round-to-nearest-even (the CPU interpreter's own conversion differs from the
+hardware's; kernels/quant_triton.py).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.activation_triton import silu_mul
+from kernels.linear_triton import _add_rms_rstd, _interpreted, graph_time
+from kernels.pdl import launch_options, pdl_enter
+from kernels.quant import FP8_MAX, QuantizedWeight
+
+NONE, SILU_MUL, ADD_RMS_NORM = 0, 1, 2  # input prologues, as kernels/linear_triton.py
+MAX_M = 64  # rows this kernel takes (the MMA's narrow side; wider batches are a GEMM's)
+DEFAULT_TILES = {"block_n": 64, "block_k": 256, "split_k": 0, "num_warps": 4, "num_stages": 4}
+# (BLOCK_N, BLOCK_K, warps, stages) tried on a GPU; the split from the number of row groups (``split_for``)
+AUTOTUNE_TILES = ((64, 256, 4, 4), (64, 128, 4, 5), (64, 512, 4, 3), (128, 256, 4, 4), (128, 128, 8, 4),
+                  (64, 256, 4, 6), (128, 256, 8, 3))
+TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs)
+
+
+@triton.jit
+def _round_e4m3(v):
+    """float32 v (|v| <= 448) rounded to the nearest e4m3 value (ties to even on the normal range): bits of the
+    mantissa beyond e4m3's three dropped with the carry; below e4m3's normal range (2^-6), steps of 2^-9 (ties to
+    even as well)."""
+    bits = v.to(tl.int32, bitcast=True)
+    lsb = (bits >> 20) & 1
+    normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)
+    av = tl.abs(v)
+    sub = ((av * 512.0 + 12582912.0) - 12582912.0) * (1.0 / 512.0)  # 1.5 * 2^23: float32 adds round to even
+    sub = tl.where(v < 0, -sub, sub)
+    return tl.where(av < 0.015625, sub, normal)
+
+
+@triton.jit
+def _qmma_kernel(
+    x_ptr, r_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sum_ptr, part_ptr, count_ptr,
+    M, N, stride_x, stride_r, stride_w, stride_out, stride_sum, eps,
+    K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, IS_INT8: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr = 0,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    n_mask = rn < N
+    m_mask = rm < M
+    CHUNKS: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    PER_SPLIT: tl.constexpr = (CHUNKS + SPLIT_K - 1) // SPLIT_K
+    k_first = pid_k * PER_SPLIT * BLOCK_K
+    pdl_enter(PDL)
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if PROLOGUE == 2:  # the first program also writes the sum (the new residual)
+        rstd = _add_rms_rstd(x_ptr, r_ptr, sum_ptr, rm, m_mask, stride_x, stride_r, stride_sum, eps,
+                             (pid_n == 0) & (pid_k == 0), K, BLOCK_M, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for i in range(PER_SPLIT):  # chunks past K (the last split's) load nothing
+        rk = k_first + i * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = rk < K
+        w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        mk = m_mask[:, None] & k_mask[None, :]
+        if PROLOGUE == 1:  # x holds [gate | up], each K wide
+            g = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0)
+            u = tl.load(x_ptr + rm[:, None] * stride_x + K + rk[None, :], mask=mk, other=0.0)
+            a = silu_mul(g, u).to(tl.float32)
+        elif PROLOGUE == 2:
+            s = tl.load(r_ptr + rm[:, None] * stride_r + rk[None, :], mask=mk, other=0.0) + tl.load(
+                x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0)
+            h = (s.to(tl.float32) * rstd[:, None]).to(s.dtype)  # the norm's output in the checkpoint's dtype
+            a = (tl.load(nw_ptr + rk, mask=k_mask, other=0.0)[None, :] * h).to(tl.float32)
+        else:
+            a = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(a), axis=1)
+        if IS_INT8:
+            sa = tl.maximum(amax / 127.0, 1e-12)
+            v = a / sa[:, None]
+            aq = tl.where(v >= 0, tl.floor(v + 0.5), tl.ceil(v - 0.5)).to(tl.int8)
+            d = tl.dot(w, tl.trans(aq), out_dtype=tl.int32).to(tl.float32)
+        else:
+            sa = tl.maximum(amax / 448.0, 1e-12)
+            aq = _round_e4m3(a / sa[:, None]).to(w.dtype)
+            d = tl.dot(w, tl.trans(aq))
+        acc += d * sa[None, :]
+    acc *= tl.load(s_ptr + rn, mask=n_mask, other=0.0)[:, None]
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + rm[None, :] * stride_out + rn[:, None], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # partial sums (SPLIT_K, BLOCK_M, N) float32; the group's last program to arrive adds them up
+        part = part_ptr + rm[None, :] * N + rn[:, None]
+        tl.store(part + pid_k * BLOCK_M * N, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partials written before the count that publishes them
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in range(SPLIT_K):
+                total += tl.load(part + s * BLOCK_M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptr + rm[None, :] * stride_out + rn[:, None], total.to(out_ptr.dtype.element_ty),
+                     mask=out_mask)
+            tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next call (also inside a replayed graph)
+
+
+def split_for(n: int, k: int, block_n: int, block_k: int, target: int = TARGET_PROGRAMS) -> int:
+    """K splits so that about ``target`` programs run (at least two chunks of K per program)."""
+    groups = triton.cdiv(n, block_n)
+    chunks = triton.cdiv(k, block_k)
+    split = 1
+    while groups * split * 2 <= target and chunks // (split * 2) >= 2:
+        split *= 2
+    return split
+
+
+_WORKSPACE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_RETIRED: list[tuple[torch.Tensor, torch.Tensor]] = []  # outgrown workspaces: graphs captured with them still run
+
+
+def _workspace(device: torch.device, partials: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 partial sums, int32 arrival counts kept at zero between calls) on ``device``, grown as needed.
+    Grown outside a graph capture only: the first call of each shape (the warm-up) sizes it; an outgrown one is
+    kept, since a CUDA graph captured before may still use it."""
+    part, count = _WORKSPACE.get(device, (None, None))
+    if part is None or part.numel() < partials or count.numel() < groups:
+        if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the split-K workspace must be sized before a graph capture (run the shape once)")
+        if part is not None:
+            _RETIRED.append((part, count))
+        part = torch.empty(max(partials, 1 << 20, 0 if part is None else part.numel()), dtype=torch.float32,
+                           device=device)
+        count = torch.zeros(max(groups, 4096, 0 if count is None else count.numel()), dtype=torch.int32,
+                            device=device)
+        _WORKSPACE[device] = (part, count)
+    return part, count
+
+
+def supported(x: torch.Tensor, weight) -> bool:
+    """Whether this kernel takes the product: quantized weights, 1-MAX_M rows, on a GPU with int8 / FP8 tensor
+    cores (Hopper; FP8 needs compute capability >= 8.9) or under the interpreter."""
+    if not isinstance(weight, QuantizedWeight) or not 0 < x.shape[0] <= MAX_M:
+        return False
+    if _interpreted():
+        return True
+    if not x.is_cuda:
+        return False
+    return torch.cuda.get_device_capability(x.device) >= ((8, 9) if weight.kind == "fp8" else (8, 0))
+
+
+_TUNED: dict[tuple, dict] = {}
+
+
+def _launch(x, weight: QuantizedWeight, bias, prologue, tiles: dict, r=None, norm_weight=None, eps=0.0, k=None,
+            pdl=0):
+    m, n = x.shape[0], weight.q.shape[0]
+    k = weight.q.shape[1] if k is None else k
+    assert weight.q.stride(1) == 1 and x.stride(1) == 1, "rows must be contiguous"
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    summed = torch.empty(m, k, device=x.device, dtype=x.dtype) if prologue == ADD_RMS_NORM else out
+    r = x if r is None else r
+    norm_weight = weight.q if norm_weight is None else norm_weight
+    block_m = max(16, triton.next_power_of_2(m))
+    t = {**DEFAULT_TILES, **tiles}
+    split = t["split_k"] or split_for(n, k, t["block_n"], t["block_k"])
+    groups = triton.cdiv(n, t["block_n"])
+    part, count = _workspace(x.device, split * block_m * n if split > 1 else 0, groups)
+    _qmma_kernel[(groups, split)](
+        x, r, norm_weight, weight.q, weight.scale, weight.scale if bias is None else bias, out, summed, part, count,
+        m, n, x.stride(0), r.stride(0), weight.q.stride(0), out.stride(0), summed.stride(0), eps,
+        K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, IS_INT8=weight.kind == "int8", BLOCK_M=block_m,
+        BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], SPLIT_K=split, num_warps=t["num_warps"],
+        num_stages=t["num_stages"], **launch_options(pdl, x))
+    return out, (summed if prologue == ADD_RMS_NORM else None)
+
+
+def qmma(x, weight: QuantizedWeight, bias=None, prologue: int = NONE, tiles: dict | None = None, r=None,
+         norm_weight=None, eps: float = 0.0, k: int | None = None, pdl: int = 0):
+    """(out, summed or None) for x's rows (the prologue's input, as kernels/linear_triton.py's ``_gemv``). ``tiles``
+    (block_n, block_k, split_k, num_warps, num_stages) fixed by a variant; none on a GPU: the best of
+    AUTOTUNE_TILES for this shape, timed once (L2 flushed: a decode step streams its weights)."""
+    tiles = dict(tiles or {})
+    if not tiles and x.is_cuda and not _interpreted():
+        key = (max(16, triton.next_power_of_2(x.shape[0])), *weight.q.shape, weight.kind, prologue, x.device)
+        if key not in _TUNED:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("qmma tiles are chosen before a graph capture (run the shape once)")
+            best = None
+            for bn, bk, w, s in AUTOTUNE_TILES:
+                trial = {"block_n": bn, "block_k": bk, "num_warps": w, "num_stages": s}
+                try:
+                    ms = graph_time(lambda: _launch(x, weight, bias, prologue, trial, r, norm_weight, eps, k))
+                except Exception:  # a tile the device cannot hold (shared memory): not a candidate
+                    continue
+                if best is None or ms < best[0]:
+                    best = (ms, trial)
+            if best is None:
+                raise RuntimeError(f"no qmma tile runs for {tuple(weight.q.shape)} on {x.device}")
+            _TUNED[key] = best[1]
+        tiles = _TUNED[key]
+    return _launch(x, weight, bias, prologue, tiles, r, norm_weight, eps, k, pdl)
+
+
+def qmma_ref(x: torch.Tensor, weight: QuantizedWeight, block_k: int, bias: torch.Tensor | None = None
+             ) -> torch.Tensor:
+    """Plain torch, float64: what the kernel computes for input x (T, K) (after its prologue): each row's
+    ``block_k`` chunks quantized to the weight's format with their own scale, times the quantized weights, times
+    the weights' scales."""
+    t, k = x.shape
+    xf = x.to(torch.float64)
+    out = torch.zeros(t, weight.q.shape[0], dtype=torch.float64, device=x.device)
+    wq = weight.q.to(torch.float64)
+    for k0 in range(0, k, block_k):
+        a = xf[:, k0:k0 + block_k]
+        amax = a.abs().amax(dim=1, keepdim=True)
+        if weight.kind == "int8":
+            sa = (amax / 127.0).clamp(min=1e-12)
+            v = a / sa
+            aq = torch.where(v >= 0, torch.floor(v + 0.5), torch.ceil(v - 0.5))
+        else:
+            sa = (amax / FP8_MAX).clamp(min=1e-12)
+            aq = (a / sa).to(torch.float32).to(torch.float8_e4m3fn).to(torch.float64)
+        out += (aq @ wq[:, k0:k0 + block_k].t()) * sa
+    out *= weight.scale.to(torch.float64)[None, :]
+    return out if bias is None else out + bias.to(torch.float64)
