@@ -34,8 +34,7 @@ NONE, SILU_MUL, ADD_RMS_NORM = 0, 1, 2  # input prologues, as kernels/linear_tri
 MAX_M = 64  # rows this kernel takes (the MMA's narrow side; wider batches are a GEMM's)
 DEFAULT_TILES = {"block_n": 64, "block_k": 256, "split_k": 0, "num_warps": 4, "num_stages": 4}
 # (BLOCK_N, BLOCK_K, warps, stages) tried on a GPU; the split from the number of row groups (``split_for``)
-AUTOTUNE_TILES = ((64, 256, 4, 4), (64, 128, 4, 5), (64, 512, 4, 3), (128, 256, 4, 4), (128, 128, 8, 4),
-                  (64, 256, 4, 6), (128, 256, 8, 3))
+AUTOTUNE_TILES = ((64, 256, 4, 4), (64, 128, 4, 6), (64, 512, 4, 3), (128, 256, 4, 4), (128, 256, 8, 3))
 TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs)
 
 

@@ -47,6 +47,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--step-fp8-sweep", action="store_true",
                     help="precision-step: bf16 and FP8 in the dense-decode form only, then FP8's per-op tiles timed in "
                          "the whole step")
+    ap.add_argument("--qmma-model-only", action="store_true",
+                    help="qmma: skip the kernel checks and projections (a second call on the same commit)")
+    ap.add_argument("--qmma-no-served", action="store_true", help="qmma: batch-1 decode only, no served steps")
     ap.add_argument("--kv-length", type=int, default=32000, help="kv-fp8: the long prompts' length in tokens")
     ap.add_argument("--moe-layers", type=int, default=None)
     ap.add_argument("--moe-sweep", action="store_true", help="MoE: also sweep the experts' tiles at batch 1")
@@ -83,7 +86,7 @@ def main(description: str = __doc__.split("\n\n")[0]) -> None:
         projections_alone()
     if want("precision-serve"):
         activation_quant_checks()
-    if want("qmma"):
+    if want("qmma") and not args.qmma_model_only:
         ok = qmma_checks() and ok
         qmma_projections()
     if want("decode") or want("moe"):
@@ -106,7 +109,8 @@ def main(description: str = __doc__.split("\n\n")[0]) -> None:
                     served_decode_by_precision(m, args.out)
                 if want("qmma"):
                     qmma_decode(m)
-                    qmma_served(m, args.out)
+                    if not args.qmma_no_served:
+                        qmma_served(m, args.out)
                 if want("kv-fp8"):
                     fp8_kv_cache(m, bw, args.kv_length, check=not args.skip_checks)
                 best = llama8b_decode(m, bw, args.decode_quick) if want("decode") else None

@@ -119,7 +119,6 @@ def qmma_projections(kinds=("fp8", "int8"), rows=(1, 16)) -> None:
                     f"tensor cores {t['mma']:.1f} us = {nbytes / t['mma'] / 1e3:,.0f} GB/s (tiles {tiles}, split {split}); "
                     f"engine's GEMV path {t['path']:.1f} us; cuBLAS bf16 of the same bytes {t['cublas']:.1f}, of the "
                     f"layer {t_bf16:.1f} us: {t_bf16 / t['mma']:.2f}x")
-        del w
 
 
 def _with_mma(spec, mma: int = 1):

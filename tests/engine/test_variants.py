@@ -414,3 +414,24 @@ def test_quantized_variant_takes_the_triton_projections_with_pinned_tiles_on_a_g
     cpu = quantized_variant(base, "int8", "cpu", name="q")
     assert (cpu.name, cpu.weight_dtype, cpu.kernels, cpu.kernel_params) == ("q", "int8", base.kernels,
                                                                            base.kernel_params)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_quantized_projections_on_the_tensor_core_kernel_answer_like_the_reference(kind):
+    """Quantized weights with the linear operations' rows on kernels/qmma_triton.py (prefill and decode rows
+    both at most 64) against the plain-torch quantized path: the same tokens, and the log-probabilities of the
+    most likely ones within the activations' quantization (int8: 7 bits, e4m3: 3)."""
+    prompts = [[1, 5, 9, 13, 2, 7, 33], [4, 4, 8]]
+    params = SamplingParams(max_tokens=2, ignore_eos=True, logprobs=5)
+    ref = _tiny(VariantSpec(block_size=4, weight_dtype=kind)).generate(prompts, params)
+    mma = {"mma": 1, "mma_block_n": 32, "mma_block_k": 64, "mma_warps": 4, "mma_stages": 2}
+    spec = VariantSpec(block_size=4, weight_dtype=kind, kernels=dict(TRITON_GEMV),
+                       kernel_params={op: mma for op in TRITON_GEMV})
+    got = _tiny(spec).generate(prompts, params)
+    worst = 0.0
+    for a, b in zip(got, ref):
+        assert a.token_ids[0] == b.token_ids[0]  # e4m3 may swap near ties after that: the log-probabilities decide
+        for (_, _, top_a), (_, _, top_b) in zip(a.logprobs, b.logprobs):
+            want = dict(top_b)
+            worst = max(worst, max(abs(lp - want[t]) for t, lp in top_a if t in want))
+    assert worst <= (0.02 if kind == "int8" else 0.1)
