@@ -1,15 +1,15 @@
-"""Quantized linear on tensor cores for 1-64 rows: one-byte weights against activations quantized in registers.
+"""Quantized linear on tensor cores for 1-64 rows: one-byte weights against activations quantized per chunk.
 
-The GEMV (kernels/linear_triton.py) converts every one-byte weight to float32 and multiplies it on the CUDA cores:
-per byte of FP8 weights that is twice the conversions and multiply-adds of bf16, and on an H200 the FP8 GEMV
-streams 2.0-2.9 TB/s where a bf16 one streams 3.1-3.7 (bench/RESULTS.md). Here the tensor cores do the products
-on the weights as they are stored: each program takes ``BLOCK_N`` weight rows (the MMA's M side: "swap AB", so a
-batch of one to a few rows pads only the narrow side of the MMA) and a share of K, and for each ``BLOCK_K`` chunk
-quantizes the activations' chunk to the weights' format with one scale per row and chunk (absmax / 448 for e4m3,
-/ 127 for int8: the fine-grained scaling of block-quantized FP8 GEMMs), multiplies on the tensor cores (e4m3 x
-e4m3 or int8 x int8, float32 / int32 sums) and adds the chunk's sums times its scales. The weights' per-row scales
-and the bias are applied once at the end. The same prologues as the GEMV produce the activations in the loop:
-the residual add + RMSNorm (statistics first, over the row in L2) or SiLU-and-multiply.
+The GEMV (kernels/linear_triton.py) converts every one-byte weight to float32 and multiplies it on the CUDA cores;
+torch's FP8 GEMM is tiled for many rows and quantizes its input per row in a pass of its own. Here two launches:
+the first computes the projection's input (the residual add + RMSNorm, SiLU-and-multiply, or the input as it is)
+and quantizes it to the weights' format, one scale per row and ``BLOCK_K`` chunk (absmax / 448 for e4m3, / 127 for
+int8: the fine-grained scaling of block-quantized FP8 GEMMs); the second multiplies on the tensor cores, on the
+weights as they are stored: each program takes ``BLOCK_N`` weight rows (the MMA's M side: "swap AB", so a batch of
+one to a few rows pads only the narrow side of the MMA) and a share of K, and adds each chunk's e4m3 x e4m3 (or
+int8 x int8) sums times the chunk's scales; the weights' per-row scales and the bias are applied once at the end.
+(Quantizing inside the MMA loop instead, each program its own chunks, measured 1.2-1.9 TB/s on an H200 against
+the GEMV's 2-3.5: bench/RESULTS.md.)
 
 Splitting K (``SPLIT_K`` programs per group of weight rows) keeps every SM busy on narrow projections (4,096
 outputs are 64 programs of 64 rows): each program writes its float32 partial sums to a workspace and counts
@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels.activation_triton import silu_mul
-from kernels.linear_triton import _add_rms_rstd, _interpreted, graph_time
+from kernels.linear_triton import _interpreted, graph_time
 from kernels.pdl import launch_options, pdl_enter
 from kernels.quant import FP8_MAX, QuantizedWeight
 
@@ -34,7 +34,7 @@ NONE, SILU_MUL, ADD_RMS_NORM = 0, 1, 2  # input prologues, as kernels/linear_tri
 MAX_M = 64  # rows this kernel takes (the MMA's narrow side; wider batches are a GEMM's)
 DEFAULT_TILES = {"block_n": 64, "block_k": 256, "split_k": 0, "num_warps": 4, "num_stages": 4}
 # (BLOCK_N, BLOCK_K, warps, stages) tried on a GPU; the split from the number of row groups (``split_for``)
-AUTOTUNE_TILES = ((64, 256, 4, 4), (64, 128, 4, 6), (64, 512, 4, 3), (128, 256, 4, 4), (128, 256, 8, 3))
+AUTOTUNE_TILES = ((64, 128, 4, 6), (64, 256, 4, 4), (128, 128, 4, 5), (128, 256, 4, 3), (128, 256, 8, 4))
 TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs)
 
 
@@ -53,12 +53,53 @@ def _round_e4m3(v):
 
 
 @triton.jit
+def _quantize_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, q_ptr, qs_ptr, stride_x, stride_r, stride_sum, stride_q, eps,
+                     K: tl.constexpr, PROLOGUE: tl.constexpr, IS_INT8: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PDL: tl.constexpr = 0):
+    """One program per (row, BLOCK_K chunk): the prologue's output for the chunk, quantized with the chunk's own
+    scale (codes to ``q``, the scale to ``qs`` (M, K / BLOCK_K)); the norm's program also writes its chunk of the
+    sum (the new residual), after the row's statistics (the row sits in L2)."""
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    rk = c * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_mask = rk < K
+    pdl_enter(PDL)
+    if PROLOGUE == 1:  # x holds [gate | up], each K wide
+        g = tl.load(x_ptr + row * stride_x + rk, mask=k_mask, other=0.0)
+        u = tl.load(x_ptr + row * stride_x + K + rk, mask=k_mask, other=0.0)
+        a = silu_mul(g, u).to(tl.float32)
+    elif PROLOGUE == 2:
+        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ok = k0 + tl.arange(0, BLOCK_K)
+            v = (tl.load(r_ptr + row * stride_r + ok, mask=ok < K, other=0.0) + tl.load(
+                x_ptr + row * stride_x + ok, mask=ok < K, other=0.0)).to(tl.float32)
+            ss += v * v
+        rstd = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+        s = tl.load(r_ptr + row * stride_r + rk, mask=k_mask, other=0.0) + tl.load(
+            x_ptr + row * stride_x + rk, mask=k_mask, other=0.0)
+        tl.store(sum_ptr + row * stride_sum + rk, s, mask=k_mask)
+        h = (s.to(tl.float32) * rstd).to(s.dtype)  # the norm's output in the checkpoint's dtype
+        a = (tl.load(nw_ptr + rk, mask=k_mask, other=0.0) * h).to(tl.float32)
+    else:
+        a = tl.load(x_ptr + row * stride_x + rk, mask=k_mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(a), axis=0)
+    if IS_INT8:
+        sa = tl.maximum(amax / 127.0, 1e-12)
+        v = a / sa
+        q = tl.where(v >= 0, tl.floor(v + 0.5), tl.ceil(v - 0.5))
+    else:
+        sa = tl.maximum(amax / 448.0, 1e-12)
+        q = _round_e4m3(a / sa)
+    tl.store(q_ptr + row * stride_q + rk, q.to(q_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(qs_ptr + row * ((K + BLOCK_K - 1) // BLOCK_K) + c, sa)
+
+
+@triton.jit
 def _qmma_kernel(
-    x_ptr, r_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sum_ptr, part_ptr, count_ptr,
-    M, N, stride_x, stride_r, stride_w, stride_out, stride_sum, eps,
-    K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, IS_INT8: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    q_ptr, qs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, stride_q, stride_w, stride_out,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, IS_INT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -68,39 +109,20 @@ def _qmma_kernel(
     m_mask = rm < M
     CHUNKS: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     PER_SPLIT: tl.constexpr = (CHUNKS + SPLIT_K - 1) // SPLIT_K
-    k_first = pid_k * PER_SPLIT * BLOCK_K
+    c_first = pid_k * PER_SPLIT
     pdl_enter(PDL)
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if PROLOGUE == 2:  # the first program also writes the sum (the new residual)
-        rstd = _add_rms_rstd(x_ptr, r_ptr, sum_ptr, rm, m_mask, stride_x, stride_r, stride_sum, eps,
-                             (pid_n == 0) & (pid_k == 0), K, BLOCK_M, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for i in range(PER_SPLIT):  # chunks past K (the last split's) load nothing
-        rk = k_first + i * BLOCK_K + tl.arange(0, BLOCK_K)
+        c = c_first + i
+        rk = c * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = rk < K
         w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        mk = m_mask[:, None] & k_mask[None, :]
-        if PROLOGUE == 1:  # x holds [gate | up], each K wide
-            g = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0)
-            u = tl.load(x_ptr + rm[:, None] * stride_x + K + rk[None, :], mask=mk, other=0.0)
-            a = silu_mul(g, u).to(tl.float32)
-        elif PROLOGUE == 2:
-            s = tl.load(r_ptr + rm[:, None] * stride_r + rk[None, :], mask=mk, other=0.0) + tl.load(
-                x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0)
-            h = (s.to(tl.float32) * rstd[:, None]).to(s.dtype)  # the norm's output in the checkpoint's dtype
-            a = (tl.load(nw_ptr + rk, mask=k_mask, other=0.0)[None, :] * h).to(tl.float32)
-        else:
-            a = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(a), axis=1)
+        a = tl.load(q_ptr + rm[:, None] * stride_q + rk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        sa = tl.load(qs_ptr + rm * CHUNKS + c, mask=m_mask & (c < CHUNKS), other=0.0)
         if IS_INT8:
-            sa = tl.maximum(amax / 127.0, 1e-12)
-            v = a / sa[:, None]
-            aq = tl.where(v >= 0, tl.floor(v + 0.5), tl.ceil(v - 0.5)).to(tl.int8)
-            d = tl.dot(w, tl.trans(aq), out_dtype=tl.int32).to(tl.float32)
+            d = tl.dot(w, tl.trans(a), out_dtype=tl.int32).to(tl.float32)
         else:
-            sa = tl.maximum(amax / 448.0, 1e-12)
-            aq = _round_e4m3(a / sa[:, None]).to(w.dtype)
-            d = tl.dot(w, tl.trans(aq))
+            d = tl.dot(w, tl.trans(a))
         acc += d * sa[None, :]
     acc *= tl.load(s_ptr + rn, mask=n_mask, other=0.0)[:, None]
     out_mask = n_mask[:, None] & m_mask[None, :]
@@ -186,12 +208,18 @@ def _launch(x, weight: QuantizedWeight, bias, prologue, tiles: dict, r=None, nor
     split = t["split_k"] or split_for(n, k, t["block_n"], t["block_k"])
     groups = triton.cdiv(n, t["block_n"])
     part, count = _workspace(x.device, split * block_m * n if split > 1 else 0, groups)
+    chunks = triton.cdiv(k, t["block_k"])
+    q = torch.empty(m, k, device=x.device, dtype=weight.q.dtype)  # rows up to BLOCK_M are masked, never read
+    qs = torch.empty(m, chunks, device=x.device, dtype=torch.float32)
+    pdl_opts = launch_options(pdl, x)
+    _quantize_kernel[(m, chunks)](
+        x, r, norm_weight, summed, q, qs, x.stride(0), r.stride(0), summed.stride(0), q.stride(0), eps, K=k,
+        PROLOGUE=prologue, IS_INT8=weight.kind == "int8", BLOCK_K=t["block_k"], num_warps=4, **pdl_opts)
     _qmma_kernel[(groups, split)](
-        x, r, norm_weight, weight.q, weight.scale, weight.scale if bias is None else bias, out, summed, part, count,
-        m, n, x.stride(0), r.stride(0), weight.q.stride(0), out.stride(0), summed.stride(0), eps,
-        K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, IS_INT8=weight.kind == "int8", BLOCK_M=block_m,
-        BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], SPLIT_K=split, num_warps=t["num_warps"],
-        num_stages=t["num_stages"], **launch_options(pdl, x))
+        q, qs, weight.q, weight.scale, weight.scale if bias is None else bias, out, part, count, m, n, q.stride(0),
+        weight.q.stride(0), out.stride(0), K=k, HAS_BIAS=bias is not None, IS_INT8=weight.kind == "int8",
+        BLOCK_M=block_m, BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], SPLIT_K=split, num_warps=t["num_warps"],
+        num_stages=t["num_stages"], **pdl_opts)
     return out, (summed if prologue == ADD_RMS_NORM else None)
 
 
