@@ -297,10 +297,10 @@ def _tiles(block_n, block_k, num_warps) -> dict:
     return {k: v for k, v in (("block_n", block_n), ("block_k", block_k), ("num_warps", num_warps)) if v is not None}
 
 
-def _mma(x: torch.Tensor, weight, mma: int) -> bool:
-    """Whether x's rows go to the tensor-core kernel for quantized weights (kernels/qmma_triton.py): ``mma`` > 0
-    and at least ``mma`` rows (at most its MAX_M)."""
-    if not mma or x.shape[0] < mma or not isinstance(weight, QuantizedWeight):
+def _mma(x: torch.Tensor, weight, mma: int, min_n: int = 0) -> bool:
+    """Whether x's rows go to the tensor-core kernel for quantized weights (kernels/qmma_triton.py): ``mma`` > 0,
+    at least ``mma`` rows (at most its MAX_M) and at least ``min_n`` outputs."""
+    if not mma or x.shape[0] < mma or not isinstance(weight, QuantizedWeight) or weight.q.shape[0] < min_n:
         return False
     from kernels.qmma_triton import supported
 
@@ -316,12 +316,12 @@ def _mma_tiles(block_n, block_k, split, num_warps, num_stages) -> dict:
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, max_m: int = 4,
                   block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None, pdl: int = 0,
                   evict: int = 0, mma: int = 0, mma_block_n: int = 0, mma_block_k: int = 0, mma_split: int = 0,
-                  mma_warps: int = 0, mma_stages: int = 0) -> torch.Tensor:
+                  mma_warps: int = 0, mma_stages: int = 0, mma_min_n: int = 0) -> torch.Tensor:
     """x: (T, K), weight: (N, K) -> (T, N). T > max_m goes to torch's matrix multiply. ``pdl``: programmatic
     dependent launch (kernels/pdl.py); ``evict``: 1, the weights read with the L2 "evict first" policy; ``mma``:
     quantized weights times ``mma`` to 64 rows on the tensor cores (kernels/qmma_triton.py, its tiles ``mma_*``,
-    0: autotuned), 0: never."""
-    if _mma(x, weight, mma):
+    0: autotuned), 0: never; ``mma_min_n``: only for weights of at least that many rows (outputs)."""
+    if _mma(x, weight, mma, mma_min_n):
         from kernels.qmma_triton import NONE as Q_NONE, qmma
 
         tiles = _mma_tiles(mma_block_n, mma_block_k, mma_split, mma_warps, mma_stages)
@@ -341,14 +341,14 @@ def norm_linear_triton(
     x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
     bias: torch.Tensor | None = None, *, max_m: int = 4, block_n: int | None = None, block_k: int | None = None,
     num_warps: int | None = None, pdl: int = 0, evict: int = 0, mma: int = 0, mma_block_n: int = 0,
-    mma_block_k: int = 0, mma_split: int = 0, mma_warps: int = 0, mma_stages: int = 0,
+    mma_block_k: int = 0, mma_split: int = 0, mma_warps: int = 0, mma_stages: int = 0, mma_min_n: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (linear(rms_norm(x + residual)), x + residual); x, residual: (T, K). ``evict`` and ``mma*`` as
     ``linear_triton``'s."""
     from kernels.norm_triton import fused_add_rms_norm_triton
 
     assert residual.shape == x.shape and norm_weight.shape == (x.shape[1],)
-    if _mma(x, weight, mma):
+    if _mma(x, weight, mma, mma_min_n):
         from kernels.qmma_triton import ADD_RMS_NORM as Q_NORM, qmma
 
         tiles = _mma_tiles(mma_block_n, mma_block_k, mma_split, mma_warps, mma_stages)
@@ -377,13 +377,13 @@ def norm_linear_triton(
 def act_linear_triton(x: torch.Tensor, weight: torch.Tensor, *, max_m: int = 4, block_n: int | None = None,
                       block_k: int | None = None, num_warps: int | None = None, pdl: int = 0, evict: int = 0,
                       mma: int = 0, mma_block_n: int = 0, mma_block_k: int = 0, mma_split: int = 0,
-                      mma_warps: int = 0, mma_stages: int = 0) -> torch.Tensor:
+                      mma_warps: int = 0, mma_stages: int = 0, mma_min_n: int = 0) -> torch.Tensor:
     """x: (T, 2K) holding [gate | up]; weight: (N, K) -> linear(silu(gate) * up). ``evict`` and ``mma*`` as
     ``linear_triton``'s."""
     from kernels.activation_triton import silu_and_mul_triton
 
     assert x.shape[1] == 2 * weight.shape[1], f"input {tuple(x.shape)} does not hold [gate | up] for {tuple(weight.shape)}"
-    if _mma(x, weight, mma):
+    if _mma(x, weight, mma, mma_min_n):
         from kernels.qmma_triton import SILU_MUL as Q_SILU, qmma
 
         tiles = _mma_tiles(mma_block_n, mma_block_k, mma_split, mma_warps, mma_stages)

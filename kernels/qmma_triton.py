@@ -256,11 +256,10 @@ def qmma_ref(x: torch.Tensor, weight: QuantizedWeight, block_k: int, bias: torch
     ``block_k`` chunks quantized to the weight's format with their own scale, times the quantized weights, times
     the weights' scales."""
     t, k = x.shape
-    xf = x.to(torch.float64)
     out = torch.zeros(t, weight.q.shape[0], dtype=torch.float64, device=x.device)
     wq = weight.q.to(torch.float64)
     for k0 in range(0, k, block_k):
-        a = xf[:, k0:k0 + block_k]
+        a = x[:, k0:k0 + block_k].to(torch.float32)  # the scales and codes in float32, as the kernel computes them
         amax = a.abs().amax(dim=1, keepdim=True)
         if weight.kind == "int8":
             sa = (amax / 127.0).clamp(min=1e-12)
@@ -268,7 +267,7 @@ def qmma_ref(x: torch.Tensor, weight: QuantizedWeight, block_k: int, bias: torch
             aq = torch.where(v >= 0, torch.floor(v + 0.5), torch.ceil(v - 0.5))
         else:
             sa = (amax / FP8_MAX).clamp(min=1e-12)
-            aq = (a / sa).to(torch.float32).to(torch.float8_e4m3fn).to(torch.float64)
-        out += (aq @ wq[:, k0:k0 + block_k].t()) * sa
+            aq = (a / sa).to(torch.float8_e4m3fn)
+        out += (aq.to(torch.float64) @ wq[:, k0:k0 + block_k].t()) * sa.to(torch.float64)
     out *= weight.scale.to(torch.float64)[None, :]
     return out if bias is None else out + bias.to(torch.float64)

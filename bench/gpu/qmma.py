@@ -123,15 +123,21 @@ def qmma_projections(kinds=("fp8", "int8"), rows=(1, 16)) -> None:
                     f"layer {t_bf16:.1f} us: {t_bf16 / t['mma']:.2f}x")
 
 
-def _with_mma(spec, mma: int = 1):
-    """``spec`` with its quantized projections on the tensor-core kernel from ``mma`` rows (autotuned tiles)."""
+def _with_mma(spec, mma: int = 1, min_n: dict | None = None):
+    """``spec`` with its quantized projections on the tensor-core kernel from ``mma`` rows (autotuned tiles);
+    ``min_n``: op -> the fewest outputs a weight needs to take it (ops absent: any)."""
     from engine.presets import TRITON_GEMV
 
     params = {op: dict(p) for op, p in spec.kernel_params}
     for op in TRITON_GEMV:
         if dict(spec.kernels).get(op) == "triton":
-            params[op] = {**params.get(op, {}), "mma": mma}
+            params[op] = {**params.get(op, {}), "mma": mma, **({"mma_min_n": min_n[op]} if op in (min_n or {}) else {})}
     return dataclasses.replace(spec, kernel_params=params)
+
+
+# batch 1: the tensor cores where they beat the GEMV alone (gate_up, down, lm_head: bench/RESULTS.md), the GEMV for
+# QKV and the output projection
+MIXED = {"linear": 8192, "norm_linear": 8192}
 
 
 @section
@@ -147,8 +153,11 @@ def qmma_decode(m: Llama8B) -> None:
     for label, spec in (("bf16, dense-decode", base),
                         ("fp8, dense-decode (GEMV)", dataclasses.replace(base, weight_dtype="fp8")),
                         ("fp8, dense-decode + tensor cores", _with_mma(dataclasses.replace(base, weight_dtype="fp8"))),
+                        ("fp8, dense-decode + tensor cores for gate_up, down, lm_head",
+                         _with_mma(dataclasses.replace(base, weight_dtype="fp8"), min_n=MIXED)),
                         ("int8, dense-decode (GEMV)", dataclasses.replace(base, weight_dtype="int8")),
-                        ("int8, dense-decode + tensor cores", _with_mma(dataclasses.replace(base, weight_dtype="int8")))):
+                        ("int8, dense-decode + tensor cores for gate_up, down, lm_head",
+                         _with_mma(dataclasses.replace(base, weight_dtype="int8"), min_n=MIXED))):
         try:
             got[label] = _measure(eng, spec, prompt, new)
         except Exception as e:
