@@ -67,7 +67,9 @@ def fp8_forms(base) -> dict:
     """static-best with FP8 weights in the forms compared here: {label: VariantSpec}."""
     from engine.presets import TRITON_GEMV, quantized_variant
 
-    pinned = quantized_variant(base, "fp8", "cuda")
+    from bench.gpu.qmma import _with_mma
+
+    pinned = _with_mma(quantized_variant(base, "fp8", "cuda"), 0)  # the GEMV form, before the tensor-core kernel
     params = {op: dict(p) for op, p in pinned.kernel_params}
     gemm_only = {**params, **{op: {**params.get(op, {}), "max_m": 0} for op in TRITON_GEMV}}
     return {"fp8, library GEMM (torch's activation quantization)": dataclasses.replace(base, weight_dtype="fp8"),

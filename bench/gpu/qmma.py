@@ -186,8 +186,9 @@ def qmma_served(m: Llama8B, out=None, batches=(1, 8, 16, 32)) -> None:
         row("qmma served", "skipped: no static-best recorded for the 8B on this device")
         return
     forms = {"static-best bf16": base,
-             "fp8, GEMV to 4 rows (pinned), FP8 GEMM above": quantized_variant(base, "fp8", "cuda"),
+             "fp8, GEMV to 4 rows (pinned), FP8 GEMM above": _with_mma(quantized_variant(base, "fp8", "cuda"), 0),
              "fp8, tensor cores to 64 rows": _with_mma(quantized_variant(base, "fp8", "cuda")),
+             "fp8 as the tuner proposes it (GEMV at 1 row, tensor cores 2-64)": quantized_variant(base, "fp8", "cuda"),
              "int8, tensor cores to 64 rows": _with_mma(quantized_variant(base, "int8", "cuda"))}
     got: dict[str, dict[int, float]] = {}
     for label, spec in forms.items():

@@ -399,7 +399,7 @@ def test_a_kv_swap_without_room_for_both_pools_releases_the_old_one(monkeypatch,
 
 
 def test_quantized_variant_takes_the_triton_projections_with_pinned_tiles_on_a_gpu_only():
-    from engine.presets import QUANTIZED_TILES, quantized_variant
+    from engine.presets import QUANTIZED_MMA, QUANTIZED_TILES, quantized_variant
 
     base = VariantSpec(name="sb", kernels={"attention": "triton_paged", "act_linear": "triton"},
                        kernel_params={"attention": {"block_n": 128}, "linear": {"pdl": 1},
@@ -408,8 +408,10 @@ def test_quantized_variant_takes_the_triton_projections_with_pinned_tiles_on_a_g
     kernels, params = dict(gpu.kernels), {op: dict(p) for op, p in gpu.kernel_params}
     assert gpu.weight_dtype == "fp8" and gpu.name == "sb + fp8 weights" and gpu.max_num_seqs == 32
     assert kernels["linear"] == kernels["norm_linear"] == "triton" and kernels["attention"] == "triton_paged"
-    assert kernels["act_linear"] == "triton" and params["act_linear"] == {"block_n": 16}  # a chosen form is kept
-    assert params["linear"] == {"pdl": 1, **QUANTIZED_TILES} and params["norm_linear"] == QUANTIZED_TILES
+    # a chosen form keeps its tiles; every Triton projection takes the tensor-core kernel from 2 rows
+    assert kernels["act_linear"] == "triton" and params["act_linear"] == {"block_n": 16, **QUANTIZED_MMA}
+    assert params["linear"] == {"pdl": 1, **QUANTIZED_TILES, **QUANTIZED_MMA}
+    assert params["norm_linear"] == {**QUANTIZED_TILES, **QUANTIZED_MMA}
     assert params["attention"] == {"block_n": 128}
     cpu = quantized_variant(base, "int8", "cpu", name="q")
     assert (cpu.name, cpu.weight_dtype, cpu.kernels, cpu.kernel_params) == ("q", "int8", base.kernels,
