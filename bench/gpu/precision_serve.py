@@ -82,7 +82,6 @@ def fp8_forms(base) -> dict:
 def served_decode_by_precision(m: Llama8B, out=None, batches=(1, 8, 16, 32)) -> None:
     """Decode steps by form; the fastest FP8 form's change to static-best goes to ``out``/fp8_change.json (for
     bench/capacity_ab.py)."""
-    import json
 
     from engine.loader import resolve
     from engine.static_best import lookup
@@ -92,7 +91,15 @@ def served_decode_by_precision(m: Llama8B, out=None, batches=(1, 8, 16, 32)) -> 
     if base is None:
         row("served decode by precision", "skipped: no static-best recorded for the 8B on this device")
         return
-    forms = {"static-best bf16": base, **fp8_forms(base)}
+    served_steps(eng, {"static-best bf16": base, **fp8_forms(base)}, batches, out, "fp8_change.json")
+
+
+def served_steps(eng, forms: dict, batches, out, change_file: str) -> None:
+    """Decode steps of each form (the first is the baseline) at each batch size, a row per form; the fastest other
+    form's change to the baseline (over the batches) to ``out``/``change_file`` (for bench/capacity_ab.py)."""
+    import json
+
+    base_label = next(iter(forms))
     got: dict[str, dict[int, float]] = {}
     for label, spec in forms.items():
         try:
@@ -104,15 +111,15 @@ def served_decode_by_precision(m: Llama8B, out=None, batches=(1, 8, 16, 32)) -> 
             traceback.print_exc()
             row(f"8B decode step, {label}", f"FAILED {type(e).__name__}: {str(e)[:160]}")
             continue
-        ref = got.get("static-best bf16")
+        ref = got.get(base_label)
         row(f"8B decode step, {label} (prepared in {prepared:.1f} s)",
-            "; ".join(f"b={b} {ms:.2f} ms" + (f" ({ref[b] / ms:.2f}x)" if ref and label != "static-best bf16" else "")
+            "; ".join(f"b={b} {ms:.2f} ms" + (f" ({ref[b] / ms:.2f}x)" if ref and label != base_label else "")
                       for b, ms in got[label].items()))
-    eng.apply_variant(base)
-    fp8 = {k: sum(v.values()) for k, v in got.items() if k != "static-best bf16"}
-    if fp8 and out is not None:
-        best = forms[min(fp8, key=fp8.get)]
-        change = {"weight_dtype": "fp8", "kernels": dict(best.kernels),
+    eng.apply_variant(forms[base_label])
+    others = {k: sum(v.values()) for k, v in got.items() if k != base_label}
+    if others and out is not None:
+        best = forms[min(others, key=others.get)]
+        change = {"weight_dtype": best.weight_dtype, "kernels": dict(best.kernels),
                   "kernel_params": {op: dict(p) for op, p in best.kernel_params}}
-        (out / "fp8_change.json").write_text(json.dumps(change))
-        row("fastest FP8 form over the batches", min(fp8, key=fp8.get))
+        (out / change_file).write_text(json.dumps(change))
+        row("fastest form over the batches", min(others, key=others.get))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 import traceback
 
 import torch
@@ -175,7 +174,7 @@ def qmma_served(m: Llama8B, out=None, batches=(1, 8, 16, 32)) -> None:
     its FP8 and int8 forms on the tensor-core kernel; the chosen tiles and the fastest form's change to
     ``out``/qmma_change.json (for bench/capacity_ab.py)."""
     import kernels.qmma_triton as qm
-    from bench.gpu.precision_serve import _step_ms
+    from bench.gpu.precision_serve import served_steps
     from engine.loader import resolve
     from engine.presets import quantized_variant
     from engine.static_best import lookup
@@ -190,27 +189,5 @@ def qmma_served(m: Llama8B, out=None, batches=(1, 8, 16, 32)) -> None:
              "fp8, tensor cores to 64 rows": _with_mma(quantized_variant(base, "fp8", "cuda")),
              "fp8 as the tuner proposes it (GEMV at 1 row, tensor cores 2-64)": quantized_variant(base, "fp8", "cuda"),
              "int8, tensor cores to 64 rows": _with_mma(quantized_variant(base, "int8", "cuda"))}
-    got: dict[str, dict[int, float]] = {}
-    for label, spec in forms.items():
-        try:
-            t = time.perf_counter()
-            eng.apply_variant(spec)
-            prepared = time.perf_counter() - t
-            got[label] = {b: _step_ms(eng, b) for b in batches}
-        except Exception as e:
-            traceback.print_exc()
-            row(f"8B decode step, {label}", f"FAILED {type(e).__name__}: {str(e)[:160]}")
-            continue
-        ref = got.get("static-best bf16")
-        row(f"8B decode step, {label} (prepared in {prepared:.1f} s)",
-            "; ".join(f"b={b} {ms:.2f} ms" + (f" ({ref[b] / ms:.2f}x)" if ref and label != "static-best bf16" else "")
-                      for b, ms in got[label].items()))
-    eng.apply_variant(base)
+    served_steps(eng, forms, batches, out, "qmma_change.json")
     row("qmma tiles chosen", json.dumps({f"{k[0]}x{k[1]}x{k[2]} {k[3]} p{k[4]}": v for k, v in qm._TUNED.items()}))
-    quant = {k: sum(v.values()) for k, v in got.items() if k != "static-best bf16"}
-    if quant and out is not None:
-        best = forms[min(quant, key=quant.get)]
-        change = {"weight_dtype": best.weight_dtype, "kernels": dict(best.kernels),
-                  "kernel_params": {op: dict(p) for op, p in best.kernel_params}}
-        (out / "qmma_change.json").write_text(json.dumps(change))
-        row("fastest quantized form over the batches", min(quant, key=quant.get))
