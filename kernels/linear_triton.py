@@ -23,7 +23,6 @@ kernel on wide projections).
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +32,7 @@ import triton.language as tl
 from kernels.activation_triton import silu_mul
 from kernels.pdl import launch_options, pdl_enter
 from kernels.quant import QuantizedWeight, qlinear
+from kernels.timing import graph_time, interpreted as _interpreted
 
 NONE, SILU_MUL, ADD_RMS_NORM = 0, 1, 2  # input prologues
 # elements (rows x columns) of x + residual the norm prologue loads at once for the row's statistics: its
@@ -160,43 +160,6 @@ def _gemv_kernel(
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-_FLUSH: dict[torch.device, torch.Tensor] = {}
-
-
-def graph_time(fn, calls: int = 10) -> float:
-    """Milliseconds per call of ``fn`` with a cold L2 (as a decode step streams its weights), without the
-    host's launch time: ``calls`` x (flush L2; fn) replayed from a CUDA graph, minus the flushes alone.
-    (Timing launches one by one would charge a two-launch path for host time a graph does not spend.)"""
-    dev = torch.device("cuda", torch.cuda.current_device())
-    if dev not in _FLUSH:
-        _FLUSH[dev] = torch.empty(64 * 1024 * 1024, dtype=torch.int32, device=dev)  # 256 MB, more than L2
-    buf = _FLUSH[dev]
-    fn()
-    torch.cuda.synchronize()
-    both, flush = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(both, capture_error_mode="thread_local"):
-        for _ in range(calls):
-            buf.zero_()
-            fn()
-    with torch.cuda.graph(flush, capture_error_mode="thread_local"):
-        for _ in range(calls):
-            buf.zero_()
-
-    def best(graph) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(3):
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return min(times)
-
-    best(both), best(flush)  # first replays upload the graphs
-    return max(0.0, best(both) - best(flush)) / calls
-
-
 def _quick_bench(fn, quantiles):
     t = graph_time(fn)
     return [t] * len(quantiles) if quantiles else t
@@ -225,10 +188,6 @@ def _triton_is_faster(key: tuple, triton_call, torch_call) -> bool:
 def _auto(x: torch.Tensor, tiles: dict) -> bool:
     """Whether tiles are autotuned and the choice against torch is timed (a GPU, no tiles fixed)."""
     return not tiles and x.is_cuda and not _interpreted()
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _gemv(x, weight, bias, prologue, tiles, r=None, norm_weight=None, eps=0.0, k=None, pdl=0, evict=0):

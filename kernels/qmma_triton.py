@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels.activation_triton import silu_mul
-from kernels.linear_triton import _interpreted, graph_time
+from kernels.timing import graph_time, interpreted as _interpreted
 from kernels.pdl import launch_options, pdl_enter
 from kernels.quant import FP8_MAX, QuantizedWeight
 
