@@ -23,7 +23,6 @@ kernel on wide projections).
 """
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -256,20 +255,19 @@ def _tiles(block_n, block_k, num_warps) -> dict:
     return {k: v for k, v in (("block_n", block_n), ("block_k", block_k), ("num_warps", num_warps)) if v is not None}
 
 
-def _mma(x: torch.Tensor, weight, mma: int, min_n: int = 0) -> bool:
-    """Whether x's rows go to the tensor-core kernel for quantized weights (kernels/qmma_triton.py): ``mma`` > 0,
-    at least ``mma`` rows (at most its MAX_M) and at least ``min_n`` outputs."""
+def _on_tensor_cores(x: torch.Tensor, weight, bias, prologue: int, mma: int, min_n: int, block_n: int, block_k: int,
+                     split: int, num_warps: int, num_stages: int, **kw):
+    """(out, summed or None) from the tensor-core kernel for quantized weights (kernels/qmma_triton.py) when x's rows
+    go there: ``mma`` > 0, at least ``mma`` rows (at most its MAX_M), at least ``min_n`` outputs; else None. The
+    tiles a variant fixes (0: autotuned); ``kw``: the prologue's operands and ``pdl``."""
     if not mma or x.shape[0] < mma or not isinstance(weight, QuantizedWeight) or weight.q.shape[0] < min_n:
-        return False
-    from kernels.qmma_triton import supported
+        return None
+    from kernels.qmma_triton import qmma, supported  # the prologue codes are this module's
 
-    return supported(x, weight)
-
-
-def _mma_tiles(block_n, block_k, split, num_warps, num_stages) -> dict:
-    """The tensor-core kernel's tiles a variant fixes (0: its autotuned ones)."""
+    if not supported(x, weight):
+        return None
     t = {"block_n": block_n, "block_k": block_k, "split_k": split, "num_warps": num_warps, "num_stages": num_stages}
-    return {k: v for k, v in t.items() if v} if block_n else {}
+    return qmma(x.contiguous(), weight, bias, prologue, {k: v for k, v in t.items() if v} if block_n else {}, **kw)
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, max_m: int = 4,
@@ -280,11 +278,10 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     dependent launch (kernels/pdl.py); ``evict``: 1, the weights read with the L2 "evict first" policy; ``mma``:
     quantized weights times ``mma`` to 64 rows on the tensor cores (kernels/qmma_triton.py, its tiles ``mma_*``,
     0: autotuned), 0: never; ``mma_min_n``: only for weights of at least that many rows (outputs)."""
-    if _mma(x, weight, mma, mma_min_n):
-        from kernels.qmma_triton import NONE as Q_NONE, qmma
-
-        tiles = _mma_tiles(mma_block_n, mma_block_k, mma_split, mma_warps, mma_stages)
-        return qmma(x.contiguous(), weight, bias, Q_NONE, tiles, pdl=pdl)[0]
+    got = _on_tensor_cores(x, weight, bias, NONE, mma, mma_min_n, mma_block_n, mma_block_k, mma_split, mma_warps,
+                           mma_stages, pdl=pdl)
+    if got is not None:
+        return got[0]
     tiles = _tiles(block_n, block_k, num_warps)
     max_m = _max_rows(weight, max_m)
     if x.shape[0] > max_m or x.shape[0] == 0:
@@ -307,12 +304,10 @@ def norm_linear_triton(
     from kernels.norm_triton import fused_add_rms_norm_triton
 
     assert residual.shape == x.shape and norm_weight.shape == (x.shape[1],)
-    if _mma(x, weight, mma, mma_min_n):
-        from kernels.qmma_triton import ADD_RMS_NORM as Q_NORM, qmma
-
-        tiles = _mma_tiles(mma_block_n, mma_block_k, mma_split, mma_warps, mma_stages)
-        return qmma(x.contiguous(), weight, bias, Q_NORM, tiles, r=residual.contiguous(), norm_weight=norm_weight,
-                    eps=eps, pdl=pdl)
+    got = _on_tensor_cores(x, weight, bias, ADD_RMS_NORM, mma, mma_min_n, mma_block_n, mma_block_k, mma_split,
+                           mma_warps, mma_stages, r=residual.contiguous(), norm_weight=norm_weight, eps=eps, pdl=pdl)
+    if got is not None:
+        return got
     tiles = _tiles(block_n, block_k, num_warps)
     max_m = _max_rows(weight, max_m)
 
@@ -342,11 +337,10 @@ def act_linear_triton(x: torch.Tensor, weight: torch.Tensor, *, max_m: int = 4, 
     from kernels.activation_triton import silu_and_mul_triton
 
     assert x.shape[1] == 2 * weight.shape[1], f"input {tuple(x.shape)} does not hold [gate | up] for {tuple(weight.shape)}"
-    if _mma(x, weight, mma, mma_min_n):
-        from kernels.qmma_triton import SILU_MUL as Q_SILU, qmma
-
-        tiles = _mma_tiles(mma_block_n, mma_block_k, mma_split, mma_warps, mma_stages)
-        return qmma(x.contiguous(), weight, None, Q_SILU, tiles, k=weight.shape[1], pdl=pdl)[0]
+    got = _on_tensor_cores(x, weight, None, SILU_MUL, mma, mma_min_n, mma_block_n, mma_block_k, mma_split, mma_warps,
+                           mma_stages, k=weight.shape[1], pdl=pdl)
+    if got is not None:
+        return got[0]
     tiles = _tiles(block_n, block_k, num_warps)
     max_m = _max_rows(weight, max_m)
     if x.shape[0] > max_m or x.shape[0] == 0:

@@ -21,6 +21,8 @@ hardware's; kernels/quant_triton.py).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -30,7 +32,7 @@ from kernels.timing import graph_time, interpreted as _interpreted
 from kernels.pdl import launch_options, pdl_enter
 from kernels.quant import FP8_MAX, QuantizedWeight
 
-NONE, SILU_MUL, ADD_RMS_NORM = 0, 1, 2  # input prologues, as kernels/linear_triton.py
+NONE, SILU_MUL, ADD_RMS_NORM = 0, 1, 2  # input prologues: the same codes as kernels/linear_triton.py's
 MAX_M = 64  # rows this kernel takes (the MMA's narrow side; wider batches are a GEMM's)
 DEFAULT_TILES = {"block_n": 64, "block_k": 256, "split_k": 0, "num_warps": 4, "num_stages": 4}
 # (BLOCK_N, BLOCK_K, warps, stages) tried on a GPU; the split from the number of row groups (``split_for``)
@@ -188,7 +190,13 @@ def supported(x: torch.Tensor, weight) -> bool:
         return True
     if not x.is_cuda:
         return False
-    return torch.cuda.get_device_capability(x.device) >= ((8, 9) if weight.kind == "fp8" else (8, 0))
+    return _capability(x.device.index if x.device.index is not None else torch.cuda.current_device()) >= (
+        (8, 9) if weight.kind == "fp8" else (8, 0))
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
 
 
 _TUNED: dict[tuple, dict] = {}

@@ -114,3 +114,8 @@ def test_split_fills_the_device_and_keeps_two_chunks_per_program():
     assert split_for(4096, 14336, 64, 256) == 4
     assert split_for(28672, 4096, 64, 256) == 1  # 448 groups already
     assert split_for(64, 256, 64, 256) == 1  # one chunk: nothing to split
+
+
+def test_prologue_codes_are_the_gemvs():
+    # the linear ops pass their own prologue codes to the tensor-core kernel
+    assert (NONE, SILU_MUL, ADD_RMS_NORM) == (lt.NONE, lt.SILU_MUL, lt.ADD_RMS_NORM)
