@@ -203,19 +203,20 @@ def preset_variant(preset_name: str, /, hidden_size: int | None = None, base: Va
 # with FP8 weights 3.47 ms at batch 1 against bf16 static-best's 4.71 (1.36x); 0.97-0.98x at 8-16 sequences,
 # where the FP8 tensor-core GEMM takes over (bench/RESULTS.md).
 QUANTIZED_TILES = {"block_n": 8, "block_k": 1024, "num_warps": 8}
-# From 2 to 64 rows the projections run on the tensor-core kernel for one-byte weights (kernels/qmma_triton.py,
-# its tiles autotuned: 5 per shape, 14 s of a swap on an H200). Measured there, 8B decode steps of static-best with
-# FP8 weights: 2.95 / 3.40 / 5.17 ms at 8 / 16 / 32 sequences against bf16 static-best's 5.13 / 5.11 / 6.05
-# (1.74x / 1.50x / 1.17x; the FP8 GEMM above 4 rows: 0.99x / 0.96x / 0.99x); at one row the GEMV (1.49x) beat it
-# (1.45x), so one row keeps the GEMV (bench/RESULTS.md).
-QUANTIZED_MMA = {"mma": 2}
+# From 1 to 64 rows the projections run on the tensor-core kernel for one-byte weights (kernels/qmma_triton.py,
+# its tiles autotuned: 5 per shape, 14 s of a swap on an H200), except at one row on weights under 32 Mi elements,
+# where the GEMV's one launch beats the kernel's two (8B: QKV and o_proj). Measured there, 8B decode steps of
+# static-best with FP8 weights: 2.95 / 3.40 / 5.17 ms at 8 / 16 / 32 sequences against bf16 static-best's 5.13 /
+# 5.11 / 6.05 (1.74x / 1.50x / 1.17x; the FP8 GEMM above 4 rows: 0.99x / 0.96x / 0.99x); batch-1 decode 1.56x with
+# this split at one row against 1.52x with the GEMV alone (bench/RESULTS.md).
+QUANTIZED_MMA = {"mma": 1, "mma_min_numel": 32 << 20}
 
 
 def quantized_variant(base: VariantSpec, kind: str, device: str, name: str | None = None) -> VariantSpec:
     """``base`` with ``kind`` ("int8" or "fp8") weights. On a GPU its projections are the Triton ones (torch has
     no matrix-vector product for one-byte weights; its FP8 GEMM quantizes the activations first, a pass of seven
-    kernels through the library path) with pinned tiles, for one row, and the tensor-core kernel for one-byte
-    weights from 2 to 64 rows (``QUANTIZED_MMA``); the other operations and
+    kernels through the library path): the GEMV with pinned tiles for one row of a small weight, the tensor-core
+    kernel for one-byte weights otherwise, to 64 rows (``QUANTIZED_MMA``); the other operations and
     parameters stay ``base``'s."""
     kernels, params = dict(base.kernels), {op: dict(p) for op, p in base.kernel_params}
     if device.startswith("cuda"):

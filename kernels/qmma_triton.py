@@ -98,6 +98,21 @@ def _quantize_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, q_ptr, qs_ptr, stride_x, str
 
 
 @triton.jit
+def _qmma_chunk(acc, w, q_ptr, qs_ptr, rm, m_mask, c, stride_q, K: tl.constexpr, CHUNKS: tl.constexpr,
+                IS_INT8: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc plus chunk c's product: weight rows ``w`` (BLOCK_N, BLOCK_K) on the tensor cores against the rows'
+    codes, times the rows' scales of the chunk."""
+    rk = c * BLOCK_K + tl.arange(0, BLOCK_K)
+    a = tl.load(q_ptr + rm[:, None] * stride_q + rk[None, :], mask=m_mask[:, None] & (rk < K)[None, :], other=0.0)
+    sa = tl.load(qs_ptr + rm * CHUNKS + c, mask=m_mask & (c < CHUNKS), other=0.0)
+    if IS_INT8:
+        d = tl.dot(w, tl.trans(a), out_dtype=tl.int32).to(tl.float32)
+    else:
+        d = tl.dot(w, tl.trans(a))
+    return acc + d * sa[None, :]
+
+
+@triton.jit
 def _qmma_kernel(
     q_ptr, qs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, stride_q, stride_w, stride_out,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, IS_INT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -112,20 +127,19 @@ def _qmma_kernel(
     CHUNKS: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     PER_SPLIT: tl.constexpr = (CHUNKS + SPLIT_K - 1) // SPLIT_K
     c_first = pid_k * PER_SPLIT
+    # the first chunk of weights is requested before waiting for the quantization launch (kernels/pdl.py): with PDL
+    # this program can be resident while that launch runs, and its weights' latency overlaps it
+    rk = c_first * BLOCK_K + tl.arange(0, BLOCK_K)
+    w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
     pdl_enter(PDL)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for i in range(PER_SPLIT):  # chunks past K (the last split's) load nothing
+    acc = _qmma_chunk(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), w, q_ptr, qs_ptr, rm, m_mask, c_first,
+                      stride_q, K, CHUNKS, IS_INT8, BLOCK_K)
+    for i in range(1, PER_SPLIT):  # chunks past K (the last split's) load nothing
         c = c_first + i
         rk = c * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_mask = rk < K
-        w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        a = tl.load(q_ptr + rm[:, None] * stride_q + rk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        sa = tl.load(qs_ptr + rm * CHUNKS + c, mask=m_mask & (c < CHUNKS), other=0.0)
-        if IS_INT8:
-            d = tl.dot(w, tl.trans(a), out_dtype=tl.int32).to(tl.float32)
-        else:
-            d = tl.dot(w, tl.trans(a))
-        acc += d * sa[None, :]
+        w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :],
+                    other=0.0)
+        acc = _qmma_chunk(acc, w, q_ptr, qs_ptr, rm, m_mask, c, stride_q, K, CHUNKS, IS_INT8, BLOCK_K)
     acc *= tl.load(s_ptr + rn, mask=n_mask, other=0.0)[:, None]
     out_mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT_K == 1:

@@ -122,21 +122,21 @@ def qmma_projections(kinds=("fp8", "int8"), rows=(1, 16)) -> None:
                     f"layer {t_bf16:.1f} us: {t_bf16 / t['mma']:.2f}x")
 
 
-def _with_mma(spec, mma: int = 1, min_n: dict | None = None):
+def _with_mma(spec, mma: int = 1, min_numel: int = 0):
     """``spec`` with its quantized projections on the tensor-core kernel from ``mma`` rows (autotuned tiles);
-    ``min_n``: op -> the fewest outputs a weight needs to take it (ops absent: any)."""
+    ``min_numel``: at one row, only weights of that many elements (the smaller ones: the GEMV)."""
     from engine.presets import TRITON_GEMV
 
     params = {op: dict(p) for op, p in spec.kernel_params}
     for op in TRITON_GEMV:
         if dict(spec.kernels).get(op) == "triton":
-            params[op] = {**params.get(op, {}), "mma": mma, **({"mma_min_n": min_n[op]} if op in (min_n or {}) else {})}
+            params[op] = {**params.get(op, {}), "mma": mma, "mma_min_numel": min_numel}
     return dataclasses.replace(spec, kernel_params=params)
 
 
 # batch 1: the tensor cores where they beat the GEMV alone (gate_up, down, lm_head: bench/RESULTS.md), the GEMV for
-# QKV and the output projection
-MIXED = {"linear": 8192, "norm_linear": 8192}
+# QKV and the output projection (25 and 17 Mi elements); the tuner's own split (engine.presets.QUANTIZED_MMA)
+MIXED = 32 << 20
 
 
 @section
@@ -153,10 +153,10 @@ def qmma_decode(m: Llama8B) -> None:
                         ("fp8, dense-decode (GEMV)", dataclasses.replace(base, weight_dtype="fp8")),
                         ("fp8, dense-decode + tensor cores", _with_mma(dataclasses.replace(base, weight_dtype="fp8"))),
                         ("fp8, dense-decode + tensor cores for gate_up, down, lm_head",
-                         _with_mma(dataclasses.replace(base, weight_dtype="fp8"), min_n=MIXED)),
+                         _with_mma(dataclasses.replace(base, weight_dtype="fp8"), min_numel=MIXED)),
                         ("int8, dense-decode (GEMV)", dataclasses.replace(base, weight_dtype="int8")),
                         ("int8, dense-decode + tensor cores for gate_up, down, lm_head",
-                         _with_mma(dataclasses.replace(base, weight_dtype="int8"), min_n=MIXED))):
+                         _with_mma(dataclasses.replace(base, weight_dtype="int8"), min_numel=MIXED))):
         try:
             got[label] = _measure(eng, spec, prompt, new)
         except Exception as e:
@@ -170,9 +170,9 @@ def qmma_decode(m: Llama8B) -> None:
 
 @section
 def qmma_served(m: Llama8B, out=None, batches=(1, 8, 16, 32)) -> None:
-    """Decode steps at 1-32 sequences: static-best bf16, its pinned FP8 form (GEMV to 4 rows, FP8 GEMM above) and
-    its FP8 and int8 forms on the tensor-core kernel; the chosen tiles and the fastest form's change to
-    ``out``/qmma_change.json (for bench/capacity_ab.py)."""
+    """Decode steps at 1-32 sequences: static-best bf16, its FP8 form on the tensor-core kernel at every row count,
+    and its FP8 and int8 forms as the tuner proposes them (engine.presets.quantized_variant); the chosen tiles and
+    the fastest form's change to ``out``/qmma_change.json (for bench/capacity_ab.py)."""
     import kernels.qmma_triton as qm
     from bench.gpu.precision_serve import served_steps
     from engine.loader import resolve
@@ -185,9 +185,9 @@ def qmma_served(m: Llama8B, out=None, batches=(1, 8, 16, 32)) -> None:
         row("qmma served", "skipped: no static-best recorded for the 8B on this device")
         return
     forms = {"static-best bf16": base,
-             "fp8, GEMV to 4 rows (pinned), FP8 GEMM above": _with_mma(quantized_variant(base, "fp8", "cuda"), 0),
              "fp8, tensor cores to 64 rows": _with_mma(quantized_variant(base, "fp8", "cuda")),
-             "fp8 as the tuner proposes it (GEMV at 1 row, tensor cores 2-64)": quantized_variant(base, "fp8", "cuda"),
-             "int8, tensor cores to 64 rows": _with_mma(quantized_variant(base, "int8", "cuda"))}
+             "fp8 as the tuner proposes it (GEMV for QKV and o_proj at 1 row, tensor cores otherwise)":
+                 quantized_variant(base, "fp8", "cuda"),
+             "int8 as the tuner proposes it": quantized_variant(base, "int8", "cuda")}
     served_steps(eng, forms, batches, out, "qmma_change.json")
     row("qmma tiles chosen", json.dumps({f"{k[0]}x{k[1]}x{k[2]} {k[3]} p{k[4]}": v for k, v in qm._TUNED.items()}))

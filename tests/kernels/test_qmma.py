@@ -105,6 +105,11 @@ def test_linear_ops_route_rows_to_the_tensor_core_kernel():
     # fewer rows: the GEMV, as without ``mma``; plain weights never take it
     one = x[:1]
     assert torch.equal(lt.linear_triton(one, qw, **params), lt.linear_triton(one, qw))
+    # ``mma_min_numel``: one row takes the kernel only on weights that large; more rows always
+    at_size, above = {**params, "mma": 1, "mma_min_numel": 64 * 128}, {**params, "mma": 1, "mma_min_numel": 64 * 129}
+    assert torch.equal(lt.linear_triton(one, qw, **at_size), qmma(one, qw, None, NONE, tiles)[0])
+    assert torch.equal(lt.linear_triton(one, qw, **above), lt.linear_triton(one, qw))
+    assert torch.equal(lt.linear_triton(x, qw, **above), qmma(x, qw, None, NONE, tiles)[0])
     w = torch.randn(64, 128)
     assert torch.equal(lt.linear_triton(x, w, **params), lt.linear_triton(x, w))
 
