@@ -276,15 +276,13 @@ def _on_tensor_cores(x: torch.Tensor, weight, bias, prologue: int, mma: int, min
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, max_m: int = 4,
                   block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None, pdl: int = 0,
                   evict: int = 0, mma: int = 0, mma_block_n: int = 0, mma_block_k: int = 0, mma_split: int = 0,
-                  mma_warps: int = 0, mma_stages: int = 0, mma_min_numel: int = 0, mma_prefetch: int = 0
-                  ) -> torch.Tensor:
+                  mma_warps: int = 0, mma_stages: int = 0, mma_min_numel: int = 0) -> torch.Tensor:
     """x: (T, K), weight: (N, K) -> (T, N). T > max_m goes to torch's matrix multiply. ``pdl``: programmatic
     dependent launch (kernels/pdl.py); ``evict``: 1, the weights read with the L2 "evict first" policy; ``mma``:
     quantized weights times ``mma`` to 64 rows on the tensor cores (kernels/qmma_triton.py, its tiles ``mma_*``,
-    0: autotuned), 0: never; ``mma_min_numel``: a single row only for weights of at least that many elements;
-    ``mma_prefetch``: weight chunks requested into L2 before the kernel's dependent-launch wait."""
+    0: autotuned), 0: never; ``mma_min_numel``: a single row only for weights of at least that many elements."""
     got = _on_tensor_cores(x, weight, bias, NONE, mma, mma_min_numel, mma_block_n, mma_block_k, mma_split,
-                           mma_warps, mma_stages, pdl=pdl, prefetch=mma_prefetch)
+                           mma_warps, mma_stages, pdl=pdl)
     if got is not None:
         return got[0]
     tiles = _tiles(block_n, block_k, num_warps)
@@ -303,7 +301,6 @@ def norm_linear_triton(
     bias: torch.Tensor | None = None, *, max_m: int = 4, block_n: int | None = None, block_k: int | None = None,
     num_warps: int | None = None, pdl: int = 0, evict: int = 0, mma: int = 0, mma_block_n: int = 0,
     mma_block_k: int = 0, mma_split: int = 0, mma_warps: int = 0, mma_stages: int = 0, mma_min_numel: int = 0,
-    mma_prefetch: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (linear(rms_norm(x + residual)), x + residual); x, residual: (T, K). ``evict`` and ``mma*`` as
     ``linear_triton``'s."""
@@ -311,8 +308,7 @@ def norm_linear_triton(
 
     assert residual.shape == x.shape and norm_weight.shape == (x.shape[1],)
     got = _on_tensor_cores(x, weight, bias, ADD_RMS_NORM, mma, mma_min_numel, mma_block_n, mma_block_k, mma_split,
-                           mma_warps, mma_stages, r=residual.contiguous(), norm_weight=norm_weight, eps=eps, pdl=pdl,
-                           prefetch=mma_prefetch)
+                           mma_warps, mma_stages, r=residual.contiguous(), norm_weight=norm_weight, eps=eps, pdl=pdl)
     if got is not None:
         return got
     tiles = _tiles(block_n, block_k, num_warps)
@@ -338,16 +334,14 @@ def norm_linear_triton(
 def act_linear_triton(x: torch.Tensor, weight: torch.Tensor, *, max_m: int = 4, block_n: int | None = None,
                       block_k: int | None = None, num_warps: int | None = None, pdl: int = 0, evict: int = 0,
                       mma: int = 0, mma_block_n: int = 0, mma_block_k: int = 0, mma_split: int = 0,
-                      mma_warps: int = 0, mma_stages: int = 0, mma_min_numel: int = 0, mma_prefetch: int = 0
-                      ) -> torch.Tensor:
+                      mma_warps: int = 0, mma_stages: int = 0, mma_min_numel: int = 0) -> torch.Tensor:
     """x: (T, 2K) holding [gate | up]; weight: (N, K) -> linear(silu(gate) * up). ``evict`` and ``mma*`` as
     ``linear_triton``'s."""
     from kernels.activation_triton import silu_and_mul_triton
 
     assert x.shape[1] == 2 * weight.shape[1], f"input {tuple(x.shape)} does not hold [gate | up] for {tuple(weight.shape)}"
     got = _on_tensor_cores(x, weight, None, SILU_MUL, mma, mma_min_numel, mma_block_n, mma_block_k, mma_split,
-                           mma_warps, mma_stages, k=weight.shape[1], pdl=pdl,
-                           prefetch=mma_prefetch)
+                           mma_warps, mma_stages, k=weight.shape[1], pdl=pdl)
     if got is not None:
         return got[0]
     tiles = _tiles(block_n, block_k, num_warps)

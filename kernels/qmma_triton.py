@@ -98,13 +98,6 @@ def _quantize_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, q_ptr, qs_ptr, stride_x, str
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Requests the 128-byte lines at ``ptrs`` into L2 (a hint: nothing waits for it)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _qmma_chunk(acc, w, q_ptr, qs_ptr, rm, m_mask, c, stride_q, K: tl.constexpr, CHUNKS: tl.constexpr,
                 IS_INT8: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc plus chunk c's product: weight rows ``w`` (BLOCK_N, BLOCK_K) on the tensor cores against the rows'
@@ -123,7 +116,7 @@ def _qmma_chunk(acc, w, q_ptr, qs_ptr, rm, m_mask, c, stride_q, K: tl.constexpr,
 def _qmma_kernel(
     q_ptr, qs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, stride_q, stride_w, stride_out,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, IS_INT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = 0,
+    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -138,9 +131,6 @@ def _qmma_kernel(
     # this program can be resident while that launch runs, and its weights' latency overlaps it
     rk = c_first * BLOCK_K + tl.arange(0, BLOCK_K)
     w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
-    if PREFETCH > 0:  # and the next PREFETCH chunks into L2, one request per 128-byte line
-        lines = tl.minimum((c_first + 1) * BLOCK_K + tl.arange(0, PREFETCH * BLOCK_K // 128) * 128, K - 1)
-        _prefetch_l2(w_ptr + tl.minimum(rn, N - 1)[:, None] * stride_w + lines[None, :])
     pdl_enter(PDL)
     acc = _qmma_chunk(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), w, q_ptr, qs_ptr, rm, m_mask, c_first,
                       stride_q, K, CHUNKS, IS_INT8, BLOCK_K)
@@ -227,7 +217,7 @@ _TUNED: dict[tuple, dict] = {}
 
 
 def _launch(x, weight: QuantizedWeight, bias, prologue, tiles: dict, r=None, norm_weight=None, eps=0.0, k=None,
-            pdl=0, prefetch=0):
+            pdl=0):
     m, n = x.shape[0], weight.q.shape[0]
     k = weight.q.shape[1] if k is None else k
     assert weight.q.stride(1) == 1 and x.stride(1) == 1, "rows must be contiguous"
@@ -244,27 +234,22 @@ def _launch(x, weight: QuantizedWeight, bias, prologue, tiles: dict, r=None, nor
     q = torch.empty(m, k, device=x.device, dtype=weight.q.dtype)  # rows up to BLOCK_M are masked, never read
     qs = torch.empty(m, chunks, device=x.device, dtype=torch.float32)
     pdl_opts = launch_options(pdl, x)
-    # the quantization launch lets the multiply be scheduled before it waits (PDL 2): the multiply's programs
-    # request their weights while the kernel before the quantization is still running
     _quantize_kernel[(m, chunks)](
         x, r, norm_weight, summed, q, qs, x.stride(0), r.stride(0), summed.stride(0), q.stride(0), eps, K=k,
-        PROLOGUE=prologue, IS_INT8=weight.kind == "int8", BLOCK_K=t["block_k"], num_warps=4,
-        **({**pdl_opts, "PDL": 2} if pdl_opts["PDL"] else pdl_opts))
+        PROLOGUE=prologue, IS_INT8=weight.kind == "int8", BLOCK_K=t["block_k"], num_warps=4, **pdl_opts)
     _qmma_kernel[(groups, split)](
         q, qs, weight.q, weight.scale, weight.scale if bias is None else bias, out, part, count, m, n, q.stride(0),
         weight.q.stride(0), out.stride(0), K=k, HAS_BIAS=bias is not None, IS_INT8=weight.kind == "int8",
         BLOCK_M=block_m, BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], SPLIT_K=split, num_warps=t["num_warps"],
-        num_stages=t["num_stages"], PREFETCH=0 if _interpreted() else prefetch, **pdl_opts)
+        num_stages=t["num_stages"], **pdl_opts)
     return out, (summed if prologue == ADD_RMS_NORM else None)
 
 
 def qmma(x, weight: QuantizedWeight, bias=None, prologue: int = NONE, tiles: dict | None = None, r=None,
-         norm_weight=None, eps: float = 0.0, k: int | None = None, pdl: int = 0, prefetch: int = 0):
+         norm_weight=None, eps: float = 0.0, k: int | None = None, pdl: int = 0):
     """(out, summed or None) for x's rows (the prologue's input, as kernels/linear_triton.py's ``_gemv``). ``tiles``
     (block_n, block_k, split_k, num_warps, num_stages) fixed by a variant; none on a GPU: the best of
-    AUTOTUNE_TILES for this shape, timed once (L2 flushed: a decode step streams its weights). ``pdl``: as
-    kernels/pdl.py; ``prefetch``: each program requests that many chunks of its weights after the first into L2
-    before it waits for the quantization (with ``pdl``, while the kernels before still run; a hint only, on a GPU)."""
+    AUTOTUNE_TILES for this shape, timed once (L2 flushed: a decode step streams its weights)."""
     tiles = dict(tiles or {})
     if not tiles and x.is_cuda and not _interpreted():
         key = (max(16, triton.next_power_of_2(x.shape[0])), *weight.q.shape, weight.kind, prologue, x.device)
@@ -284,7 +269,7 @@ def qmma(x, weight: QuantizedWeight, bias=None, prologue: int = NONE, tiles: dic
                 raise RuntimeError(f"no qmma tile runs for {tuple(weight.q.shape)} on {x.device}")
             _TUNED[key] = best[1]
         tiles = _TUNED[key]
-    return _launch(x, weight, bias, prologue, tiles, r, norm_weight, eps, k, pdl, prefetch)
+    return _launch(x, weight, bias, prologue, tiles, r, norm_weight, eps, k, pdl)
 
 
 def qmma_ref(x: torch.Tensor, weight: QuantizedWeight, block_k: int, bias: torch.Tensor | None = None

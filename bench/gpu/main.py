@@ -50,8 +50,6 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--qmma-model-only", action="store_true",
                     help="qmma: skip the kernel checks and projections (a second call on the same commit)")
     ap.add_argument("--qmma-no-served", action="store_true", help="qmma: batch-1 decode only, no served steps")
-    ap.add_argument("--qmma-no-projections", action="store_true",
-                    help="qmma: the kernel checks, but not each projection timed alone")
     ap.add_argument("--kv-length", type=int, default=32000, help="kv-fp8: the long prompts' length in tokens")
     ap.add_argument("--moe-layers", type=int, default=None)
     ap.add_argument("--moe-sweep", action="store_true", help="MoE: also sweep the experts' tiles at batch 1")
@@ -90,8 +88,7 @@ def main(description: str = __doc__.split("\n\n")[0]) -> None:
         activation_quant_checks()
     if want("qmma") and not args.qmma_model_only:
         ok = qmma_checks() and ok
-        if not args.qmma_no_projections:
-            qmma_projections()
+        qmma_projections()
     if want("decode") or want("moe"):
         l2_survival()
     if not (ok and ok2):
@@ -111,9 +108,9 @@ def main(description: str = __doc__.split("\n\n")[0]) -> None:
                 if want("precision-serve"):
                     served_decode_by_precision(m, args.out)
                 if want("qmma"):
-                    prefetch = qmma_decode(m)
+                    qmma_decode(m)
                     if not args.qmma_no_served:
-                        qmma_served(m, args.out, prefetch=prefetch or 0)
+                        qmma_served(m, args.out)
                 if want("kv-fp8"):
                     fp8_kv_cache(m, bw, args.kv_length, check=not args.skip_checks)
                 best = llama8b_decode(m, bw, args.decode_quick) if want("decode") else None

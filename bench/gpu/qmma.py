@@ -53,7 +53,7 @@ def qmma_checks() -> bool:
                     out, _ = qmma(x, qw, bias, NONE, tiles)
                 torch.cuda.synchronize()
                 again = qmma(x, qw, bias, prologue, tiles, r=r, norm_weight=nw, eps=1e-5,
-                             k=k if prologue == SILU_MUL else None, pdl=1)[0]
+                             k=k if prologue == SILU_MUL else None)[0]
                 ref = qmma_ref(h, qw, 256, bias)
                 exact = qlinear_exact(h, qw, bias)
                 scale = exact.abs().max().item()
@@ -71,14 +71,7 @@ def qmma_checks() -> bool:
             ok &= good
             row(f"qmma {kind} {m}x{k} -> {n}, prologue {prologue}, split {split or 'auto'}",
                 f"{'OK' if good else 'ERROR'}: {e_ref:.2g} of the output's scale from its float64 reference, "
-                f"{e_exact:.2g} from the unquantized activations' product; repeat (pdl 1) identical: {same}")
-            try:  # with weights requested into L2 before the dependent-launch wait: the same again
-                pre = qmma(x, qw, bias, prologue, tiles, r=r, norm_weight=nw, eps=1e-5,
-                           k=k if prologue == SILU_MUL else None, pdl=1, prefetch=4)[0]
-                row(f"qmma {kind} {m}x{k} -> {n}, prefetch 4", f"identical: {torch.equal(out, pre)}")
-            except Exception as e:
-                traceback.print_exc()
-                row(f"qmma {kind} {m}x{k} -> {n}, prefetch 4", f"FAILED {type(e).__name__}: {str(e)[:300]}")
+                f"{e_exact:.2g} from the unquantized activations' product; repeat identical: {same}")
     return ok
 
 
@@ -129,30 +122,26 @@ def qmma_projections(kinds=("fp8", "int8"), rows=(1, 16)) -> None:
                     f"layer {t_bf16:.1f} us: {t_bf16 / t['mma']:.2f}x")
 
 
-def _with_mma(spec, mma: int = 1, min_numel: int = 0, prefetch: int | None = None):
+def _with_mma(spec, mma: int = 1, min_numel: int = 0):
     """``spec`` with its quantized projections on the tensor-core kernel from ``mma`` rows (autotuned tiles);
-    ``min_numel``: at one row, only weights of that many elements (the smaller ones: the GEMV); ``prefetch``:
-    weight chunks requested into L2 before the dependent-launch wait (None: as ``spec``)."""
+    ``min_numel``: at one row, only weights of that many elements (the smaller ones: the GEMV)."""
     from engine.presets import TRITON_GEMV
 
     params = {op: dict(p) for op, p in spec.kernel_params}
     for op in TRITON_GEMV:
         if dict(spec.kernels).get(op) == "triton":
-            params[op] = {**params.get(op, {}), "mma": mma, "mma_min_numel": min_numel,
-                          **({} if prefetch is None else {"mma_prefetch": prefetch})}
+            params[op] = {**params.get(op, {}), "mma": mma, "mma_min_numel": min_numel}
     return dataclasses.replace(spec, kernel_params=params)
 
 
 # batch 1: the tensor cores where they beat the GEMV alone (gate_up, down, lm_head: bench/RESULTS.md), the GEMV for
 # QKV and the output projection (25 and 17 Mi elements); the tuner's own split (engine.presets.QUANTIZED_MMA)
 MIXED = 32 << 20
-PREFETCH = (0, 2, 4)  # weight chunks into L2 before the dependent-launch wait
 
 
 @section
-def qmma_decode(m: Llama8B) -> int:
-    """Batch-1 decode: bf16 in the dense-decode form; each precision through the GEMV and through this kernel.
-    Returns the fastest of the FP8 forms' ``PREFETCH`` counts."""
+def qmma_decode(m: Llama8B) -> None:
+    """Batch-1 decode: bf16 in the dense-decode form; each precision through the GEMV and through this kernel."""
     from bench.gpu.precision_step import _forms, _measure
 
     eng = m.engine
@@ -160,14 +149,14 @@ def qmma_decode(m: Llama8B) -> int:
     prompt, new = list(range(1, 129)), 96
     base = _forms(m)["dense-decode (pdl 1)"]
     got = {}
-    fp8, int8 = dataclasses.replace(base, weight_dtype="fp8"), dataclasses.replace(base, weight_dtype="int8")
-    forms = [("bf16, dense-decode", base), ("fp8, dense-decode (GEMV)", fp8)]
-    forms += [(f"fp8, dense-decode + tensor cores for gate_up, down, lm_head, prefetch {p}",
-               _with_mma(fp8, min_numel=MIXED, prefetch=p)) for p in PREFETCH]
-    forms += [(f"fp8, dense-decode + tensor cores, prefetch {PREFETCH[-1]}", _with_mma(fp8, prefetch=PREFETCH[-1])),
-              (f"int8, dense-decode + tensor cores for gate_up, down, lm_head, prefetch {PREFETCH[-1]}",
-               _with_mma(int8, min_numel=MIXED, prefetch=PREFETCH[-1]))]
-    for label, spec in forms:
+    for label, spec in (("bf16, dense-decode", base),
+                        ("fp8, dense-decode (GEMV)", dataclasses.replace(base, weight_dtype="fp8")),
+                        ("fp8, dense-decode + tensor cores", _with_mma(dataclasses.replace(base, weight_dtype="fp8"))),
+                        ("fp8, dense-decode + tensor cores for gate_up, down, lm_head",
+                         _with_mma(dataclasses.replace(base, weight_dtype="fp8"), min_numel=MIXED)),
+                        ("int8, dense-decode (GEMV)", dataclasses.replace(base, weight_dtype="int8")),
+                        ("int8, dense-decode + tensor cores for gate_up, down, lm_head",
+                         _with_mma(dataclasses.replace(base, weight_dtype="int8"), min_numel=MIXED))):
         try:
             got[label] = _measure(eng, spec, prompt, new)
         except Exception as e:
@@ -177,21 +166,17 @@ def qmma_decode(m: Llama8B) -> int:
         ref = got.get("bf16, dense-decode")
         row(f"8B decode b=1, {label}", f"{got[label]:.1f} tok/s" + (f" = {got[label] / ref:.2f}x bf16" if ref else ""))
     eng.apply_variant(dataclasses.replace(base, weight_dtype="auto", cuda_graph_batch_sizes=()))
-    by_prefetch = {p: got.get(f"fp8, dense-decode + tensor cores for gate_up, down, lm_head, prefetch {p}", 0.0)
-                   for p in PREFETCH}
-    return max(by_prefetch, key=by_prefetch.get)
 
 
 @section
-def qmma_served(m: Llama8B, out=None, batches=(1, 8, 16, 32), prefetch: int = 0) -> None:
+def qmma_served(m: Llama8B, out=None, batches=(1, 8, 16, 32)) -> None:
     """Decode steps at 1-32 sequences: static-best bf16, its FP8 form on the tensor-core kernel at every row count,
     and its FP8 and int8 forms as the tuner proposes them (engine.presets.quantized_variant); the chosen tiles and
-    the fastest form's change to ``out``/qmma_change.json (for bench/capacity_ab.py); ``prefetch``: the tuner's
-    forms with that many weight chunks requested into L2 before the dependent-launch wait."""
+    the fastest form's change to ``out``/qmma_change.json (for bench/capacity_ab.py)."""
     import kernels.qmma_triton as qm
     from bench.gpu.precision_serve import served_steps
     from engine.loader import resolve
-    from engine.presets import QUANTIZED_MMA, quantized_variant
+    from engine.presets import quantized_variant
     from engine.static_best import lookup
 
     eng = m.engine
@@ -199,13 +184,10 @@ def qmma_served(m: Llama8B, out=None, batches=(1, 8, 16, 32), prefetch: int = 0)
     if base is None:
         row("qmma served", "skipped: no static-best recorded for the 8B on this device")
         return
-    fp8, int8 = quantized_variant(base, "fp8", "cuda"), quantized_variant(base, "int8", "cuda")
-    if prefetch:
-        fp8, int8 = (_with_mma(v, 1, QUANTIZED_MMA["mma_min_numel"], prefetch) for v in (fp8, int8))
     forms = {"static-best bf16": base,
-             "fp8, tensor cores to 64 rows": _with_mma(fp8),
-             f"fp8 as the tuner proposes it (GEMV for QKV and o_proj at 1 row, tensor cores otherwise), prefetch "
-             f"{prefetch}": fp8,
-             f"int8 as the tuner proposes it, prefetch {prefetch}": int8}
+             "fp8, tensor cores to 64 rows": _with_mma(quantized_variant(base, "fp8", "cuda")),
+             "fp8 as the tuner proposes it (GEMV for QKV and o_proj at 1 row, tensor cores otherwise)":
+                 quantized_variant(base, "fp8", "cuda"),
+             "int8 as the tuner proposes it": quantized_variant(base, "int8", "cuda")}
     served_steps(eng, forms, batches, out, "qmma_change.json")
     row("qmma tiles chosen", json.dumps({f"{k[0]}x{k[1]}x{k[2]} {k[3]} p{k[4]}": v for k, v in qm._TUNED.items()}))
