@@ -50,6 +50,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--qmma-model-only", action="store_true",
                     help="qmma: skip the kernel checks and projections (a second call on the same commit)")
     ap.add_argument("--qmma-no-served", action="store_true", help="qmma: batch-1 decode only, no served steps")
+    ap.add_argument("--qmma-no-projections", action="store_true",
+                    help="qmma: the kernel checks, but not each projection timed alone")
     ap.add_argument("--kv-length", type=int, default=32000, help="kv-fp8: the long prompts' length in tokens")
     ap.add_argument("--moe-layers", type=int, default=None)
     ap.add_argument("--moe-sweep", action="store_true", help="MoE: also sweep the experts' tiles at batch 1")
@@ -88,7 +90,8 @@ def main(description: str = __doc__.split("\n\n")[0]) -> None:
         activation_quant_checks()
     if want("qmma") and not args.qmma_model_only:
         ok = qmma_checks() and ok
-        qmma_projections()
+        if not args.qmma_no_projections:
+            qmma_projections()
     if want("decode") or want("moe"):
         l2_survival()
     if not (ok and ok2):
