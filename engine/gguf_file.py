@@ -1,9 +1,21 @@
 """Reading a GGUF file: its model configuration and its tensors, dequantized, under Hugging Face names.
 
+Parsing a GGUF file's metadata takes seconds (one field per vocabulary token) and dequantizing its tensors seconds
+more, in every process that loads it (the server, each pipeline step, each benchmark). So the conversion is kept:
+in the process, the parsed file; on disk (``$POLYINF_CACHE/gguf``, default ``~/.cache/polyinf``), the
+configuration and, for files whose float32 tensors take at most ``POLYINF_GGUF_CACHE_BYTES`` (default 2 GiB),
+the converted tensors as safetensors; each keyed by the file's path, size and modification time. A damaged cache
+entry is rebuilt from the file; an unwritable cache only costs the conversion next time.
+
 Imports ``gguf`` only when called, so the engine imports without it.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -39,12 +51,21 @@ _LAYER_NAMES = {
 
 
 def _open(path: Path):
+    """The file's reader, parsed once per process for each version of the file (parsing a vocabulary's metadata
+    takes seconds: one field per token); the reader is only read from."""
+    if not path.is_file():
+        raise WeightsError(f"GGUF file not found: {path}")
+    st = path.stat()
+    return _reader(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _reader(path: str, size: int, mtime_ns: int):
+    """(A file's identity is its path, size and modification time; an unreadable file raises, and is not kept.)"""
     try:
         from gguf import GGUFReader
     except ImportError as e:  # pragma: no cover - depends on the host
         raise WeightsError("reading GGUF files needs the 'gguf' package (pip install gguf)") from e
-    if not path.is_file():
-        raise WeightsError(f"GGUF file not found: {path}")
     try:
         return GGUFReader(path)
     except Exception as e:  # the reader raises ValueError, IndexError, struct errors on bad files
@@ -62,15 +83,60 @@ def _field(reader, key: str, default: Any = None) -> Any:
     return f.parts[f.data[0]].tolist()[0]
 
 
+CACHE_BYTES = 2 << 30  # the default bound on a file's converted (float32) tensors kept on disk
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("POLYINF_CACHE", Path.home() / ".cache" / "polyinf")) / "gguf"
+
+
 class GGUFModel:
     """A GGUF checkpoint: ``config`` and ``tensors()`` yielding float32 tensors under Hugging Face names."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.reader = _open(self.path)
-        self.config = self._config()
+        if not self.path.is_file():
+            raise WeightsError(f"GGUF file not found: {self.path}")
+        st = self.path.stat()
+        key = hashlib.sha256(f"{self.path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+        self._cache = _cache_root() / key
+        self._reader = None
+        raw = self._cached_config()
+        if raw is None:
+            raw = self._config()
+            self._write(lambda tmp: (tmp / "config.json").write_text(json.dumps(raw)))
+        self.config = ModelConfig.from_hf_dict(raw)
 
-    def _config(self) -> ModelConfig:
+    @property
+    def reader(self):
+        if self._reader is None:
+            self._reader = _open(self.path)
+        return self._reader
+
+    def _cached_config(self) -> dict | None:
+        try:
+            raw = json.loads((self._cache / "config.json").read_text())
+            ModelConfig.from_hf_dict(raw)
+            return raw
+        except Exception:  # absent or damaged: read from the file
+            return None
+
+    def _write(self, fill) -> None:
+        """Adds what ``fill(folder)`` writes to this file's cache entry (a folder of its own, renamed in place)."""
+        tmp = self._cache.with_name(self._cache.name + f".tmp{os.getpid()}")
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if self._cache.is_dir():
+                shutil.copytree(self._cache, tmp)
+            else:
+                tmp.mkdir(parents=True)
+            fill(tmp)
+            shutil.rmtree(self._cache, ignore_errors=True)
+            os.replace(tmp, self._cache)
+        except Exception:  # a read-only home, a full disk, another process's entry: the conversion next time
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _config(self) -> dict:
         r = self.reader
         arch = _field(r, "general.architecture")
         if arch not in _ARCHS:
@@ -111,13 +177,40 @@ class GGUFModel:
             )
         if raw["intermediate_size"] is None:
             raw["intermediate_size"] = raw.get("moe_intermediate_size") or 1
-        return ModelConfig.from_hf_dict(raw)
+        ModelConfig.from_hf_dict(raw)  # raises on a configuration the engine cannot build
+        return raw
 
     def tensors(self, layers: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The first ``layers`` layers' tensors (all when None) and the others, from the cache when it holds them;
+        else converted from the file (and all of them kept when they fit the cache's bound)."""
+        limit = self.config.num_hidden_layers if layers is None else layers
+        kept = self._cache / "model.safetensors"
+        if kept.is_file():
+            try:
+                from safetensors import safe_open
+
+                with safe_open(str(kept), framework="pt") as f:
+                    names = [n for n in f.keys() if _layer(n) < limit]
+                    got = [(n, f.get_tensor(n)) for n in names]  # read before yielding: a damaged file raises here
+                yield from got
+                return
+            except Exception:  # damaged: converted again below
+                pass
+        bound = int(os.environ.get("POLYINF_GGUF_CACHE_BYTES", CACHE_BYTES))
+        if 0 < sum(int(t.n_elements) for t in self.reader.tensors) * 4 <= bound:
+            from safetensors.torch import save_file
+
+            every = dict(self._convert(None))
+            self._write(lambda tmp: save_file(every, str(tmp / "model.safetensors")))
+            yield from ((n, w) for n, w in every.items() if _layer(n) < limit)
+            return
+        yield from self._convert(limit)
+
+    def _convert(self, limit: int | None) -> Iterator[tuple[str, torch.Tensor]]:
         from gguf import dequantize
 
         cfg = self.config
-        limit = cfg.num_hidden_layers if layers is None else layers
+        limit = cfg.num_hidden_layers if limit is None else limit
         for t in self.reader.tensors:
             name = t.name
             if name.startswith("blk."):
@@ -142,12 +235,18 @@ class GGUFModel:
                 w = _unpermute(w, heads)
             if "{e}" in hf:
                 for e in range(w.shape[0]):
-                    yield hf.format(e=e), torch.from_numpy(np.ascontiguousarray(w[e]))
+                    yield hf.format(e=e), torch.from_numpy(w[e].copy())  # its own memory (kept on its own)
             else:
                 yield hf, torch.from_numpy(w)
 
     def tokenizer_dir_and_file(self) -> tuple[str, str]:
         return str(self.path.parent), self.path.name
+
+
+def _layer(name: str) -> int:
+    """The decoder layer a Hugging Face tensor name belongs to (-1: none)."""
+    parts = name.split(".")
+    return int(parts[2]) if name.startswith("model.layers.") and parts[2].isdigit() else -1
 
 
 def rest_is(name: str, suffixes: tuple[str, ...]) -> bool:
