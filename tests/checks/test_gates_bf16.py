@@ -26,8 +26,9 @@ def short_bf16(smollm2_engine_factory):
     """SmolLM2's real weights in bf16, its first 4 of 30 layers, for the contamination scenarios (a dozen
     generations each): bf16 matmuls on a CPU without native bf16 are slow (an AVX2-only host: 73 s for this file's
     contamination test at 4 layers), and the rounding the checks must tolerate, and the stale block they must not,
-    show on the real weights of a shorter stack as well. (A fault's decided flips need the whole stack: at 8 layers the attention that drops
-    the last partial block moves logits far, but flips too few top-1 tokens to fail greedy agreement.)"""
+    show on the real weights of a shorter stack as well. (A fault's decided flips need the whole stack: at 8
+    layers the attention that drops the last partial block moves logits far, but flips too few top-1 tokens to
+    fail greedy agreement.)"""
     from engine import EngineConfig, resolve
 
     return LLMEngine(EngineConfig(source=resolve("smollm2"), dtype="bfloat16", num_kv_blocks=8, load_tokenizer=False,

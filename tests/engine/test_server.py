@@ -351,13 +351,14 @@ def test_bounded_load_every_request_answered_and_captured_once(server):
 @pytest.mark.slow
 @pytest.mark.parametrize("trace", ["AzureLLMInferenceTrace_conv.csv", "mooncake_conversation_trace.jsonl"])
 def test_replay_report_agrees_with_server_metrics(server, trace, tmp_path):
+    count = 40  # requests replayed
     url = server["url"]
     names = ["vllm:request_success_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total"]
     before = {n: _metric(url, n) for n in names}
     out = tmp_path / "report.json"
     r = subprocess.run([sys.executable, "-m", "pipelines.cli", "replay", "--trace", str(SHARED / trace),
                         "--base-url", url + "/v1", "--model", "smollm2", "--tokenizer", "smollm2",
-                        "--max-requests", "100", "--time-scale", "0.001", "--max-input", "48", "--max-output", "4",
+                        "--max-requests", str(count), "--time-scale", "0.001", "--max-input", "48", "--max-output", "4",
                         "--slo-ttft-ms", "60000", "--goodput", "tpot:60000", "e2el:600000", "--json", str(out),
                         "--save-result", str(tmp_path / "vllm.json"), "--percentile-metrics", "ttft,tpot,itl,e2el",
                         "--metric-percentiles", "90,99"],
@@ -365,9 +366,9 @@ def test_replay_report_agrees_with_server_metrics(server, trace, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "TTFT ms" in r.stdout and "goodput" in r.stdout
     rep = json.loads(out.read_text())
-    assert rep["completed"] == 100 and rep["failed"] == 0
+    assert rep["completed"] == count and rep["failed"] == 0
     after = {n: _metric(url, n) for n in names}
-    assert after["vllm:request_success_total"] - before["vllm:request_success_total"] == 100
+    assert after["vllm:request_success_total"] - before["vllm:request_success_total"] == count
     assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == rep["total_input_tokens"]
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == rep["total_output_tokens"]
     assert rep["goodput"] == pytest.approx(rep["request_throughput"])  # generous SLOs: every request is good
@@ -375,9 +376,9 @@ def test_replay_report_agrees_with_server_metrics(server, trace, tmp_path):
         assert rep[key]["p50"] <= rep[key]["p90"] <= rep[key]["p99"]
     # the same replay in `vllm bench serve --save-result`'s keys and units, as existing notebooks read it
     res = json.loads((tmp_path / "vllm.json").read_text())
-    assert res["completed"] == 100 and res["total_output_tokens"] == rep["total_output_tokens"]
+    assert res["completed"] == count and res["total_output_tokens"] == rep["total_output_tokens"]
     assert res["request_goodput"] == pytest.approx(res["request_throughput"])
-    assert len(res["ttfts"]) == len(res["itls"]) == len(res["generated_texts"]) == 100
+    assert len(res["ttfts"]) == len(res["itls"]) == len(res["generated_texts"]) == count
     assert sum(res["output_lens"]) == res["total_output_tokens"] and all(res["generated_texts"])
     for m in ("ttft", "tpot", "itl", "e2el"):
         assert res[f"median_{m}_ms"] <= res[f"p90_{m}_ms"] <= res[f"p99_{m}_ms"] and res[f"std_{m}_ms"] >= 0
