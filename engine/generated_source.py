@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from engine.disk_cache import cache_root
 from engine.errors import VariantError
 from engine.isolation import confine, run_isolated
 from engine.kernel_grammar import check_kernel
@@ -40,10 +41,6 @@ SMOKE_MEMORY = 16 * 1024**3  # address space of a CPU smoke child (torch reserve
 # file is content-addressed, so the same key is the same code at the same shapes. The gates build a dozen engines
 # of one variant; each would otherwise start a child for a kernel already run there. Failures are not kept.
 _SMOKED: set[tuple] = set()
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("POLYINF_CACHE", Path.home() / ".cache" / "polyinf"))
 
 
 def materialize(module: str, text: str) -> Path:

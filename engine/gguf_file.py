@@ -12,10 +12,8 @@ Imports ``gguf`` only when called, so the engine imports without it.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -23,6 +21,7 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
+from engine.disk_cache import cache_root, file_key, keep
 from engine.errors import ConfigError, WeightsError
 
 # GGUF architecture -> Hugging Face model_type
@@ -50,18 +49,10 @@ _LAYER_NAMES = {
 }
 
 
-def _open(path: Path):
-    """The file's reader, parsed once per process for each version of the file (parsing a vocabulary's metadata
-    takes seconds: one field per token); the reader is only read from."""
-    if not path.is_file():
-        raise WeightsError(f"GGUF file not found: {path}")
-    st = path.stat()
-    return _reader(str(path.resolve()), st.st_size, st.st_mtime_ns)
-
-
 @functools.lru_cache(maxsize=4)
-def _reader(path: str, size: int, mtime_ns: int):
-    """(A file's identity is its path, size and modification time; an unreadable file raises, and is not kept.)"""
+def _reader(path: str, key: str):
+    """The file's reader, parsed once per process for each version of the file (``key``: engine.disk_cache's
+    file_key); an unreadable file raises, and is not kept. The reader is only read from."""
     try:
         from gguf import GGUFReader
     except ImportError as e:  # pragma: no cover - depends on the host
@@ -86,10 +77,6 @@ def _field(reader, key: str, default: Any = None) -> Any:
 CACHE_BYTES = 2 << 30  # the default bound on a file's converted (float32) tensors kept on disk
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("POLYINF_CACHE", Path.home() / ".cache" / "polyinf")) / "gguf"
-
-
 class GGUFModel:
     """A GGUF checkpoint: ``config`` and ``tensors()`` yielding float32 tensors under Hugging Face names."""
 
@@ -97,44 +84,19 @@ class GGUFModel:
         self.path = Path(path)
         if not self.path.is_file():
             raise WeightsError(f"GGUF file not found: {self.path}")
-        st = self.path.stat()
-        key = hashlib.sha256(f"{self.path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-        self._cache = _cache_root() / key
-        self._reader = None
-        raw = self._cached_config()
-        if raw is None:
+        self._key = file_key(self.path)
+        self._cache = cache_root() / "gguf" / self._key
+        try:
+            self.config = ModelConfig.from_hf_dict(json.loads((self._cache / "config.json").read_text()))
+        except Exception:  # absent or damaged: read from the file
             raw = self._config()
-            self._write(lambda tmp: (tmp / "config.json").write_text(json.dumps(raw)))
-        self.config = ModelConfig.from_hf_dict(raw)
+            self.config = ModelConfig.from_hf_dict(raw)  # raises on a configuration the engine cannot build
+            keep(self._cache / "config.json", lambda tmp: tmp.write_text(json.dumps(raw)))
 
     @property
     def reader(self):
-        if self._reader is None:
-            self._reader = _open(self.path)
-        return self._reader
-
-    def _cached_config(self) -> dict | None:
-        try:
-            raw = json.loads((self._cache / "config.json").read_text())
-            ModelConfig.from_hf_dict(raw)
-            return raw
-        except Exception:  # absent or damaged: read from the file
-            return None
-
-    def _write(self, fill) -> None:
-        """Adds what ``fill(folder)`` writes to this file's cache entry (a folder of its own, renamed in place)."""
-        tmp = self._cache.with_name(self._cache.name + f".tmp{os.getpid()}")
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if self._cache.is_dir():
-                shutil.copytree(self._cache, tmp)
-            else:
-                tmp.mkdir(parents=True)
-            fill(tmp)
-            shutil.rmtree(self._cache, ignore_errors=True)
-            os.replace(tmp, self._cache)
-        except Exception:  # a read-only home, a full disk, another process's entry: the conversion next time
-            shutil.rmtree(tmp, ignore_errors=True)
+        """The parsed file (only when the cache does not hold what is asked)."""
+        return _reader(str(self.path), self._key)
 
     def _config(self) -> dict:
         r = self.reader
@@ -177,7 +139,6 @@ class GGUFModel:
             )
         if raw["intermediate_size"] is None:
             raw["intermediate_size"] = raw.get("moe_intermediate_size") or 1
-        ModelConfig.from_hf_dict(raw)  # raises on a configuration the engine cannot build
         return raw
 
     def tensors(self, layers: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -201,7 +162,7 @@ class GGUFModel:
             from safetensors.torch import save_file
 
             every = dict(self._convert(None))
-            self._write(lambda tmp: save_file(every, str(tmp / "model.safetensors")))
+            keep(kept, lambda tmp: save_file(every, str(tmp)))
             yield from ((n, w) for n, w in every.items() if _layer(n) < limit)
             return
         yield from self._convert(limit)

@@ -57,14 +57,13 @@ class Tokenizer:
 def _gguf_tokenizer(path: Path):
     """Converting a GGUF vocabulary takes seconds, so the converted tokenizer is cached on disk,
     keyed by the file's identity; a damaged cache entry is rebuilt."""
-    import hashlib
     import shutil
 
     from transformers import AutoTokenizer
 
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("POLYINF_CACHE", Path.home() / ".cache" / "polyinf")) / "tokenizers" / key
+    from engine.disk_cache import cache_root, file_key
+
+    cache = cache_root() / "tokenizers" / file_key(path)
     if (cache / "tokenizer.json").is_file():
         try:
             return AutoTokenizer.from_pretrained(str(cache), clean_up_tokenization_spaces=False)

@@ -31,6 +31,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Iterator, Protocol, Sequence
 
+from engine.disk_cache import cache_root
 from engine.trace_record import TraceRecord
 
 CODE_CHAR_BUDGET = 1_500_000
@@ -250,7 +251,7 @@ def _fingerprint(tokenizer: object) -> str | None:
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("POLYINF_CACHE", Path.home() / ".cache" / "polyinf")) / "corpus"
+    return cache_root() / "corpus"
 
 
 def _read_ids(path: Path) -> array | None:

@@ -63,8 +63,10 @@ def _converted(path) -> dict[str, torch.Tensor]:
 
     from engine.config import ModelConfig
 
+    from engine.disk_cache import file_key
+
     m = gf.GGUFModel.__new__(gf.GGUFModel)
-    m.path, m._reader = Path(path), None
+    m.path, m._key = Path(path), file_key(Path(path))
     m.config = ModelConfig.from_hf_dict(m._config())
     return dict(m._convert(None))
 
@@ -84,7 +86,7 @@ def test_a_hit_gives_the_files_tensors_without_parsing_it(tiny, tmp_path):
     gf._reader.cache_clear()
     again = gf.GGUFModel(tiny)
     assert _same(dict(again.tensors()), direct)
-    assert again._reader is None  # the configuration and the tensors both came from the cache
+    assert gf._reader.cache_info().currsize == 0  # the configuration and the tensors both came from the cache
     assert again.config == first.config
     two = dict(again.tensors(2))  # the first layers only, as a short stack loads them
     assert _same(two, {k: v for k, v in direct.items() if ".layers.2." not in k}) and len(two) == 2 + 9 * 2
@@ -105,7 +107,7 @@ def test_damaged_entries_are_rebuilt(tiny, tmp_path):
     assert model.config.hidden_size == HIDDEN and _same(dict(model.tensors()), direct)
     gf._reader.cache_clear()
     rebuilt = gf.GGUFModel(tiny)
-    assert _same(dict(rebuilt.tensors()), direct) and rebuilt._reader is None
+    assert _same(dict(rebuilt.tensors()), direct) and gf._reader.cache_info().currsize == 0
 
 
 def test_an_unwritable_cache_or_an_over_bound_file_still_loads(tiny, tmp_path, monkeypatch):
