@@ -86,12 +86,17 @@ class GGUFModel:
             raise WeightsError(f"GGUF file not found: {self.path}")
         self._key = file_key(self.path)
         self._cache = cache_root() / "gguf" / self._key
-        try:
-            self.config = ModelConfig.from_hf_dict(json.loads((self._cache / "config.json").read_text()))
-        except Exception:  # absent or damaged: read from the file
+        self.config = self._cached_config()
+        if self.config is None:  # absent or damaged: read from the file
             raw = self._config()
             self.config = ModelConfig.from_hf_dict(raw)  # raises on a configuration the engine cannot build
             keep(self._cache / "config.json", lambda tmp: tmp.write_text(json.dumps(raw)))
+
+    def _cached_config(self) -> ModelConfig | None:
+        try:
+            return ModelConfig.from_hf_dict(json.loads((self._cache / "config.json").read_text()))
+        except Exception:
+            return None
 
     @property
     def reader(self):
