@@ -35,9 +35,12 @@ from kernels.quant import FP8_MAX, QuantizedWeight
 NONE, SILU_MUL, ADD_RMS_NORM = 0, 1, 2  # input prologues: the same codes as kernels/linear_triton.py's
 MAX_M = 64  # rows this kernel takes (the MMA's narrow side; wider batches are a GEMM's)
 DEFAULT_TILES = {"block_n": 64, "block_k": 256, "split_k": 0, "num_warps": 4, "num_stages": 4}
-# (BLOCK_N, BLOCK_K, warps, stages) tried on a GPU; the split from the number of row groups (``split_for``)
+# (BLOCK_N, BLOCK_K, warps, stages) tried on a GPU, each with the splits of K that make about each of
+# SPLIT_TARGETS programs (``split_for``; a wide projection's 224 programs of whole rows leave a partial second
+# round on 132 SMs, and more, shorter programs even it out)
 AUTOTUNE_TILES = ((64, 128, 4, 6), (64, 256, 4, 4), (128, 128, 4, 5), (128, 256, 4, 3), (128, 256, 8, 4))
 TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs)
+SPLIT_TARGETS = (TARGET_PROGRAMS, 2 * TARGET_PROGRAMS, 4 * TARGET_PROGRAMS)
 
 
 @triton.jit
@@ -173,6 +176,16 @@ def split_for(n: int, k: int, block_n: int, block_k: int, target: int = TARGET_P
     return split
 
 
+def candidates(n: int, k: int) -> list[dict]:
+    """The tiles autotuning times for an (n, k) weight: each of AUTOTUNE_TILES with each distinct split of
+    SPLIT_TARGETS."""
+    out = []
+    for bn, bk, w, s in AUTOTUNE_TILES:
+        for split in dict.fromkeys(split_for(n, k, bn, bk, target) for target in SPLIT_TARGETS):
+            out.append({"block_n": bn, "block_k": bk, "split_k": split, "num_warps": w, "num_stages": s})
+    return out
+
+
 _WORKSPACE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 _RETIRED: list[tuple[torch.Tensor, torch.Tensor]] = []  # outgrown workspaces: graphs captured with them still run
 
@@ -249,7 +262,7 @@ def qmma(x, weight: QuantizedWeight, bias=None, prologue: int = NONE, tiles: dic
          norm_weight=None, eps: float = 0.0, k: int | None = None, pdl: int = 0):
     """(out, summed or None) for x's rows (the prologue's input, as kernels/linear_triton.py's ``_gemv``). ``tiles``
     (block_n, block_k, split_k, num_warps, num_stages) fixed by a variant; none on a GPU: the best of
-    AUTOTUNE_TILES for this shape, timed once (L2 flushed: a decode step streams its weights)."""
+    ``candidates`` for this shape, timed once (L2 flushed: a decode step streams its weights)."""
     tiles = dict(tiles or {})
     if not tiles and x.is_cuda and not _interpreted():
         key = (max(16, triton.next_power_of_2(x.shape[0])), *weight.q.shape, weight.kind, prologue, x.device)
@@ -257,8 +270,7 @@ def qmma(x, weight: QuantizedWeight, bias=None, prologue: int = NONE, tiles: dic
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("qmma tiles are chosen before a graph capture (run the shape once)")
             best = None
-            for bn, bk, w, s in AUTOTUNE_TILES:
-                trial = {"block_n": bn, "block_k": bk, "num_warps": w, "num_stages": s}
+            for trial in candidates(weight.q.shape[0], weight.q.shape[1] if k is None else k):
                 try:
                     ms = graph_time(lambda: _launch(x, weight, bias, prologue, trial, r, norm_weight, eps, k))
                 except Exception:  # a tile the device cannot hold (shared memory): not a candidate

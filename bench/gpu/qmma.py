@@ -122,6 +122,63 @@ def qmma_projections(kinds=("fp8", "int8"), rows=(1, 16)) -> None:
                     f"layer {t_bf16:.1f} us: {t_bf16 / t['mma']:.2f}x")
 
 
+SWEEP_TILES = ((64, 128, 4, 6), (64, 256, 4, 4), (64, 512, 4, 3), (128, 128, 4, 5), (128, 256, 4, 3),
+               (128, 256, 8, 4), (256, 128, 8, 4))
+
+
+@section
+def qmma_sweep(budget_s: float = 150.0) -> None:
+    """Batch 1, FP8: each projection through the kernel (its quantization launch included) with every tile of
+    SWEEP_TILES and every split of K from 1 to 16 (programs of at least two chunks), L2 flushed; the five fastest
+    per projection and the autotuned choice (kernels/qmma_triton.candidates). gate_up and down first: the two
+    furthest from the copy bandwidth; stops after ``budget_s``."""
+    import time
+
+    import kernels.qmma_triton as qm
+    from kernels.linear_triton import graph_time
+    from kernels.quant import quantize
+
+    torch.manual_seed(3)
+    t0, dev = time.perf_counter(), "cuda"
+    order = {"gate_up": 0, "down": 1, "qkv": 2, "o_proj": 3}
+    for name, n, k, prologue in sorted((s for s in SHAPES if s[0] in order), key=lambda s: order[s[0]]):
+        qw = quantize(torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02, "fp8")
+        nw = torch.randn(k, device=dev, dtype=torch.bfloat16)
+        x, r = torch.randn(1, k, device=dev, dtype=torch.bfloat16), torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        gu = torch.randn(1, 2 * k, device=dev, dtype=torch.bfloat16)
+
+        def call(tiles):
+            if prologue == "norm":
+                return qm.qmma(x, qw, None, qm.ADD_RMS_NORM, tiles, r=r, norm_weight=nw, eps=1e-5)
+            if prologue == "act":
+                return qm.qmma(gu, qw, None, qm.SILU_MUL, tiles, k=k)
+            return qm.qmma(x, qw, None, qm.NONE, tiles)
+
+        got = []
+        for bn, bk, w, st in SWEEP_TILES:
+            for split in (1, 2, 4, 8, 16):
+                if triton.cdiv(k, bk) < 2 * split or time.perf_counter() - t0 > budget_s:
+                    continue
+                tiles = {"block_n": bn, "block_k": bk, "split_k": split, "num_warps": w, "num_stages": st}
+                try:
+                    got.append((1e3 * graph_time(lambda: call(tiles)), tiles))
+                except Exception as e:  # a tile the device cannot hold
+                    print(f"[{name} {tiles}: {type(e).__name__}: {str(e)[:120]}]", flush=True)
+        if not got:
+            row(f"qmma sweep {name}", "skipped: the sweep's time was spent")
+            continue
+        got.sort(key=lambda g: g[0])
+        call(None)  # the autotuned choice
+        key = (16, n, k, "fp8", {"norm": qm.ADD_RMS_NORM, "act": qm.SILU_MUL, "plain": qm.NONE}[prologue], x.device)
+        tuned = qm._TUNED.get(key, {})
+        t_tuned = 1e3 * graph_time(lambda: call(tuned))
+        fmt = lambda t, c: (f"{t:.1f} us = {n * k / t / 1e3:,.0f} GB/s (bn {c['block_n']} bk {c['block_k']} "  # noqa: E731
+                            f"w {c['num_warps']} s {c['num_stages']} split {c['split_k']})")
+        row(f"qmma sweep {name} {n}x{k} fp8 b=1 ({len(got)} tiles, {time.perf_counter() - t0:.0f} s)",
+            "; ".join(fmt(t, c) for t, c in got[:5]) + f"; slowest {got[-1][0]:.1f}; autotuned "
+            + fmt(t_tuned, {**tuned, "split_k": tuned.get("split_k", 0)}))
+
+
 def _with_mma(spec, mma: int = 1, min_numel: int = 0):
     """``spec`` with its quantized projections on the tensor-core kernel from ``mma`` rows (autotuned tiles);
     ``min_numel``: at one row, only weights of that many elements (the smaller ones: the GEMV)."""
@@ -140,30 +197,39 @@ MIXED = 32 << 20
 
 
 @section
-def qmma_decode(m: Llama8B) -> None:
-    """Batch-1 decode: bf16 in the dense-decode form; each precision through the GEMV and through this kernel."""
+def qmma_decode(m: Llama8B, quick: bool = False) -> None:
+    """Batch-1 decode: bf16 in the dense-decode form; each precision through the GEMV and through this kernel
+    (``quick``: bf16, then FP8 and int8 split between the GEMV and the kernel as the tuner proposes, then bf16 and
+    FP8 again: two figures of each ratio in one run)."""
     from bench.gpu.precision_step import _forms, _measure
 
     eng = m.engine
     eng.config = dataclasses.replace(eng.config, async_decode=True)
     prompt, new = list(range(1, 129)), 96
     base = _forms(m)["dense-decode (pdl 1)"]
+    fp8_mixed = _with_mma(dataclasses.replace(base, weight_dtype="fp8"), min_numel=MIXED)
+    forms = (("bf16, dense-decode", base),
+             ("fp8, dense-decode (GEMV)", dataclasses.replace(base, weight_dtype="fp8")),
+             ("fp8, dense-decode + tensor cores", _with_mma(dataclasses.replace(base, weight_dtype="fp8"))),
+             ("fp8, dense-decode + tensor cores for gate_up, down, lm_head", fp8_mixed),
+             ("int8, dense-decode (GEMV)", dataclasses.replace(base, weight_dtype="int8")),
+             ("int8, dense-decode + tensor cores for gate_up, down, lm_head",
+              _with_mma(dataclasses.replace(base, weight_dtype="int8"), min_numel=MIXED)))
+    if quick:
+        prefetching = _forms(m)["pdl 2 + next QKV into L2"]
+        forms = (forms[0], ("fp8, dense-decode + tensor cores for gate_up, down, lm_head", fp8_mixed), forms[-1],
+                 ("fp8, the same, pdl 2 + next QKV into L2",
+                  _with_mma(dataclasses.replace(prefetching, weight_dtype="fp8"), min_numel=MIXED)),
+                 ("bf16, dense-decode (again)", base), ("fp8, the same (again)", fp8_mixed))
     got = {}
-    for label, spec in (("bf16, dense-decode", base),
-                        ("fp8, dense-decode (GEMV)", dataclasses.replace(base, weight_dtype="fp8")),
-                        ("fp8, dense-decode + tensor cores", _with_mma(dataclasses.replace(base, weight_dtype="fp8"))),
-                        ("fp8, dense-decode + tensor cores for gate_up, down, lm_head",
-                         _with_mma(dataclasses.replace(base, weight_dtype="fp8"), min_numel=MIXED)),
-                        ("int8, dense-decode (GEMV)", dataclasses.replace(base, weight_dtype="int8")),
-                        ("int8, dense-decode + tensor cores for gate_up, down, lm_head",
-                         _with_mma(dataclasses.replace(base, weight_dtype="int8"), min_numel=MIXED))):
+    for label, spec in forms:
         try:
             got[label] = _measure(eng, spec, prompt, new)
         except Exception as e:
             traceback.print_exc()
             row(f"8B decode b=1, {label}", f"FAILED {type(e).__name__}: {str(e)[:160]}")
             continue
-        ref = got.get("bf16, dense-decode")
+        ref = got.get("bf16, dense-decode (again)" if "again" in label else "bf16, dense-decode")
         row(f"8B decode b=1, {label}", f"{got[label]:.1f} tok/s" + (f" = {got[label] / ref:.2f}x bf16" if ref else ""))
     eng.apply_variant(dataclasses.replace(base, weight_dtype="auto", cuda_graph_batch_sizes=()))
 
