@@ -34,7 +34,7 @@ from kernels.quant import FP8_MAX, QuantizedWeight
 
 NONE, SILU_MUL, ADD_RMS_NORM = 0, 1, 2  # input prologues: the same codes as kernels/linear_triton.py's
 MAX_M = 64  # rows this kernel takes (the MMA's narrow side; wider batches are a GEMM's)
-DEFAULT_TILES = {"block_n": 64, "block_k": 256, "split_k": 0, "num_warps": 4, "num_stages": 4}
+DEFAULT_TILES = {"block_n": 64, "block_k": 256, "split_k": 0, "num_warps": 4, "num_stages": 4, "fused": 0}
 # (BLOCK_N, BLOCK_K, warps, stages) tried on a GPU, each with the splits of K that make about each of
 # SPLIT_TARGETS programs (``split_for``; a wide projection's 224 programs of whole rows leave a partial second
 # round on 132 SMs, and more, shorter programs even it out)
@@ -101,25 +101,56 @@ def _quantize_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, q_ptr, qs_ptr, stride_x, str
 
 
 @triton.jit
-def _qmma_chunk(acc, w, q_ptr, qs_ptr, rm, m_mask, c, stride_q, K: tl.constexpr, CHUNKS: tl.constexpr,
-                IS_INT8: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc plus chunk c's product: weight rows ``w`` (BLOCK_N, BLOCK_K) on the tensor cores against the rows'
-    codes, times the rows' scales of the chunk."""
+def _qmma_chunk(acc, ss, w, q_ptr, qs_ptr, x_ptr, r_ptr, nw_ptr, sum_ptr, rm, m_mask, c, stride_q, stride_x, stride_r,
+                stride_sum, K: tl.constexpr, CHUNKS: tl.constexpr, IS_INT8: tl.constexpr, BLOCK_K: tl.constexpr,
+                FUSED: tl.constexpr, PROLOGUE: tl.constexpr, WRITE_SUM):
+    """(acc plus chunk c's product, ss): weight rows ``w`` (BLOCK_N, BLOCK_K) on the tensor cores against the rows'
+    codes, times the rows' scales of the chunk. The codes are the quantization launch's, or with ``FUSED`` this
+    chunk's prologue output quantized here (the norm's before its 1 / rms: the codes of v and of v / rms are the
+    same, and ``ss`` gathers the rows' sums of squares for the scale applied at the end; ``WRITE_SUM``: this
+    program also writes the chunk of the residual sum)."""
     rk = c * BLOCK_K + tl.arange(0, BLOCK_K)
-    a = tl.load(q_ptr + rm[:, None] * stride_q + rk[None, :], mask=m_mask[:, None] & (rk < K)[None, :], other=0.0)
-    sa = tl.load(qs_ptr + rm * CHUNKS + c, mask=m_mask & (c < CHUNKS), other=0.0)
-    if IS_INT8:
-        d = tl.dot(w, tl.trans(a), out_dtype=tl.int32).to(tl.float32)
+    mask = m_mask[:, None] & (rk < K)[None, :]
+    if FUSED:
+        if PROLOGUE == 1:  # x holds [gate | up], each K wide
+            g = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mask, other=0.0)
+            u = tl.load(x_ptr + rm[:, None] * stride_x + K + rk[None, :], mask=mask, other=0.0)
+            a = silu_mul(g, u).to(tl.float32)
+        elif PROLOGUE == 2:
+            v = tl.load(r_ptr + rm[:, None] * stride_r + rk[None, :], mask=mask, other=0.0) + tl.load(
+                x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mask, other=0.0)
+            if WRITE_SUM:
+                tl.store(sum_ptr + rm[:, None] * stride_sum + rk[None, :], v, mask=mask)
+            v = v.to(tl.float32)
+            ss += tl.sum(v * v, axis=1)
+            a = tl.load(nw_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)[None, :] * v
+        else:
+            a = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(a), axis=1)
+        if IS_INT8:
+            sa = tl.maximum(amax / 127.0, 1e-12)
+            v = a / sa[:, None]
+            codes = tl.where(v >= 0, tl.floor(v + 0.5), tl.ceil(v - 0.5))
+        else:
+            sa = tl.maximum(amax / 448.0, 1e-12)
+            codes = _round_e4m3(a / sa[:, None])
+        codes = codes.to(w.dtype)
     else:
-        d = tl.dot(w, tl.trans(a))
-    return acc + d * sa[None, :]
+        codes = tl.load(q_ptr + rm[:, None] * stride_q + rk[None, :], mask=mask, other=0.0)
+        sa = tl.load(qs_ptr + rm * CHUNKS + c, mask=m_mask & (c < CHUNKS), other=0.0)
+    if IS_INT8:
+        d = tl.dot(w, tl.trans(codes), out_dtype=tl.int32).to(tl.float32)
+    else:
+        d = tl.dot(w, tl.trans(codes))
+    return acc + d * sa[None, :], ss
 
 
 @triton.jit
 def _qmma_kernel(
-    q_ptr, qs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, stride_q, stride_w, stride_out,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, IS_INT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr = 0,
+    q_ptr, qs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, x_ptr, r_ptr, nw_ptr, sum_ptr, M, N, stride_q,
+    stride_w, stride_out, stride_x, stride_r, stride_sum, eps, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    IS_INT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, FUSED: tl.constexpr = 0, PROLOGUE: tl.constexpr = 0, PDL: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -129,36 +160,51 @@ def _qmma_kernel(
     m_mask = rm < M
     CHUNKS: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     PER_SPLIT: tl.constexpr = (CHUNKS + SPLIT_K - 1) // SPLIT_K
+    NORM: tl.constexpr = FUSED and PROLOGUE == 2
     c_first = pid_k * PER_SPLIT
-    # the first chunk of weights is requested before waiting for the quantization launch (kernels/pdl.py): with PDL
-    # this program can be resident while that launch runs, and its weights' latency overlaps it
+    write_sum = pid_n == 0  # the fused norm: the first group's programs write the residual sum, each its chunks
+    # the first chunk of weights is requested before waiting for the launch before (kernels/pdl.py): with PDL this
+    # program can be resident while that launch runs, and its weights' latency overlaps it
     rk = c_first * BLOCK_K + tl.arange(0, BLOCK_K)
     w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
     pdl_enter(PDL)
-    acc = _qmma_chunk(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), w, q_ptr, qs_ptr, rm, m_mask, c_first,
-                      stride_q, K, CHUNKS, IS_INT8, BLOCK_K)
+    acc, ss = _qmma_chunk(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32), w,
+                          q_ptr, qs_ptr, x_ptr, r_ptr, nw_ptr, sum_ptr, rm, m_mask, c_first, stride_q, stride_x,
+                          stride_r, stride_sum, K, CHUNKS, IS_INT8, BLOCK_K, FUSED, PROLOGUE, write_sum)
     for i in range(1, PER_SPLIT):  # chunks past K (the last split's) load nothing
         c = c_first + i
         rk = c * BLOCK_K + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :],
                     other=0.0)
-        acc = _qmma_chunk(acc, w, q_ptr, qs_ptr, rm, m_mask, c, stride_q, K, CHUNKS, IS_INT8, BLOCK_K)
+        acc, ss = _qmma_chunk(acc, ss, w, q_ptr, qs_ptr, x_ptr, r_ptr, nw_ptr, sum_ptr, rm, m_mask, c, stride_q,
+                              stride_x, stride_r, stride_sum, K, CHUNKS, IS_INT8, BLOCK_K, FUSED, PROLOGUE, write_sum)
     acc *= tl.load(s_ptr + rn, mask=n_mask, other=0.0)[:, None]
     out_mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT_K == 1:
+        if NORM:
+            acc *= tl.rsqrt(ss / K + eps)[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         tl.store(out_ptr + rm[None, :] * stride_out + rn[:, None], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        # partial sums (SPLIT_K, BLOCK_M, N) float32; the group's last program to arrive adds them up
+        # partial sums (SPLIT_K, BLOCK_M, N) float32 (then the fused norm's sums of squares, (groups, SPLIT_K,
+        # BLOCK_M)); the group's last program to arrive adds them up
         part = part_ptr + rm[None, :] * N + rn[:, None]
         tl.store(part + pid_k * BLOCK_M * N, acc, mask=out_mask)
+        ss_part = part_ptr + SPLIT_K * BLOCK_M * N + pid_n * SPLIT_K * BLOCK_M + rm
+        if NORM:
+            tl.store(ss_part + pid_k * BLOCK_M, ss)
         tl.debug_barrier()  # every thread's partials written before the count that publishes them
         arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
             total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             for s in range(SPLIT_K):
                 total += tl.load(part + s * BLOCK_M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if NORM:
+                ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+                for s in range(SPLIT_K):
+                    ss += tl.load(ss_part + s * BLOCK_M, cache_modifier=".cg")
+                total *= tl.rsqrt(ss / K + eps)[None, :]
             if HAS_BIAS:
                 total += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
             tl.store(out_ptr + rm[None, :] * stride_out + rn[:, None], total.to(out_ptr.dtype.element_ty),
@@ -178,11 +224,13 @@ def split_for(n: int, k: int, block_n: int, block_k: int, target: int = TARGET_P
 
 def candidates(n: int, k: int) -> list[dict]:
     """The tiles autotuning times for an (n, k) weight: each of AUTOTUNE_TILES with each distinct split of
-    SPLIT_TARGETS."""
+    SPLIT_TARGETS, with the prologue in a launch of its own and fused into the multiply."""
     out = []
     for bn, bk, w, s in AUTOTUNE_TILES:
         for split in dict.fromkeys(split_for(n, k, bn, bk, target) for target in SPLIT_TARGETS):
-            out.append({"block_n": bn, "block_k": bk, "split_k": split, "num_warps": w, "num_stages": s})
+            for fused in (0, 1):
+                out.append({"block_n": bn, "block_k": bk, "split_k": split, "num_warps": w, "num_stages": s,
+                            "fused": fused})
     return out
 
 
@@ -242,19 +290,24 @@ def _launch(x, weight: QuantizedWeight, bias, prologue, tiles: dict, r=None, nor
     t = {**DEFAULT_TILES, **tiles}
     split = t["split_k"] or split_for(n, k, t["block_n"], t["block_k"])
     groups = triton.cdiv(n, t["block_n"])
-    part, count = _workspace(x.device, split * block_m * n if split > 1 else 0, groups)
-    chunks = triton.cdiv(k, t["block_k"])
-    q = torch.empty(m, k, device=x.device, dtype=weight.q.dtype)  # rows up to BLOCK_M are masked, never read
-    qs = torch.empty(m, chunks, device=x.device, dtype=torch.float32)
+    fused = int(bool(t["fused"]))
+    part, count = _workspace(x.device, split * block_m * (n + groups) if split > 1 else 0, groups)
     pdl_opts = launch_options(pdl, x)
-    _quantize_kernel[(m, chunks)](
-        x, r, norm_weight, summed, q, qs, x.stride(0), r.stride(0), summed.stride(0), q.stride(0), eps, K=k,
-        PROLOGUE=prologue, IS_INT8=weight.kind == "int8", BLOCK_K=t["block_k"], num_warps=4, **pdl_opts)
+    if fused:  # the prologue and the quantization inside the multiply: no codes in between
+        q, qs = weight.q, weight.scale  # not read
+    else:
+        chunks = triton.cdiv(k, t["block_k"])
+        q = torch.empty(m, k, device=x.device, dtype=weight.q.dtype)  # rows up to BLOCK_M are masked, never read
+        qs = torch.empty(m, chunks, device=x.device, dtype=torch.float32)
+        _quantize_kernel[(m, chunks)](
+            x, r, norm_weight, summed, q, qs, x.stride(0), r.stride(0), summed.stride(0), q.stride(0), eps, K=k,
+            PROLOGUE=prologue, IS_INT8=weight.kind == "int8", BLOCK_K=t["block_k"], num_warps=4, **pdl_opts)
     _qmma_kernel[(groups, split)](
-        q, qs, weight.q, weight.scale, weight.scale if bias is None else bias, out, part, count, m, n, q.stride(0),
-        weight.q.stride(0), out.stride(0), K=k, HAS_BIAS=bias is not None, IS_INT8=weight.kind == "int8",
-        BLOCK_M=block_m, BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], SPLIT_K=split, num_warps=t["num_warps"],
-        num_stages=t["num_stages"], **pdl_opts)
+        q, qs, weight.q, weight.scale, weight.scale if bias is None else bias, out, part, count, x, r, norm_weight,
+        summed, m, n, q.stride(0), weight.q.stride(0), out.stride(0), x.stride(0), r.stride(0), summed.stride(0), eps,
+        K=k, HAS_BIAS=bias is not None, IS_INT8=weight.kind == "int8", BLOCK_M=block_m, BLOCK_N=t["block_n"],
+        BLOCK_K=t["block_k"], SPLIT_K=split, FUSED=fused, PROLOGUE=prologue if fused else 0,
+        num_warps=t["num_warps"], num_stages=t["num_stages"], **pdl_opts)
     return out, (summed if prologue == ADD_RMS_NORM else None)
 
 
@@ -284,11 +337,11 @@ def qmma(x, weight: QuantizedWeight, bias=None, prologue: int = NONE, tiles: dic
     return _launch(x, weight, bias, prologue, tiles, r, norm_weight, eps, k, pdl)
 
 
-def qmma_ref(x: torch.Tensor, weight: QuantizedWeight, block_k: int, bias: torch.Tensor | None = None
-             ) -> torch.Tensor:
+def qmma_ref(x: torch.Tensor, weight: QuantizedWeight, block_k: int, bias: torch.Tensor | None = None,
+             row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Plain torch, float64: what the kernel computes for input x (T, K) (after its prologue): each row's
     ``block_k`` chunks quantized to the weight's format with their own scale, times the quantized weights, times
-    the weights' scales."""
+    the weights' scales (and ``row_scale`` (T,), before the bias: the fused norm's 1 / rms, ``fused_norm_ref``)."""
     t, k = x.shape
     out = torch.zeros(t, weight.q.shape[0], dtype=torch.float64, device=x.device)
     wq = weight.q.to(torch.float64)
@@ -304,4 +357,16 @@ def qmma_ref(x: torch.Tensor, weight: QuantizedWeight, block_k: int, bias: torch
             aq = (a / sa).to(torch.float8_e4m3fn)
         out += (aq.to(torch.float64) @ wq[:, k0:k0 + block_k].t()) * sa.to(torch.float64)
     out *= weight.scale.to(torch.float64)[None, :]
+    if row_scale is not None:
+        out *= row_scale.to(torch.float64)[:, None]
     return out if bias is None else out + bias.to(torch.float64)
+
+
+def fused_norm_ref(x: torch.Tensor, r: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain torch: (the input the fused norm quantizes, float32: the norm's weight times the residual sum, before
+    1 / rms; 1 / rms per row, float64; the residual sum in x's dtype) for ``qmma_ref(..., row_scale=)``."""
+    s = x + r
+    v = s.to(torch.float32)
+    rstd = torch.rsqrt(v.double().pow(2).mean(dim=1) + eps)
+    return norm_weight.to(torch.float32)[None, :] * v, rstd, s

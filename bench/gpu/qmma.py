@@ -25,22 +25,26 @@ def qmma_checks() -> bool:
     only) and against the float64 product of the unquantized activations (the activations' quantization)."""
     from kernels.activation import silu_and_mul_ref
     from kernels.norm import fused_add_rms_norm_ref
-    from kernels.qmma_triton import ADD_RMS_NORM, NONE, SILU_MUL, qmma, qmma_ref
+    from kernels.qmma_triton import ADD_RMS_NORM, NONE, SILU_MUL, fused_norm_ref, qmma, qmma_ref
     from kernels.quant import qlinear_exact, quantize
 
     torch.manual_seed(12)
     ok = True
-    for kind in ("fp8", "int8"):
+    for kind, fused in (("fp8", 0), ("fp8", 1), ("int8", 0), ("int8", 1)):
         for m, n, k, prologue, split in ((1, 6144, 4096, NONE, 1), (1, 4096, 4096, NONE, 4), (7, 4096, 14336, SILU_MUL, 0),
                                          (16, 28672, 4096, ADD_RMS_NORM, 0), (33, 4096, 4096, NONE, 8),
-                                         (64, 1000, 576, ADD_RMS_NORM, 2)):
+                                         (64, 1000, 576, ADD_RMS_NORM, 2), (1, 28672, 4096, ADD_RMS_NORM, 4)):
+            if (m, prologue) == (1, ADD_RMS_NORM) and not fused:
+                continue  # the fused norm's split sums of squares
             qw = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, kind)
             bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if prologue == NONE else None
             x = torch.randn(m, 2 * k if prologue == SILU_MUL else k, device="cuda", dtype=torch.bfloat16)
             r, nw = torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.rand(k, device="cuda") + 0.5
             nw = nw.to(torch.bfloat16)
-            tiles = {"block_n": 64, "block_k": 256, "split_k": split, "num_warps": 4, "num_stages": 4}
+            tiles = {"block_n": 64, "block_k": 256, "split_k": split, "num_warps": 4, "num_stages": 4, "fused": fused}
+            label = f"qmma {kind}{' fused' if fused else ''} {m}x{k} -> {n}, prologue {prologue}, split {split or 'auto'}"
             try:
+                rows = None
                 if prologue == SILU_MUL:
                     h, summed_ref = silu_and_mul_ref(x), None
                     out, _ = qmma(x, qw, None, SILU_MUL, tiles, k=k)
@@ -54,7 +58,10 @@ def qmma_checks() -> bool:
                 torch.cuda.synchronize()
                 again = qmma(x, qw, bias, prologue, tiles, r=r, norm_weight=nw, eps=1e-5,
                              k=k if prologue == SILU_MUL else None, pdl=1)[0]  # with dependent launch: the same
-                ref = qmma_ref(h, qw, 256, bias)
+                codes_of = h
+                if fused and prologue == ADD_RMS_NORM:  # quantized before the norm's 1 / rms, applied at the end
+                    codes_of, rows, _ = fused_norm_ref(x, r, nw, 1e-5)
+                ref = qmma_ref(codes_of, qw, 256, bias, rows)
                 exact = qlinear_exact(h, qw, bias)
                 scale = exact.abs().max().item()
                 e_ref = (out.double() - ref).abs().max().item() / scale
@@ -62,16 +69,15 @@ def qmma_checks() -> bool:
                 same = torch.equal(out, again)  # the split's counts were reset: a second call is the same
             except Exception as e:
                 traceback.print_exc()
-                row(f"qmma {kind} {m}x{k} -> {n} prologue {prologue} split {split}", f"FAILED {type(e).__name__}: {e}")
+                row(label, f"FAILED {type(e).__name__}: {str(e)[:160]}")
                 ok = False
                 continue
             # the activations quantized per 256-column chunk: e4m3 keeps 3 mantissa bits, int8 7 (SiLU-and-multiply's
             # heavy tails measured 0.017 with int8)
             good = e_ref <= 0.006 and e_exact <= (0.05 if kind == "fp8" else 0.02) and same
             ok &= good
-            row(f"qmma {kind} {m}x{k} -> {n}, prologue {prologue}, split {split or 'auto'}",
-                f"{'OK' if good else 'ERROR'}: {e_ref:.2g} of the output's scale from its float64 reference, "
-                f"{e_exact:.2g} from the unquantized activations' product; repeat (pdl 1) identical: {same}")
+            row(label, f"{'OK' if good else 'ERROR'}: {e_ref:.2g} of the output's scale from its float64 reference, "
+                       f"{e_exact:.2g} from the unquantized activations' product; repeat (pdl 1) identical: {same}")
     return ok
 
 
@@ -127,9 +133,10 @@ SWEEP_TILES = ((64, 128, 4, 6), (64, 256, 4, 4), (64, 512, 4, 3), (128, 128, 4, 
 
 
 @section
-def qmma_sweep(budget_s: float = 150.0) -> None:
+def qmma_sweep(budget_s: float = 200.0) -> None:
     """Batch 1, FP8: each projection through the kernel (its quantization launch included) with every tile of
-    SWEEP_TILES and every split of K from 1 to 16 (programs of at least two chunks), L2 flushed; the five fastest
+    SWEEP_TILES and every split of K from 1 to 16 (programs of at least two chunks), the prologue in a launch of its
+    own and fused into the multiply, L2 flushed; the five fastest
     per projection and the autotuned choice (kernels/qmma_triton.candidates). gate_up and down first: the two
     furthest from the copy bandwidth; stops after ``budget_s``."""
     import time
@@ -156,10 +163,11 @@ def qmma_sweep(budget_s: float = 150.0) -> None:
 
         got = []
         for bn, bk, w, st in SWEEP_TILES:
-            for split in (1, 2, 4, 8, 16):
+            for split, fused in ((s, f) for s in (1, 2, 4, 8, 16) for f in (0, 1)):
                 if triton.cdiv(k, bk) < 2 * split or time.perf_counter() - t0 > budget_s:
                     continue
-                tiles = {"block_n": bn, "block_k": bk, "split_k": split, "num_warps": w, "num_stages": st}
+                tiles = {"block_n": bn, "block_k": bk, "split_k": split, "num_warps": w, "num_stages": st,
+                         "fused": fused}
                 try:
                     got.append((1e3 * graph_time(lambda: call(tiles)), tiles))
                 except Exception as e:  # a tile the device cannot hold
@@ -173,9 +181,12 @@ def qmma_sweep(budget_s: float = 150.0) -> None:
         tuned = qm._TUNED.get(key, {})
         t_tuned = 1e3 * graph_time(lambda: call(tuned))
         fmt = lambda t, c: (f"{t:.1f} us = {n * k / t / 1e3:,.0f} GB/s (bn {c['block_n']} bk {c['block_k']} "  # noqa: E731
-                            f"w {c['num_warps']} s {c['num_stages']} split {c['split_k']})")
+                            f"w {c['num_warps']} s {c['num_stages']} split {c['split_k']}"
+                            f"{' fused' if c.get('fused') else ''})")
+        unfused = [g for g in got if not g[1]["fused"]]
         row(f"qmma sweep {name} {n}x{k} fp8 b=1 ({len(got)} tiles, {time.perf_counter() - t0:.0f} s)",
-            "; ".join(fmt(t, c) for t, c in got[:5]) + f"; slowest {got[-1][0]:.1f}; autotuned "
+            "; ".join(fmt(t, c) for t, c in got[:5]) + f"; slowest {got[-1][0]:.1f}; the best in two launches "
+            + (fmt(*unfused[0]) if unfused else "none") + "; autotuned "
             + fmt(t_tuned, {**tuned, "split_k": tuned.get("split_k", 0)}))
 
 
