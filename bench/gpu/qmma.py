@@ -210,8 +210,9 @@ MIXED = 32 << 20
 @section
 def qmma_decode(m: Llama8B, quick: bool = False) -> None:
     """Batch-1 decode: bf16 in the dense-decode form; each precision through the GEMV and through this kernel
-    (``quick``: bf16, then FP8 and int8 split between the GEMV and the kernel as the tuner proposes, then bf16 and
-    FP8 again: two figures of each ratio in one run)."""
+    (``quick``: bf16, FP8 split between the GEMV and the kernel as the tuner proposes, FP8 with the norm and
+    SiLU-and-multiply in launches of their own (the GEMV alone, and split), then each again: two figures of each
+    ratio in one run)."""
     from bench.gpu.precision_step import _forms, _measure
 
     eng = m.engine
@@ -227,11 +228,15 @@ def qmma_decode(m: Llama8B, quick: bool = False) -> None:
              ("int8, dense-decode + tensor cores for gate_up, down, lm_head",
               _with_mma(dataclasses.replace(base, weight_dtype="int8"), min_numel=MIXED)))
     if quick:
-        prefetching = _forms(m)["pdl 2 + next QKV into L2"]
-        forms = (forms[0], ("fp8, dense-decode + tensor cores for gate_up, down, lm_head", fp8_mixed), forms[-1],
-                 ("fp8, the same, pdl 2 + next QKV into L2",
-                  _with_mma(dataclasses.replace(prefetching, weight_dtype="fp8"), min_numel=MIXED)),
-                 ("bf16, dense-decode (again)", base), ("fp8, the same (again)", fp8_mixed))
+        composed = {**dict(base.kernels), "norm_linear": "reference", "act_linear": "reference"}
+        fp8_gemv = dataclasses.replace(base, weight_dtype="fp8", kernels=composed)
+        fp8_split = _with_mma(fp8_gemv, min_numel=MIXED)
+        forms = (forms[0], ("fp8, dense-decode + tensor cores for gate_up, down, lm_head", fp8_mixed),
+                 ("fp8, the norm and SiLU-and-multiply in launches of their own, the GEMV", fp8_gemv),
+                 ("fp8, the same + tensor cores for gate_up, down, lm_head", fp8_split),
+                 ("bf16, dense-decode (again)", base), ("fp8, dense-decode + tensor cores (again)", fp8_mixed),
+                 ("fp8, own launches, the GEMV (again)", fp8_gemv),
+                 ("fp8, own launches + tensor cores (again)", fp8_split))
     got = {}
     for label, spec in forms:
         try:
