@@ -210,9 +210,8 @@ MIXED = 32 << 20
 @section
 def qmma_decode(m: Llama8B, quick: bool = False) -> None:
     """Batch-1 decode: bf16 in the dense-decode form; each precision through the GEMV and through this kernel
-    (``quick``: bf16, FP8 split between the GEMV and the kernel as the tuner proposes, FP8 with the norm and
-    SiLU-and-multiply in launches of their own (the GEMV alone, and split), then each again: two figures of each
-    ratio in one run)."""
+    (``quick``: bf16, FP8 split between the GEMV and the kernel as the tuner proposes, FP8 on the kernel for every
+    projection, then each again: two figures of each ratio in one run). The tiles chosen are a row of their own."""
     from bench.gpu.precision_step import _forms, _measure
 
     eng = m.engine
@@ -228,15 +227,12 @@ def qmma_decode(m: Llama8B, quick: bool = False) -> None:
              ("int8, dense-decode + tensor cores for gate_up, down, lm_head",
               _with_mma(dataclasses.replace(base, weight_dtype="int8"), min_numel=MIXED)))
     if quick:
-        composed = {**dict(base.kernels), "norm_linear": "reference", "act_linear": "reference"}
-        fp8_gemv = dataclasses.replace(base, weight_dtype="fp8", kernels=composed)
-        fp8_split = _with_mma(fp8_gemv, min_numel=MIXED)
+        fp8_all = _with_mma(dataclasses.replace(base, weight_dtype="fp8"))
         forms = (forms[0], ("fp8, dense-decode + tensor cores for gate_up, down, lm_head", fp8_mixed),
-                 ("fp8, the norm and SiLU-and-multiply in launches of their own, the GEMV", fp8_gemv),
-                 ("fp8, the same + tensor cores for gate_up, down, lm_head", fp8_split),
-                 ("bf16, dense-decode (again)", base), ("fp8, dense-decode + tensor cores (again)", fp8_mixed),
-                 ("fp8, own launches, the GEMV (again)", fp8_gemv),
-                 ("fp8, own launches + tensor cores (again)", fp8_split))
+                 ("fp8, dense-decode + tensor cores for every projection", fp8_all),
+                 ("bf16, dense-decode (again)", base), ("fp8, dense-decode + tensor cores for gate_up, down, lm_head "
+                                                        "(again)", fp8_mixed),
+                 ("fp8, dense-decode + tensor cores for every projection (again)", fp8_all))
     got = {}
     for label, spec in forms:
         try:
@@ -247,6 +243,10 @@ def qmma_decode(m: Llama8B, quick: bool = False) -> None:
             continue
         ref = got.get("bf16, dense-decode (again)" if "again" in label else "bf16, dense-decode")
         row(f"8B decode b=1, {label}", f"{got[label]:.1f} tok/s" + (f" = {got[label] / ref:.2f}x bf16" if ref else ""))
+    import kernels.qmma_triton as qm
+
+    row("qmma tiles chosen (batch 1)", json.dumps({f"{k[1]}x{k[2]} {k[3]} p{k[4]}": v for k, v in qm._TUNED.items()
+                                                   if k[0] == 16}))
     eng.apply_variant(dataclasses.replace(base, weight_dtype="auto", cuda_graph_batch_sizes=()))
 
 
