@@ -8,8 +8,13 @@ int8: the fine-grained scaling of block-quantized FP8 GEMMs); the second multipl
 weights as they are stored: each program takes ``BLOCK_N`` weight rows (the MMA's M side: "swap AB", so a batch of
 one to a few rows pads only the narrow side of the MMA) and a share of K, and adds each chunk's e4m3 x e4m3 (or
 int8 x int8) sums times the chunk's scales; the weights' per-row scales and the bias are applied once at the end.
-(Quantizing inside the MMA loop instead, each program its own chunks, measured 1.2-1.9 TB/s on an H200 against
-the GEMV's 2-3.5: bench/RESULTS.md.)
+
+A tile option (``fused``) does it in one launch: each program computes and quantizes its own chunks of the input
+in the MMA loop (the norm's chunks before its 1 / rms: the codes of v and of v / rms are the same, the rows'
+sums of squares are gathered in the loop, across the split as well, and 1 / rms is applied to the output). On an
+H200 at one row it is the faster for QKV and the output projection (14.2 / 10.0 us against 15.3 / 11.2) and the
+slower for gate_up and down (their whole-row activations in shared memory per stage cut the programs per SM);
+autotuning times both (bench/RESULTS.md).
 
 Splitting K (``SPLIT_K`` programs per group of weight rows) keeps every SM busy on narrow projections (4,096
 outputs are 64 programs of 64 rows): each program writes its float32 partial sums to a workspace and counts
