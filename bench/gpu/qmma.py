@@ -211,7 +211,7 @@ MIXED = 32 << 20
 def qmma_decode(m: Llama8B, quick: bool = False) -> None:
     """Batch-1 decode: bf16 in the dense-decode form; each precision through the GEMV and through this kernel
     (``quick``: bf16, FP8 split between the GEMV and the kernel as the tuner proposes, FP8 on the kernel for every
-    projection, then each again: two figures of each ratio in one run). The tiles chosen are a row of their own."""
+    projection, then each again: two figures of each ratio in one run; then both FP8 forms at PDL level 2). The tiles chosen are a row of their own."""
     from bench.gpu.precision_step import _forms, _measure
 
     eng = m.engine
@@ -232,7 +232,11 @@ def qmma_decode(m: Llama8B, quick: bool = False) -> None:
                  ("fp8, dense-decode + tensor cores for every projection", fp8_all),
                  ("bf16, dense-decode (again)", base), ("fp8, dense-decode + tensor cores for gate_up, down, lm_head "
                                                         "(again)", fp8_mixed),
-                 ("fp8, dense-decode + tensor cores for every projection (again)", fp8_all))
+                 ("fp8, dense-decode + tensor cores for every projection (again)", fp8_all),
+                 ("fp8, pdl 2 + tensor cores for gate_up, down, lm_head",
+                  _with_mma(dataclasses.replace(_forms(m)["pdl 2"], weight_dtype="fp8"), min_numel=MIXED)),
+                 ("fp8, pdl 2 + tensor cores for every projection",
+                  _with_mma(dataclasses.replace(_forms(m)["pdl 2"], weight_dtype="fp8"))))
     got = {}
     for label, spec in forms:
         try:
