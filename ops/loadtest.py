@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from engine.capture import read_capture_dir
-from ops.board import DONE, Board
+from ops.board import DONE, RUNNING, Board
 from ops.deploy import ServerProcess
 
 
@@ -182,8 +182,8 @@ for i in range(int(sys.argv[3])):
 
 def board_faults(path: str | Path, experiments: int, kills: int, lease_s: float = 0.5, seed: int = 0) -> dict:
     """A producer enqueues ``experiments`` (and is itself SIGKILLed and re-run until it finishes: re-enqueueing
-    is idempotent), two workers drain them and are SIGKILLed ``kills`` times mid-claim, mid-renew or mid-write
-    and restarted; then the board is checked: every experiment once, done once, with one result."""
+    is idempotent), two workers drain them and are SIGKILLed ``kills`` times while holding a claim (mid-renew
+    or mid-write) and restarted; then the board is checked: every experiment once, done once, with one result."""
     rng = random.Random(seed)
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": root}
@@ -209,8 +209,9 @@ def board_faults(path: str | Path, experiments: int, kills: int, lease_s: float 
             producer.wait()
             producer_kills += 1
             continue
-        if done_kills < kills and board.pending(search):  # only while there is work to interrupt
-            i = rng.randrange(2)
+        i = rng.randrange(2)
+        holding = any(e["status"] == RUNNING and e["worker"] == f"w{i}" for e in board.experiments(search))
+        if done_kills < kills and holding:  # only a worker holding a claim: killed mid-experiment
             workers[i].send_signal(signal.SIGKILL)
             workers[i].wait()
             workers[i] = spawn(_BOARD_WORKER, lease_s, i)
