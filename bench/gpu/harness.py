@@ -122,6 +122,41 @@ def kernel_profile(label: str, fn, steps: int = 5, top: int = 14) -> None:
             f"{sum(v) / len(v):.1f} us each, {100 * sum(v) / steps / total:.0f}%")
 
 
+def step_timeline(label: str, fn, steps: int = 5, first: int = 0, count: int = 16) -> None:
+    """The kernels of one call of ``fn`` (a step's graph replay) in launch order, from the CUDA profiler: each
+    launch's GPU time summed by kernel name over the step, the step's wall time, and launches ``first`` to
+    ``first + count`` of the last step with their start after the previous one's end (negative: they overlap, as
+    a dependent launch's do; its time then includes the wait)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / steps
+    ev = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type == DeviceType.CUDA and e.time_range.elapsed_us() > 0), key=lambda e: e[0])
+    per_step = len(ev) // steps
+    last = ev[-per_step:]
+    by_name: dict[str, list[float]] = {}
+    for start, end, name in last:
+        by_name.setdefault(name[:48], []).append(end - start)
+    span = last[-1][1] - last[0][0]
+    row(f"{label}: one step", f"{per_step} launches over {span:.0f} us (first start to last end); wall per step "
+        f"{1e6 * wall:.0f} us; " + "; ".join(f"{n} {sum(v):.0f} us / {len(v)} ({sum(v) / len(v):.2f} each)"
+                                             for n, v in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:8]))
+    seq, prev_end = [], None
+    for start, end, name in last[first:first + count]:
+        gap = "" if prev_end is None else f" @{start - prev_end:+.1f}"
+        seq.append(f"{name[:28]} {end - start:.1f}{gap}")
+        prev_end = end
+    row(f"{label}: launches {first}-{first + count}", "; ".join(seq))
+
+
 class Llama8B:
     """The transformers model with random bf16 weights, and our engine assembled from the same tensors."""
 

@@ -210,8 +210,9 @@ MIXED = 32 << 20
 @section
 def qmma_decode(m: Llama8B, quick: bool = False) -> None:
     """Batch-1 decode: bf16 in the dense-decode form; each precision through the GEMV and through this kernel
-    (``quick``: bf16, FP8 split between the GEMV and the kernel as the tuner proposes, FP8 on the kernel for every
-    projection, then each again: two figures of each ratio in one run; then both FP8 forms at PDL level 2). The tiles chosen are a row of their own."""
+    (``quick``: three rounds of bf16, FP8 split between the GEMV and the kernel as the tuner proposes, and the same
+    at PDL level 2, each ratio against its round's bf16; then two other splits; then the kernels of one step of bf16
+    and of the tuner's FP8, without and with dependent launch). The tiles chosen are a row of their own."""
     from bench.gpu.precision_step import _forms, _measure
 
     eng = m.engine
@@ -227,16 +228,14 @@ def qmma_decode(m: Llama8B, quick: bool = False) -> None:
              ("int8, dense-decode + tensor cores for gate_up, down, lm_head",
               _with_mma(dataclasses.replace(base, weight_dtype="int8"), min_numel=MIXED)))
     if quick:
-        fp8_all = _with_mma(dataclasses.replace(base, weight_dtype="fp8"))
-        forms = (forms[0], ("fp8, dense-decode + tensor cores for gate_up, down, lm_head", fp8_mixed),
-                 ("fp8, dense-decode + tensor cores for every projection", fp8_all),
-                 ("bf16, dense-decode (again)", base), ("fp8, dense-decode + tensor cores for gate_up, down, lm_head "
-                                                        "(again)", fp8_mixed),
-                 ("fp8, dense-decode + tensor cores for every projection (again)", fp8_all),
-                 ("fp8, pdl 2 + tensor cores for gate_up, down, lm_head",
-                  _with_mma(dataclasses.replace(_forms(m)["pdl 2"], weight_dtype="fp8"), min_numel=MIXED)),
-                 ("fp8, pdl 2 + tensor cores for every projection",
-                  _with_mma(dataclasses.replace(_forms(m)["pdl 2"], weight_dtype="fp8"))))
+        pdl2 = dataclasses.replace(_forms(m)["pdl 2"], weight_dtype="fp8")
+        rounds = (("bf16, dense-decode", base), ("fp8, the tuner's split", fp8_mixed),
+                  ("fp8, the tuner's split at pdl 2", _with_mma(pdl2, min_numel=MIXED)))
+        forms = tuple((f"{label} (round {i + 1})", spec) for i in range(3) for label, spec in rounds) + (
+            ("fp8, tensor cores for gate_up and lm_head, the GEMV for the rest (round 3)",
+             _with_mma(dataclasses.replace(base, weight_dtype="fp8"), min_numel=64 << 20)),
+            ("fp8, tensor cores for every projection (round 3)",
+             _with_mma(dataclasses.replace(base, weight_dtype="fp8"))))
     got = {}
     for label, spec in forms:
         try:
@@ -245,8 +244,19 @@ def qmma_decode(m: Llama8B, quick: bool = False) -> None:
             traceback.print_exc()
             row(f"8B decode b=1, {label}", f"FAILED {type(e).__name__}: {str(e)[:160]}")
             continue
-        ref = got.get("bf16, dense-decode (again)" if "again" in label else "bf16, dense-decode")
-        row(f"8B decode b=1, {label}", f"{got[label]:.1f} tok/s" + (f" = {got[label] / ref:.2f}x bf16" if ref else ""))
+        ref = got.get(f"bf16, dense-decode ({label.rsplit('(', 1)[1]}" if quick else "bf16, dense-decode")
+        row(f"8B decode b=1, {label}", f"{got[label]:.1f} tok/s" + (f" = {got[label] / ref:.3f}x bf16" if ref else ""))
+    if quick:  # where the step's time goes: each launch's time without dependent launch (no overlap), then with
+        from bench.gpu.harness import step_timeline
+        from engine import SamplingParams
+
+        for label, spec in (("bf16", base), ("fp8, the tuner's split", fp8_mixed)):
+            for level in (0, 1):
+                params = {op: {**p, "pdl": level} if "pdl" in p else p for op, p in spec.kernel_params}
+                eng.apply_variant(dataclasses.replace(spec, kernel_params=params))
+                eng.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+                step_timeline(f"8B decode step b=1, {label}, pdl {level}", eng.runner.graphs.graphs[1][0].replay,
+                              count=24)
     import kernels.qmma_triton as qm
 
     row("qmma tiles chosen (batch 1)", json.dumps({f"{k[1]}x{k[2]} {k[3]} p{k[4]}": v for k, v in qm._TUNED.items()
