@@ -19,7 +19,7 @@ from bench.gpu.kv_fp8 import fp8_kv_cache
 from bench.gpu.precision import gemv_bandwidth_by_precision, llama8b_precision, quantized_kernel_checks
 from bench.gpu.precision_serve import activation_quant_checks, served_decode_by_precision
 from bench.gpu.precision_step import decode_forms_by_precision, projections_alone
-from bench.gpu.qmma import qmma_checks, qmma_decode, qmma_projections, qmma_served, qmma_sweep
+from bench.gpu.qmma import qmma_checks, qmma_decode, qmma_projections, qmma_served, qmma_step_tiles, qmma_sweep
 from bench.gpu.swap import cold_start_and_swap, cold_start_child
 from bench.gpu.throughput import llama8b_throughput
 from engine.presets import preset_variant
@@ -55,6 +55,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--qmma-sweep", action="store_true",
                     help="qmma: each projection's tiles and K splits timed at batch 1 (FP8), then the quick decode "
                          "(bf16, FP8, int8 as the tuner splits them, each ratio twice)")
+    ap.add_argument("--qmma-step-tiles", action="store_true",
+                    help="qmma: batch-1 FP8 decode with the GEMV's tiles timed in the whole step (qmma_step_tiles) "
+                         "instead of the quick decode")
     ap.add_argument("--kv-length", type=int, default=32000, help="kv-fp8: the long prompts' length in tokens")
     ap.add_argument("--moe-layers", type=int, default=None)
     ap.add_argument("--moe-sweep", action="store_true", help="MoE: also sweep the experts' tiles at batch 1")
@@ -115,7 +118,9 @@ def main(description: str = __doc__.split("\n\n")[0]) -> None:
                         decode_forms_by_precision(m, sweep=() if args.step_quick else ("auto", "fp8"))
                 if want("precision-serve"):
                     served_decode_by_precision(m, args.out)
-                if want("qmma"):
+                if want("qmma") and args.qmma_step_tiles:
+                    qmma_step_tiles(m)
+                elif want("qmma"):
                     qmma_decode(m, quick=args.qmma_sweep)
                     if not args.qmma_no_served:
                         qmma_served(m, args.out)

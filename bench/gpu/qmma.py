@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 import traceback
 
 import torch
@@ -139,7 +140,6 @@ def qmma_sweep(budget_s: float = 200.0) -> None:
     own and fused into the multiply, L2 flushed; the five fastest
     per projection and the autotuned choice (kernels/qmma_triton.candidates). gate_up and down first: the two
     furthest from the copy bandwidth; stops after ``budget_s``."""
-    import time
 
     import kernels.qmma_triton as qm
     from kernels.linear_triton import graph_time
@@ -261,6 +261,67 @@ def qmma_decode(m: Llama8B, quick: bool = False) -> None:
 
     row("qmma tiles chosen (batch 1)", json.dumps({f"{k[1]}x{k[2]} {k[3]} p{k[4]}": v for k, v in qm._TUNED.items()
                                                    if k[0] == 16}))
+    eng.apply_variant(dataclasses.replace(base, weight_dtype="auto", cuda_graph_batch_sizes=()))
+
+
+# the GEMV's tiles (BLOCK_N, BLOCK_K, warps) timed in the whole step for the projections left on it at one row: one
+# or two whole rows of one-byte weights per program are requested before the dependent-launch wait
+STEP_GEMV_TILES = ((4, 4096, 8), (8, 2048, 8), (8, 4096, 8), (16, 2048, 8), (2, 4096, 4), (8, 1024, 8),
+                   (16, 1024, 8), (4, 2048, 4))
+
+
+@section
+def qmma_step_tiles(m: Llama8B, budget_s: float = 240.0) -> None:
+    """Batch-1 FP8 decode with the tensor-core kernel for gate_up and lm_head only (``mma_min_numel`` 64 Mi: down,
+    QKV and o_proj on the GEMV) against the 32 Mi split and bf16; then the GEMV's tiles of act_linear (down),
+    norm_linear (QKV) and linear (o_proj) timed in the whole step, one operation at a time (coordinate descent);
+    then three rounds of bf16 against the best FP8 and int8 forms, and the best form's launches."""
+    from bench.gpu.harness import step_timeline
+    from bench.gpu.precision_step import _forms, _measure
+    from engine import SamplingParams
+
+    eng = m.engine
+    eng.config = dataclasses.replace(eng.config, async_decode=True)
+    prompt, new = list(range(1, 129)), 96
+    base = _forms(m)["dense-decode (pdl 1)"]
+    wide = 64 << 20
+
+    def form(kind, min_numel=wide, tiles=None):
+        spec = _with_mma(dataclasses.replace(base, weight_dtype=kind), min_numel=min_numel)
+        params = {op: dict(p) for op, p in spec.kernel_params}
+        for op, (bn, bk, nw) in (tiles or {}).items():
+            params[op] = {**params.get(op, {}), "block_n": bn, "block_k": bk, "num_warps": nw}
+        return dataclasses.replace(spec, kernel_params=params)
+
+    def measure(label, spec, ref=None):
+        try:
+            tps = _measure(eng, spec, prompt, new)
+        except Exception as e:
+            traceback.print_exc()
+            row(f"8B decode b=1, {label}", f"FAILED {type(e).__name__}: {str(e)[:160]}")
+            return 0.0
+        row(f"8B decode b=1, {label}", f"{tps:.1f} tok/s" + (f" = {tps / ref:.3f}x bf16" if ref else ""))
+        return tps
+
+    bf = measure("bf16, dense-decode", base)
+    measure("fp8, tensor cores for gate_up, down, lm_head (32 Mi)", form("fp8", MIXED), bf)
+    best = measure("fp8, tensor cores for gate_up, lm_head (64 Mi)", form("fp8"), bf)
+    chosen, t0 = {}, time.perf_counter()
+    for op in ("act_linear", "norm_linear", "linear"):
+        for tiles in STEP_GEMV_TILES:
+            if time.perf_counter() - t0 > budget_s:
+                break
+            tps = measure(f"  fp8 64 Mi, {op} GEMV tiles {tiles}", form("fp8", tiles={**chosen, op: tiles}), bf)
+            if tps > best * 1.002:  # past the spread of repeats in one run
+                best, chosen = tps, {**chosen, op: tiles}
+    row("8B decode b=1, fp8 64 Mi: GEMV tiles timed in the step", f"{best:.1f} tok/s with {chosen or 'autotuned'}")
+    for i in range(3):
+        bf = measure(f"bf16, dense-decode (round {i + 1})", base)
+        measure(f"fp8, 64 Mi + step-timed GEMV tiles (round {i + 1})", form("fp8", tiles=chosen), bf)
+        measure(f"int8, 64 Mi + step-timed GEMV tiles (round {i + 1})", form("int8", tiles=chosen), bf)
+    eng.apply_variant(form("fp8", tiles=chosen))
+    eng.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+    step_timeline("8B decode step b=1, fp8 64 Mi + step-timed tiles", eng.runner.graphs.graphs[1][0].replay, count=24)
     eng.apply_variant(dataclasses.replace(base, weight_dtype="auto", cuda_graph_batch_sizes=()))
 
 
