@@ -57,7 +57,7 @@ def parser(description: str) -> argparse.ArgumentParser:
                          "(bf16, FP8, int8 as the tuner splits them, each ratio twice)")
     ap.add_argument("--qmma-step-tiles", action="store_true",
                     help="qmma: batch-1 FP8 decode with the GEMV's tiles timed in the whole step (qmma_step_tiles) "
-                         "instead of the quick decode")
+                         "instead of the quick decode (with --qmma-sweep: without the tiles' sweep)")
     ap.add_argument("--kv-length", type=int, default=32000, help="kv-fp8: the long prompts' length in tokens")
     ap.add_argument("--moe-layers", type=int, default=None)
     ap.add_argument("--moe-sweep", action="store_true", help="MoE: also sweep the experts' tiles at batch 1")
@@ -119,7 +119,7 @@ def main(description: str = __doc__.split("\n\n")[0]) -> None:
                 if want("precision-serve"):
                     served_decode_by_precision(m, args.out)
                 if want("qmma") and args.qmma_step_tiles:
-                    qmma_step_tiles(m)
+                    qmma_step_tiles(m, sweep=not args.qmma_sweep)
                 elif want("qmma"):
                     qmma_decode(m, quick=args.qmma_sweep)
                     if not args.qmma_no_served:
