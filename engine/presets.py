@@ -204,12 +204,14 @@ def preset_variant(preset_name: str, /, hidden_size: int | None = None, base: Va
 # where the FP8 tensor-core GEMM takes over (bench/RESULTS.md).
 QUANTIZED_TILES = {"block_n": 8, "block_k": 1024, "num_warps": 8}
 # From 1 to 64 rows the projections run on the tensor-core kernel for one-byte weights (kernels/qmma_triton.py,
-# its tiles autotuned: 5 per shape, 14 s of a swap on an H200), except at one row on weights under 32 Mi elements,
-# where the GEMV's one launch beats the kernel's two (8B: QKV and o_proj). Measured there, 8B decode steps of
-# static-best with FP8 weights: 2.95 / 3.40 / 5.17 ms at 8 / 16 / 32 sequences against bf16 static-best's 5.13 /
-# 5.11 / 6.05 (1.74x / 1.50x / 1.17x; the FP8 GEMM above 4 rows: 0.99x / 0.96x / 0.99x); batch-1 decode 1.56x with
-# this split at one row against 1.52x with the GEMV alone (bench/RESULTS.md).
-QUANTIZED_MMA = {"mma": 1, "mma_min_numel": 32 << 20}
+# its tiles autotuned: 5 per shape, 14 s of a swap on an H200), except at one row on weights under 64 Mi elements,
+# where the GEMV's one launch beats the kernel's two in the step (8B: QKV, o_proj and down; gate_up and lm_head on
+# the kernel). Measured there, 8B decode steps of static-best with FP8 weights: 2.95 / 3.40 / 5.17 ms at 8 / 16 /
+# 32 sequences against bf16 static-best's 5.13 / 5.11 / 6.05 (1.74x / 1.50x / 1.17x; the FP8 GEMM above 4 rows:
+# 0.99x / 0.96x / 0.99x); batch-1 decode 1.57x bf16 with this split against 1.54x with down on the kernel too
+# (32 Mi; alone, down is 24.4 us on the kernel against 25.9 on the GEMV, but in the step the kernel's quantization
+# launch sits on the critical path) and 1.52x with the GEMV alone (bench/RESULTS.md).
+QUANTIZED_MMA = {"mma": 1, "mma_min_numel": 64 << 20}
 
 
 def quantized_variant(base: VariantSpec, kind: str, device: str, name: str | None = None) -> VariantSpec:

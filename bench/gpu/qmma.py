@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import triton
 
 from bench.gpu.harness import Llama8B, row, section
+from engine.presets import QUANTIZED_MMA
 
 SHAPES = (("qkv", 6144, 4096, "norm"), ("o_proj", 4096, 4096, "plain"), ("gate_up", 28672, 4096, "norm"),
           ("down", 4096, 14336, "act"), ("lm_head", 128256, 4096, "norm"))
@@ -202,9 +203,10 @@ def _with_mma(spec, mma: int = 1, min_numel: int = 0):
     return dataclasses.replace(spec, kernel_params=params)
 
 
-# batch 1: the tensor cores where they beat the GEMV alone (gate_up, down, lm_head: bench/RESULTS.md), the GEMV for
-# QKV and the output projection (25 and 17 Mi elements); the tuner's own split (engine.presets.QUANTIZED_MMA)
-MIXED = 32 << 20
+# batch 1: the tuner's own split (engine.presets.QUANTIZED_MMA: the tensor cores for gate_up and lm_head, the GEMV
+# for QKV, o_proj and down); the split before it (down on the tensor cores too: 32 Mi elements)
+MIXED = QUANTIZED_MMA["mma_min_numel"]
+DOWN_ON_MMA = 32 << 20
 
 
 @section
@@ -232,8 +234,8 @@ def qmma_decode(m: Llama8B, quick: bool = False) -> None:
         rounds = (("bf16, dense-decode", base), ("fp8, the tuner's split", fp8_mixed),
                   ("fp8, the tuner's split at pdl 2", _with_mma(pdl2, min_numel=MIXED)))
         forms = tuple((f"{label} (round {i + 1})", spec) for i in range(3) for label, spec in rounds) + (
-            ("fp8, tensor cores for gate_up and lm_head, the GEMV for the rest (round 3)",
-             _with_mma(dataclasses.replace(base, weight_dtype="fp8"), min_numel=64 << 20)),
+            ("fp8, tensor cores for gate_up, down and lm_head, the GEMV for QKV and o_proj (round 3)",
+             _with_mma(dataclasses.replace(base, weight_dtype="fp8"), min_numel=DOWN_ON_MMA)),
             ("fp8, tensor cores for every projection (round 3)",
              _with_mma(dataclasses.replace(base, weight_dtype="fp8"))))
     got = {}
@@ -286,7 +288,7 @@ def qmma_step_tiles(m: Llama8B, budget_s: float = 240.0, sweep: bool = True) -> 
     eng.config = dataclasses.replace(eng.config, async_decode=True)
     prompt, new = list(range(1, 129)), 96
     base = _forms(m)["dense-decode (pdl 1)"]
-    wide = 64 << 20
+    wide = MIXED
 
     def form(kind, min_numel=wide, tiles=None, splits=0):
         spec = base if kind == "auto" else _with_mma(dataclasses.replace(base, weight_dtype=kind), min_numel=min_numel)
@@ -308,7 +310,7 @@ def qmma_step_tiles(m: Llama8B, budget_s: float = 240.0, sweep: bool = True) -> 
         return tps
 
     bf = measure("bf16, dense-decode", base)
-    measure("fp8, tensor cores for gate_up, down, lm_head (32 Mi)", form("fp8", MIXED), bf)
+    measure("fp8, tensor cores for gate_up, down, lm_head (32 Mi)", form("fp8", DOWN_ON_MMA), bf)
     best = measure("fp8, tensor cores for gate_up, lm_head (64 Mi)", form("fp8"), bf)
     chosen, t0 = {}, time.perf_counter()
     for op in ("act_linear", "norm_linear", "linear") if sweep else ():
