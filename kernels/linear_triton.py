@@ -75,9 +75,7 @@ def _gemv_chunk(acc, acc1, w, k0, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, st
         a = tl.load(nw_ptr + rk, mask=k_mask, other=0.0)[None, :] * h
     else:
         a = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0)
-    if BLOCK_M == 1 and K <= BLOCK_K:  # the whole row in one chunk: reduced at once (no chunk-wide accumulator)
-        acc += tl.sum(_w_float(w) * tl.sum(a.to(tl.float32), axis=0)[None, :], axis=1)[None, :]
-    elif BLOCK_M == 1:
+    if BLOCK_M == 1:
         acc1 += _w_float(w) * tl.sum(a.to(tl.float32), axis=0)[None, :]
     else:
         acc += tl.sum(a.to(tl.float32)[:, None, :] * _w_float(w)[None, :, :], axis=2)
@@ -109,9 +107,7 @@ def _gemv_rows(w_ptr, w_first, rn, n_mask, stride_w, x_ptr, r_ptr, nw_ptr, rm, m
     """(BLOCK_M, BLOCK_N) float32: the prologue's input times weight rows rn; ``w_first`` holds their first
     BLOCK_K columns, already loaded; EVICT: the weights' L2 eviction policy ("" or "evict_first")."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # one row over several chunks: accumulate elementwise and reduce once at the end (no cross-thread sum per
-    # chunk); a row in one chunk is reduced at once: a (BLOCK_N, BLOCK_K) float32 accumulator of a whole-row tile
-    # (4 x 4,096: 64 KB a program) spills its registers
+    # one row: accumulate elementwise and reduce once at the end (no cross-thread sum per chunk)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc, acc1 = _gemv_chunk(acc, acc1, w_first, 0, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r, rstd,
                             K, PROLOGUE, BLOCK_M, BLOCK_K)
@@ -121,7 +117,7 @@ def _gemv_rows(w_ptr, w_first, rn, n_mask, stride_w, x_ptr, r_ptr, nw_ptr, rm, m
                     eviction_policy=EVICT)
         acc, acc1 = _gemv_chunk(acc, acc1, w, k0, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r, rstd,
                                 K, PROLOGUE, BLOCK_M, BLOCK_K)
-    if BLOCK_M == 1 and K > BLOCK_K:
+    if BLOCK_M == 1:
         acc = tl.sum(acc1, axis=1)[None, :]
     return acc
 
