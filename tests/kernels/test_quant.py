@@ -68,6 +68,7 @@ def test_plain_torch_quantized_linear(kind, m, keep, k):
     (1, 40, 72, (4, 64, 4)),  # partial last tile in N and K
     (3, 100, 130, (8, 32, 4)),
     (4, 33, 256, (16, 128, 2)),
+    (1, 24, 96, (4, 128, 4)),  # one row, the whole row in one chunk (reduced at once)
 ])
 def test_triton_gemv_with_quantized_weights(kind, m, n, k, tiles):
     from kernels.linear_triton import act_linear_triton, linear_triton, norm_linear_triton
