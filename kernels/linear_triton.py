@@ -58,39 +58,23 @@ def _w_float(w):
 
 
 @triton.jit
-def _gemv_inputs(x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r, k0, K: tl.constexpr, PROLOGUE: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """The prologue's operands of chunk ``k0`` as loaded: (gate, up), (residual, x, norm weight) or (x, -, -)."""
+def _gemv_chunk(acc, acc1, w, k0, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r, rstd,
+                K: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Adds one BLOCK_K chunk of the product (``w`` holds its weights) to the accumulators."""
     rk = k0 + tl.arange(0, BLOCK_K)
     k_mask = rk < K
     mk = m_mask[:, None] & k_mask[None, :]
     if PROLOGUE == 1:  # x holds [gate | up], each K wide
-        p = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0)
-        q = tl.load(x_ptr + rm[:, None] * stride_x + K + rk[None, :], mask=mk, other=0.0)
-        n = p
+        g = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0)
+        u = tl.load(x_ptr + rm[:, None] * stride_x + K + rk[None, :], mask=mk, other=0.0)
+        a = silu_mul(g, u)
     elif PROLOGUE == 2:
-        p = tl.load(r_ptr + rm[:, None] * stride_r + rk[None, :], mask=mk, other=0.0)
-        q = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0)
-        n = tl.load(nw_ptr + rk, mask=k_mask, other=0.0)[None, :]
-    else:
-        p = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0)
-        q = p
-        n = p
-    return p, q, n
-
-
-@triton.jit
-def _gemv_product(acc, acc1, w, p, q, n, rstd, PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Adds one chunk of the product to the accumulators: weights ``w``, the prologue's operands ``p, q, n``
-    (``_gemv_inputs``)."""
-    if PROLOGUE == 1:
-        a = silu_mul(p, q)
-    elif PROLOGUE == 2:
-        s = p + q
+        s = tl.load(r_ptr + rm[:, None] * stride_r + rk[None, :], mask=mk, other=0.0) + tl.load(
+            x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0)
         h = (s.to(tl.float32) * rstd[:, None]).to(s.dtype)
-        a = n * h
+        a = tl.load(nw_ptr + rk, mask=k_mask, other=0.0)[None, :] * h
     else:
-        a = p
+        a = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mk, other=0.0)
     if BLOCK_M == 1:
         acc1 += _w_float(w) * tl.sum(a.to(tl.float32), axis=0)[None, :]
     else:
@@ -119,36 +103,20 @@ def _add_rms_rstd(x_ptr, r_ptr, sum_ptr, rm, m_mask, stride_x, stride_r, stride_
 @triton.jit
 def _gemv_rows(w_ptr, w_first, rn, n_mask, stride_w, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r, rstd,
                K: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, EVICT: tl.constexpr, AHEAD: tl.constexpr = 0):
+               BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
     """(BLOCK_M, BLOCK_N) float32: the prologue's input times weight rows rn; ``w_first`` holds their first
-    BLOCK_K columns, already loaded; EVICT: the weights' L2 eviction policy ("" or "evict_first"); AHEAD: each
-    chunk's weights and inputs are requested before the chunk before is multiplied (two chunks in flight per
-    program: the loop is not software-pipelined, and with one-byte weights one chunk in flight per program leaves
-    an SM short of the bytes that cover the memory's latency)."""
+    BLOCK_K columns, already loaded; EVICT: the weights' L2 eviction policy ("" or "evict_first")."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # one row: accumulate elementwise and reduce once at the end (no cross-thread sum per chunk)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if AHEAD:
-        w = w_first
-        p, q, n = _gemv_inputs(x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r, 0, K, PROLOGUE, BLOCK_K)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            w_next = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :],
-                             other=0.0, eviction_policy=EVICT)
-            p_next, q_next, n_next = _gemv_inputs(x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r, k0, K,
-                                                  PROLOGUE, BLOCK_K)
-            acc, acc1 = _gemv_product(acc, acc1, w, p, q, n, rstd, PROLOGUE, BLOCK_M)
-            w, p, q, n = w_next, p_next, q_next, n_next
-        acc, acc1 = _gemv_product(acc, acc1, w, p, q, n, rstd, PROLOGUE, BLOCK_M)
-    else:
-        p, q, n = _gemv_inputs(x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r, 0, K, PROLOGUE, BLOCK_K)
-        acc, acc1 = _gemv_product(acc, acc1, w_first, p, q, n, rstd, PROLOGUE, BLOCK_M)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :],
-                        other=0.0, eviction_policy=EVICT)
-            p, q, n = _gemv_inputs(x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r, k0, K, PROLOGUE, BLOCK_K)
-            acc, acc1 = _gemv_product(acc, acc1, w, p, q, n, rstd, PROLOGUE, BLOCK_M)
+    acc, acc1 = _gemv_chunk(acc, acc1, w_first, 0, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r, rstd,
+                            K, PROLOGUE, BLOCK_M, BLOCK_K)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0,
+                    eviction_policy=EVICT)
+        acc, acc1 = _gemv_chunk(acc, acc1, w, k0, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r, rstd,
+                                K, PROLOGUE, BLOCK_M, BLOCK_K)
     if BLOCK_M == 1:
         acc = tl.sum(acc1, axis=1)[None, :]
     return acc
@@ -161,7 +129,6 @@ def _gemv_kernel(
     K: tl.constexpr,  # a compile-time bound keeps the loop a plain counted loop (and the interpreter happy)
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr = "",
-    AHEAD: tl.constexpr = 0,
     PDL: tl.constexpr = 0, RSTD_BLOCK: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
@@ -183,7 +150,7 @@ def _gemv_kernel(
             rstd = _add_rms_rstd(x_ptr, r_ptr, sum_ptr, rm, m_mask, stride_x, stride_r, stride_sum, eps, pid == 0,
                                  K, BLOCK_M, RSTD_BLOCK)
     acc = _gemv_rows(w_ptr, w_first, rn, n_mask, stride_w, x_ptr, r_ptr, nw_ptr, rm, m_mask, stride_x, stride_r,
-                     rstd, K, PROLOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVICT, AHEAD)
+                     rstd, K, PROLOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVICT)
     if HAS_SCALE:  # quantized weights: one scale per output column
         acc *= tl.load(s_ptr + rn, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
@@ -199,7 +166,7 @@ def _quick_bench(fn, quantiles):
 
 _gemv_tuned = triton.autotune(
     [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in AUTOTUNE_TILES],
-    key=["BLOCK_M", "N", "K", "PROLOGUE", "HAS_BIAS", "HAS_SCALE", "AHEAD"], do_bench=_quick_bench, cache_results=True,
+    key=["BLOCK_M", "N", "K", "PROLOGUE", "HAS_BIAS", "HAS_SCALE"], do_bench=_quick_bench, cache_results=True,
 )(_gemv_kernel)
 
 
@@ -222,10 +189,9 @@ def _auto(x: torch.Tensor, tiles: dict) -> bool:
     return not tiles and x.is_cuda and not _interpreted()
 
 
-def _gemv(x, weight, bias, prologue, tiles, r=None, norm_weight=None, eps=0.0, k=None, pdl=0, evict=0, ahead=0):
+def _gemv(x, weight, bias, prologue, tiles, r=None, norm_weight=None, eps=0.0, k=None, pdl=0, evict=0):
     """Launches the kernel for x's rows (x is the prologue's input); returns (out, summed or None). ``evict``: the
-    weights read with the L2 "evict first" policy (streamed through once); ``ahead``: each chunk requested before
-    the one before is multiplied (``_gemv_rows``)."""
+    weights read with the L2 "evict first" policy (streamed through once)."""
     scale = weight.scale if isinstance(weight, QuantizedWeight) else None
     weight = weight.q if scale is not None else weight
     m, n = x.shape[0], weight.shape[0]
@@ -241,7 +207,7 @@ def _gemv(x, weight, bias, prologue, tiles, r=None, norm_weight=None, eps=0.0, k
             r.stride(0), weight.stride(0), out.stride(0), summed.stride(0), eps)
     block_m = max(triton.next_power_of_2(m), 1)
     meta = dict(K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, BLOCK_M=block_m,
-                EVICT="evict_first" if evict else "", AHEAD=int(bool(ahead)), **launch_options(pdl, x),
+                EVICT="evict_first" if evict else "", **launch_options(pdl, x),
                 RSTD_BLOCK=min(triton.next_power_of_2(k), max(RSTD_ELEMENTS // block_m, 64)) if RSTD_ELEMENTS else 0)
     if tiles or _interpreted() or not x.is_cuda:
         t = {**DEFAULT_TILES, **tiles}
@@ -271,13 +237,12 @@ def _max_rows(weight, max_m: int) -> int:
     return max(max_m, 16) if isinstance(weight, QuantizedWeight) and weight.kind == "int8" else max_m
 
 
-def _after_prologue(h: torch.Tensor, weight, bias, tiles: dict, max_m: int, pdl: int = 0, evict: int = 0,
-                    ahead: int = 0):
+def _after_prologue(h: torch.Tensor, weight, bias, tiles: dict, max_m: int, pdl: int = 0, evict: int = 0):
     """The product after a separate norm or activation kernel: torch's for plain weights; for quantized ones
     of at most ``max_m`` rows the kernel without a prologue, since torch has no matrix-vector product for
     one-byte weights (its FP8 GEMM quantizes the activations first, a pass of its own per call)."""
     if isinstance(weight, QuantizedWeight) and 0 < h.shape[0] <= max_m and (h.is_cuda or _interpreted()):
-        return _gemv(h.contiguous(), weight, bias, NONE, tiles, pdl=pdl, evict=evict, ahead=ahead)[0]
+        return _gemv(h.contiguous(), weight, bias, NONE, tiles, pdl=pdl, evict=evict)[0]
     return _matmul(h, weight, bias)
 
 
@@ -310,11 +275,10 @@ def _on_tensor_cores(x: torch.Tensor, weight, bias, prologue: int, mma: int, min
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, max_m: int = 4,
                   block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None, pdl: int = 0,
-                  evict: int = 0, ahead: int = 0, mma: int = 0, mma_block_n: int = 0, mma_block_k: int = 0,
-                  mma_split: int = 0, mma_warps: int = 0, mma_stages: int = 0, mma_min_numel: int = 0) -> torch.Tensor:
+                  evict: int = 0, mma: int = 0, mma_block_n: int = 0, mma_block_k: int = 0, mma_split: int = 0,
+                  mma_warps: int = 0, mma_stages: int = 0, mma_min_numel: int = 0) -> torch.Tensor:
     """x: (T, K), weight: (N, K) -> (T, N). T > max_m goes to torch's matrix multiply. ``pdl``: programmatic
-    dependent launch (kernels/pdl.py); ``evict``: 1, the weights read with the L2 "evict first" policy; ``ahead``: 1,
-    each chunk of weights and inputs requested before the one before is multiplied; ``mma``:
+    dependent launch (kernels/pdl.py); ``evict``: 1, the weights read with the L2 "evict first" policy; ``mma``:
     quantized weights times ``mma`` to 64 rows on the tensor cores (kernels/qmma_triton.py, its tiles ``mma_*``,
     0: autotuned), 0: never; ``mma_min_numel``: a single row only for weights of at least that many elements."""
     got = _on_tensor_cores(x, weight, bias, NONE, mma, mma_min_numel, mma_block_n, mma_block_k, mma_split,
@@ -329,17 +293,17 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if _auto(x, tiles) and not _triton_is_faster(
             _key(x, weight, NONE), lambda: _gemv(x, weight, bias, NONE, tiles), lambda: _matmul(x, weight, bias)):
         return _matmul(x, weight, bias)
-    return _gemv(x, weight, bias, NONE, tiles, pdl=pdl, evict=evict, ahead=ahead)[0]
+    return _gemv(x, weight, bias, NONE, tiles, pdl=pdl, evict=evict)[0]
 
 
 def norm_linear_triton(
     x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
     bias: torch.Tensor | None = None, *, max_m: int = 4, block_n: int | None = None, block_k: int | None = None,
-    num_warps: int | None = None, pdl: int = 0, evict: int = 0, ahead: int = 0, mma: int = 0, mma_block_n: int = 0,
+    num_warps: int | None = None, pdl: int = 0, evict: int = 0, mma: int = 0, mma_block_n: int = 0,
     mma_block_k: int = 0, mma_split: int = 0, mma_warps: int = 0, mma_stages: int = 0, mma_min_numel: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (linear(rms_norm(x + residual)), x + residual); x, residual: (T, K). ``evict``, ``ahead`` and
-    ``mma*`` as ``linear_triton``'s."""
+    """Returns (linear(rms_norm(x + residual)), x + residual); x, residual: (T, K). ``evict`` and ``mma*`` as
+    ``linear_triton``'s."""
     from kernels.norm_triton import fused_add_rms_norm_triton
 
     assert residual.shape == x.shape and norm_weight.shape == (x.shape[1],)
@@ -352,7 +316,7 @@ def norm_linear_triton(
 
     def unfused():
         h, summed = fused_add_rms_norm_triton(x, residual, norm_weight, eps, pdl=pdl)
-        return _after_prologue(h, weight, bias, tiles, max_m, pdl, evict, ahead), summed
+        return _after_prologue(h, weight, bias, tiles, max_m, pdl, evict), summed
 
     if x.shape[0] > max_m or x.shape[0] == 0:
         return unfused()
@@ -360,7 +324,7 @@ def norm_linear_triton(
 
     def fused():
         return _gemv(x, weight, bias, ADD_RMS_NORM, tiles, r=residual, norm_weight=norm_weight, eps=eps, pdl=pdl,
-                     evict=evict, ahead=ahead)
+                     evict=evict)
 
     if _auto(x, tiles) and not _triton_is_faster(_key(x, weight, ADD_RMS_NORM), fused, unfused):
         return unfused()
@@ -369,10 +333,10 @@ def norm_linear_triton(
 
 def act_linear_triton(x: torch.Tensor, weight: torch.Tensor, *, max_m: int = 4, block_n: int | None = None,
                       block_k: int | None = None, num_warps: int | None = None, pdl: int = 0, evict: int = 0,
-                      ahead: int = 0, mma: int = 0, mma_block_n: int = 0, mma_block_k: int = 0, mma_split: int = 0,
+                      mma: int = 0, mma_block_n: int = 0, mma_block_k: int = 0, mma_split: int = 0,
                       mma_warps: int = 0, mma_stages: int = 0, mma_min_numel: int = 0) -> torch.Tensor:
-    """x: (T, 2K) holding [gate | up]; weight: (N, K) -> linear(silu(gate) * up). ``evict``, ``ahead`` and
-    ``mma*`` as ``linear_triton``'s."""
+    """x: (T, 2K) holding [gate | up]; weight: (N, K) -> linear(silu(gate) * up). ``evict`` and ``mma*`` as
+    ``linear_triton``'s."""
     from kernels.activation_triton import silu_and_mul_triton
 
     assert x.shape[1] == 2 * weight.shape[1], f"input {tuple(x.shape)} does not hold [gate | up] for {tuple(weight.shape)}"
@@ -386,9 +350,9 @@ def act_linear_triton(x: torch.Tensor, weight: torch.Tensor, *, max_m: int = 4, 
         return _matmul(silu_and_mul_triton(x), weight)
     x = x.contiguous()
     def unfused():
-        return _after_prologue(silu_and_mul_triton(x), weight, None, tiles, max_m, pdl, evict, ahead)
+        return _after_prologue(silu_and_mul_triton(x), weight, None, tiles, max_m, pdl, evict)
 
     if _auto(x, tiles) and not _triton_is_faster(
             _key(x, weight, SILU_MUL), lambda: _gemv(x, weight, None, SILU_MUL, tiles, k=weight.shape[1]), unfused):
         return unfused()
-    return _gemv(x, weight, None, SILU_MUL, tiles, k=weight.shape[1], pdl=pdl, evict=evict, ahead=ahead)[0]
+    return _gemv(x, weight, None, SILU_MUL, tiles, k=weight.shape[1], pdl=pdl, evict=evict)[0]

@@ -266,20 +266,20 @@ def qmma_decode(m: Llama8B, quick: bool = False) -> None:
     eng.apply_variant(dataclasses.replace(base, weight_dtype="auto", cuda_graph_batch_sizes=()))
 
 
-# the GEMV's tiles (BLOCK_N, BLOCK_K, warps) timed in the whole step for the projections left on it at one row
+# the GEMV's tiles (BLOCK_N, BLOCK_K, warps) timed in the whole step for the projections left on it at one row: one
+# or two whole rows of one-byte weights per program are requested before the dependent-launch wait
 STEP_GEMV_TILES = ((4, 4096, 8), (8, 2048, 8), (8, 4096, 8), (16, 2048, 8), (2, 4096, 4), (8, 1024, 8),
                    (16, 1024, 8), (4, 2048, 4))
-GEMV_OPS = ("linear", "norm_linear", "act_linear")
 
 
 @section
 def qmma_step_tiles(m: Llama8B, budget_s: float = 240.0, sweep: bool = True) -> None:
-    """Batch-1 decode, bf16 against FP8 with the tensor-core kernel for gate_up and lm_head only (``mma_min_numel``
-    64 Mi: down, QKV and o_proj on the GEMV) and against the 32 Mi split: each with the GEMV requesting each chunk
-    before the one before is multiplied (``ahead``) and without; with ``sweep`` the GEMV's tiles of act_linear,
-    norm_linear and linear timed in the whole step, one operation at a time (coordinate descent); the attention
-    block's KV splits (1, 2 against the automatic 4 at this context) in bf16 and FP8; then three rounds of the best
-    bf16 against the best FP8 and int8 forms, and the best FP8 form's launches."""
+    """Batch-1 FP8 decode with the tensor-core kernel for gate_up and lm_head only (``mma_min_numel`` 64 Mi: down,
+    QKV and o_proj on the GEMV) against the 32 Mi split and bf16; then (``sweep``) the GEMV's tiles of act_linear
+    (down), norm_linear (QKV) and linear (o_proj) timed in the whole step, one operation at a time (coordinate
+    descent); then the attention block's KV splits (1, 2, 8 against the automatic 4 at this context) in bf16 and
+    FP8; then three rounds of bf16 against the best FP8 and int8 forms (and both with the splits that sped up bf16
+    and FP8 alike), and the best form's launches."""
     from bench.gpu.harness import step_timeline
     from bench.gpu.precision_step import _forms, _measure
     from engine import SamplingParams
@@ -288,17 +288,15 @@ def qmma_step_tiles(m: Llama8B, budget_s: float = 240.0, sweep: bool = True) -> 
     eng.config = dataclasses.replace(eng.config, async_decode=True)
     prompt, new = list(range(1, 129)), 96
     base = _forms(m)["dense-decode (pdl 1)"]
+    wide = MIXED
 
-    def form(kind, min_numel=MIXED, tiles=None, splits=0, ahead=0):
+    def form(kind, min_numel=wide, tiles=None, splits=0):
         spec = base if kind == "auto" else _with_mma(dataclasses.replace(base, weight_dtype=kind), min_numel=min_numel)
         params = {op: dict(p) for op, p in spec.kernel_params}
         for op, (bn, bk, nw) in (tiles or {}).items():
             params[op] = {**params.get(op, {}), "block_n": bn, "block_k": bk, "num_warps": nw}
         if splits:
             params["rotary_attention"] = {**params.get("rotary_attention", {}), "num_splits": splits}
-        if ahead:
-            for op in GEMV_OPS:
-                params[op] = {**params.get(op, {}), "ahead": 1}
         return dataclasses.replace(spec, kernel_params=params)
 
     def measure(label, spec, ref=None):
@@ -312,36 +310,34 @@ def qmma_step_tiles(m: Llama8B, budget_s: float = 240.0, sweep: bool = True) -> 
         return tps
 
     bf = measure("bf16, dense-decode", base)
-    bf_ahead = measure("bf16, dense-decode, GEMV one chunk ahead", form("auto", ahead=1))
-    bf_kw = {"ahead": int(bf_ahead > bf)}
-    bf = max(bf, bf_ahead)
     measure("fp8, tensor cores for gate_up, down, lm_head (32 Mi)", form("fp8", DOWN_ON_MMA), bf)
-    measure("fp8, 32 Mi, GEMV one chunk ahead", form("fp8", DOWN_ON_MMA, ahead=1), bf)
-    plain = measure("fp8, tensor cores for gate_up, lm_head (64 Mi)", form("fp8"), bf)
-    ahead = measure("fp8, 64 Mi, GEMV one chunk ahead", form("fp8", ahead=1), bf)
-    kw = {"ahead": int(ahead > plain)}
-    best = max(plain, ahead)
-    t0 = time.perf_counter()
-    for op in GEMV_OPS if sweep else ():
+    best = measure("fp8, tensor cores for gate_up, lm_head (64 Mi)", form("fp8"), bf)
+    chosen, t0 = {}, time.perf_counter()
+    for op in ("act_linear", "norm_linear", "linear") if sweep else ():
         for tiles in STEP_GEMV_TILES:
             if time.perf_counter() - t0 > budget_s:
                 break
-            tps = measure(f"  fp8 64 Mi, {op} GEMV tiles {tiles}", form("fp8", tiles={**kw.get("tiles", {}),
-                                                                                          op: tiles}, **kw), bf)
+            tps = measure(f"  fp8 64 Mi, {op} GEMV tiles {tiles}", form("fp8", tiles={**chosen, op: tiles}), bf)
             if tps > best * 1.002:  # past the spread of repeats in one run
-                best, kw = tps, {**kw, "tiles": {**kw.get("tiles", {}), op: tiles}}
-    best_ratio = best / bf
-    for s in (1, 2):
-        b = measure(f"  bf16, attention in {s} KV splits", form("auto", splits=s, **bf_kw))
-        f = measure(f"  fp8 64 Mi, attention in {s} KV splits", form("fp8", splits=s, **kw), b)
+                best, chosen = tps, {**chosen, op: tiles}
+    if sweep:
+        row("8B decode b=1, fp8 64 Mi: GEMV tiles timed in the step", f"{best:.1f} tok/s with {chosen or 'autotuned'}")
+    splits, best_ratio = 0, best / bf
+    for s in (1, 2, 8):
+        b = measure(f"  bf16, attention in {s} KV splits", form("auto", splits=s))
+        f = measure(f"  fp8 64 Mi, attention in {s} KV splits", form("fp8", tiles=chosen, splits=s), b)
         if b > bf * 1.002 and f > best * 1.002 and f / b > best_ratio:
-            bf_kw, kw, best_ratio = {**bf_kw, "splits": s}, {**kw, "splits": s}, f / b
-    row("8B decode b=1: the forms of the rounds", f"bf16 {bf_kw}, fp8 and int8 64 Mi {kw}")
+            splits, best_ratio = s, f / b
+    row("8B decode b=1: attention KV splits faster for bf16 and FP8 alike", str(splits or "none (automatic: 4)"))
     for i in range(3):
-        bf = measure(f"bf16, dense-decode, best (round {i + 1})", form("auto", **bf_kw))
-        measure(f"fp8, 64 Mi, best (round {i + 1})", form("fp8", **kw), bf)
-        measure(f"int8, 64 Mi, best (round {i + 1})", form("int8", **kw), bf)
-    eng.apply_variant(form("fp8", **kw))
+        bf = measure(f"bf16, dense-decode (round {i + 1})", base)
+        measure(f"fp8, 64 Mi (round {i + 1})", form("fp8", tiles=chosen), bf)
+        measure(f"int8, 64 Mi (round {i + 1})", form("int8", tiles=chosen), bf)
+        if splits:
+            bfs = measure(f"bf16, attention in {splits} KV splits (round {i + 1})", form("auto", splits=splits))
+            measure(f"fp8, 64 Mi, attention in {splits} KV splits (round {i + 1})",
+                    form("fp8", tiles=chosen, splits=splits), bfs)
+    eng.apply_variant(form("fp8", tiles=chosen, splits=splits))
     eng.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
     step_timeline("8B decode step b=1, fp8 64 Mi, the best form", eng.runner.graphs.graphs[1][0].replay, count=24)
     eng.apply_variant(dataclasses.replace(base, weight_dtype="auto", cuda_graph_batch_sizes=()))
