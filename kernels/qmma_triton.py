@@ -65,7 +65,7 @@ def _round_e4m3(v):
 @triton.jit
 def _quantize_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, q_ptr, qs_ptr, stride_x, stride_r, stride_sum, stride_q, eps,
                      K: tl.constexpr, PROLOGUE: tl.constexpr, IS_INT8: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr = 0):
+                     PDL: tl.constexpr = 0, K_ALL: tl.constexpr = 1):
     """One program per (row, BLOCK_K chunk): the prologue's output for the chunk, quantized with the chunk's own
     scale (codes to ``q``, the scale to ``qs`` (M, K / BLOCK_K)); the norm's program also writes its chunk of the
     sum (the new residual), after the row's statistics (the row sits in L2)."""
@@ -79,13 +79,12 @@ def _quantize_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, q_ptr, qs_ptr, stride_x, str
         u = tl.load(x_ptr + row * stride_x + K + rk, mask=k_mask, other=0.0)
         a = silu_mul(g, u).to(tl.float32)
     elif PROLOGUE == 2:
-        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ok = k0 + tl.arange(0, BLOCK_K)
-            v = (tl.load(r_ptr + row * stride_r + ok, mask=ok < K, other=0.0) + tl.load(
-                x_ptr + row * stride_x + ok, mask=ok < K, other=0.0)).to(tl.float32)
-            ss += v * v
-        rstd = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+        # the row's statistics from one load of the whole row (a loop over its chunks waits for L2 once per
+        # chunk: 2.5-4.8 us of a decode step's critical path per layer on an H200, bench/RESULTS.md)
+        ok = tl.arange(0, K_ALL)
+        v = (tl.load(r_ptr + row * stride_r + ok, mask=ok < K, other=0.0) + tl.load(
+            x_ptr + row * stride_x + ok, mask=ok < K, other=0.0)).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(v * v, axis=0) / K + eps)
         s = tl.load(r_ptr + row * stride_r + rk, mask=k_mask, other=0.0) + tl.load(
             x_ptr + row * stride_x + rk, mask=k_mask, other=0.0)
         tl.store(sum_ptr + row * stride_sum + rk, s, mask=k_mask)
@@ -306,7 +305,8 @@ def _launch(x, weight: QuantizedWeight, bias, prologue, tiles: dict, r=None, nor
         qs = torch.empty(m, chunks, device=x.device, dtype=torch.float32)
         _quantize_kernel[(m, chunks)](
             x, r, norm_weight, summed, q, qs, x.stride(0), r.stride(0), summed.stride(0), q.stride(0), eps, K=k,
-            PROLOGUE=prologue, IS_INT8=weight.kind == "int8", BLOCK_K=t["block_k"], num_warps=4, **pdl_opts)
+            PROLOGUE=prologue, IS_INT8=weight.kind == "int8", BLOCK_K=t["block_k"], num_warps=4,
+            K_ALL=triton.next_power_of_2(k) if prologue == ADD_RMS_NORM else 1, **pdl_opts)
     _qmma_kernel[(groups, split)](
         q, qs, weight.q, weight.scale, weight.scale if bias is None else bias, out, part, count, x, r, norm_weight,
         summed, m, n, q.stride(0), weight.q.stride(0), out.stride(0), x.stride(0), r.stride(0), summed.stride(0), eps,

@@ -43,7 +43,7 @@ def test_e4m3_rounding_equals_torch_conversion():
 
 CASES = [  # rows, N, K, prologue, split (0: from the shape)
     (1, 64, 256, NONE, 1), (3, 100, 320, NONE, 2), (5, 64, 192, SILU_MUL, 3), (17, 70, 128, ADD_RMS_NORM, 0),
-    (33, 40, 256, ADD_RMS_NORM, 2), (2, 96, 200, NONE, 4),
+    (33, 40, 256, ADD_RMS_NORM, 2), (2, 96, 200, NONE, 4), (1, 48, 320, ADD_RMS_NORM, 1),
 ]
 
 
