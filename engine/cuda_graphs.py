@@ -10,7 +10,8 @@ over host values).
 Each graph also takes the greedy token of every row (argmax of its logits) and writes it into
 the input-ids buffer, so the next step of the same rows can be replayed before the host has
 seen those tokens ("ahead"): only positions, slots and block tables come from the host, and
-they do not depend on token values.
+they do not depend on token values. The argmax is kernels/argmax_triton.py's one launch (torch's
+answer, tested against it), torch's own where Triton cannot run.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = None
+        self._argmax = None  # (argmax_rows, its workspace), sized by the first warm-up's logits
         with torch.inference_mode():
             for b in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
                 meta = AttentionMetadata(
@@ -52,19 +54,28 @@ class DecodeGraphs:
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
-                    model.compute_logits(model(*args), ops)  # warm-up: Triton compiles outside the capture
+                    # warm-up: Triton compiles outside the capture
+                    self._write_greedy(model.compute_logits(model(*args), ops), b)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: the engine may keep serving from another thread while this captures
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     logits = model.compute_logits(model(*args), ops)
-                    self.input_ids[:b].copy_(logits.argmax(dim=-1))
+                    self._write_greedy(logits, b)
                 pool = graph.pool()
                 self.graphs[b] = (graph, logits)
         # padding rows must not keep the capture's values pointing at real blocks
         self.slot_mapping.fill_(scratch_slot)
         self.block_tables.fill_(kv.scratch_block)
         self.context_lens.fill_(1)
+
+    def _write_greedy(self, logits: torch.Tensor, b: int) -> None:
+        if self._argmax is None:
+            self._argmax = _greedy_kernel(self.sizes[-1], logits.shape[-1], self.device) or False
+        if self._argmax and logits.shape[-1] == self._argmax[1].n and logits.stride(-1) == 1:
+            self._argmax[0](logits, self.input_ids[:b], self._argmax[1])
+        else:
+            self.input_ids[:b].copy_(logits.argmax(dim=-1))
 
     def fits(self, batch) -> bool:
         return len(batch.scheduled) <= self.sizes[-1] and all(
@@ -123,3 +134,14 @@ class _Staging:
         self.stage_np, self.tables_np = self.stage.numpy(), self.tables.numpy()
         self.done = torch.cuda.Event()
         self.done.record()
+
+
+def _greedy_kernel(rows: int, vocab: int, device):
+    """(argmax_rows, its workspace) on a CUDA device where Triton runs; None elsewhere (torch's argmax)."""
+    if torch.device(device).type != "cuda":
+        return None
+    try:
+        from kernels.argmax_triton import ArgmaxWorkspace, argmax_rows
+    except ImportError:
+        return None
+    return argmax_rows, ArgmaxWorkspace(rows, vocab, device)

@@ -212,9 +212,10 @@ DOWN_ON_MMA = 32 << 20
 @section
 def qmma_decode(m: Llama8B, quick: bool = False) -> None:
     """Batch-1 decode: bf16 in the dense-decode form; each precision through the GEMV and through this kernel
-    (``quick``: three rounds of bf16, FP8 split between the GEMV and the kernel as the tuner proposes, and the same
-    at PDL level 2, each ratio against its round's bf16; then two other splits; then the kernels of one step of bf16
-    and of the tuner's FP8, without and with dependent launch). The tiles chosen are a row of their own."""
+    (``quick``: the greedy-token kernel checked and timed; three rounds of bf16, FP8 and int8 split between the GEMV
+    and the kernel as the tuner proposes, each ratio against its round's bf16; then two other splits; then the
+    kernels of one step of bf16 and of the tuner's FP8, without and with dependent launch, and the step's greedy
+    token against torch's). The tiles chosen are a row of their own."""
     from bench.gpu.precision_step import _forms, _measure
 
     eng = m.engine
@@ -230,9 +231,14 @@ def qmma_decode(m: Llama8B, quick: bool = False) -> None:
              ("int8, dense-decode + tensor cores for gate_up, down, lm_head",
               _with_mma(dataclasses.replace(base, weight_dtype="int8"), min_numel=MIXED)))
     if quick:
-        pdl2 = dataclasses.replace(_forms(m)["pdl 2"], weight_dtype="fp8")
+        try:
+            greedy_token_kernel()
+        except Exception as e:
+            traceback.print_exc()
+            row("greedy-token kernel", f"FAILED {type(e).__name__}: {str(e)[:160]}")
         rounds = (("bf16, dense-decode", base), ("fp8, the tuner's split", fp8_mixed),
-                  ("fp8, the tuner's split at pdl 2", _with_mma(pdl2, min_numel=MIXED)))
+                  ("int8, the tuner's split", _with_mma(dataclasses.replace(base, weight_dtype="int8"),
+                                                        min_numel=MIXED)))
         forms = tuple((f"{label} (round {i + 1})", spec) for i in range(3) for label, spec in rounds) + (
             ("fp8, tensor cores for gate_up, down and lm_head, the GEMV for QKV and o_proj (round 3)",
              _with_mma(dataclasses.replace(base, weight_dtype="fp8"), min_numel=DOWN_ON_MMA)),
@@ -257,13 +263,46 @@ def qmma_decode(m: Llama8B, quick: bool = False) -> None:
                 params = {op: {**p, "pdl": level} if "pdl" in p else p for op, p in spec.kernel_params}
                 eng.apply_variant(dataclasses.replace(spec, kernel_params=params))
                 eng.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
-                step_timeline(f"8B decode step b=1, {label}, pdl {level}", eng.runner.graphs.graphs[1][0].replay,
-                              count=24)
+                graph, logits = eng.runner.graphs.graphs[1]
+                step_timeline(f"8B decode step b=1, {label}, pdl {level}", graph.replay, count=24)
+                graph.replay()
+                torch.cuda.synchronize()
+                token, want = eng.runner.graphs.input_ids[0].item(), logits[0].argmax().item()
+                row(f"8B decode step b=1, {label}, pdl {level}: the graph's greedy token against torch.argmax",
+                    "equal" if token == want else f"DIFFERS: {token} against {want}")
     import kernels.qmma_triton as qm
 
     row("qmma tiles chosen (batch 1)", json.dumps({f"{k[1]}x{k[2]} {k[3]} p{k[4]}": v for k, v in qm._TUNED.items()
                                                    if k[0] == 16}))
     eng.apply_variant(dataclasses.replace(base, weight_dtype="auto", cuda_graph_batch_sizes=()))
+
+
+def greedy_token_kernel() -> None:
+    """The decode graph's argmax (kernels/argmax_triton.py) against torch.argmax on fresh logits (ties, NaN), and
+    both timed on one and on 32 rows of the 8B's vocabulary (``graph_time``: replayed, the L2 flushed)."""
+    from kernels.argmax_triton import ArgmaxWorkspace, argmax_rows
+    from kernels.timing import graph_time
+
+    torch.manual_seed(5)
+    vocab = 128256
+    work = ArgmaxWorkspace(32, vocab, "cuda")
+    bad = 0
+    for rows, dtype in ((1, torch.float32), (7, torch.bfloat16), (32, torch.float32)):
+        for _ in range(3):
+            x = (torch.randn(rows, vocab, device="cuda") * 3).to(dtype)
+            x[0, [11, 70000]] = 40.0  # a tie across parts
+            if rows > 1:
+                x[1, 90000] = float("nan")
+            out = torch.empty(rows, dtype=torch.int64, device="cuda")
+            bad += int((argmax_rows(x, out, work) != x.argmax(dim=-1)).sum())
+    row("greedy-token kernel against torch.argmax (1-32 rows x 128,256, float32 and bf16, ties, NaN)",
+        "equal" if bad == 0 else f"FAILED: {bad} rows differ")
+    for rows in (1, 32):
+        x = torch.randn(rows, vocab, device="cuda")
+        out = torch.empty(rows, dtype=torch.int64, device="cuda")
+        ours = graph_time(lambda: argmax_rows(x, out, work)) * 1000
+        theirs = graph_time(lambda: out.copy_(x.argmax(dim=-1))) * 1000
+        row(f"greedy token of {rows} row(s) x 128,256 float32", f"{ours:.1f} us; torch.argmax + copy {theirs:.1f} us")
 
 
 # the GEMV's tiles (BLOCK_N, BLOCK_K, warps) timed in the whole step for the projections left on it at one row: one
