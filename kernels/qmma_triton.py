@@ -320,7 +320,8 @@ def qmma(x, weight: QuantizedWeight, bias=None, prologue: int = NONE, tiles: dic
          norm_weight=None, eps: float = 0.0, k: int | None = None, pdl: int = 0):
     """(out, summed or None) for x's rows (the prologue's input, as kernels/linear_triton.py's ``_gemv``). ``tiles``
     (block_n, block_k, split_k, num_warps, num_stages) fixed by a variant; none on a GPU: the best of
-    ``candidates`` for this shape, timed once (L2 flushed: a decode step streams its weights)."""
+    ``candidates`` for this shape, timed once (L2 flushed: a decode step streams its weights) at the call's ``pdl``
+    level, as the step launches them (the multiply's first weights requested while the quantization runs)."""
     tiles = dict(tiles or {})
     if not tiles and x.is_cuda and not _interpreted():
         key = (max(16, triton.next_power_of_2(x.shape[0])), *weight.q.shape, weight.kind, prologue, x.device)
@@ -330,7 +331,7 @@ def qmma(x, weight: QuantizedWeight, bias=None, prologue: int = NONE, tiles: dic
             best = None
             for trial in candidates(weight.q.shape[0], weight.q.shape[1] if k is None else k):
                 try:
-                    ms = graph_time(lambda: _launch(x, weight, bias, prologue, trial, r, norm_weight, eps, k))
+                    ms = graph_time(lambda: _launch(x, weight, bias, prologue, trial, r, norm_weight, eps, k, pdl))
                 except Exception:  # a tile the device cannot hold (shared memory): not a candidate
                     continue
                 if best is None or ms < best[0]:
