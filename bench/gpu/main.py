@@ -57,6 +57,8 @@ def parser(description: str) -> argparse.ArgumentParser:
                          "(bf16, FP8, int8 as the tuner splits them, each ratio twice)")
     ap.add_argument("--qmma-quick", action="store_true",
                     help="qmma: the quick decode (as with --qmma-sweep) without the projections' sweep")
+    ap.add_argument("--qmma-pin", action="store_true",
+                    help="qmma: the quick decode's rounds also with gate_up's tiles pinned (qmma.GATE_UP_TILES)")
     ap.add_argument("--qmma-step-tiles", action="store_true",
                     help="qmma: batch-1 FP8 decode with the GEMV's tiles timed in the whole step (qmma_step_tiles) "
                          "instead of the quick decode (with --qmma-sweep: without the tiles' sweep)")
@@ -123,7 +125,7 @@ def main(description: str = __doc__.split("\n\n")[0]) -> None:
                 if want("qmma") and args.qmma_step_tiles:
                     qmma_step_tiles(m, sweep=not args.qmma_sweep)
                 elif want("qmma"):
-                    qmma_decode(m, quick=args.qmma_sweep or args.qmma_quick)
+                    qmma_decode(m, quick=args.qmma_sweep or args.qmma_quick, pin=args.qmma_pin)
                     if not args.qmma_no_served:
                         qmma_served(m, args.out)
                 if want("kv-fp8"):

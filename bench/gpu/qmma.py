@@ -224,11 +224,11 @@ def _pin_norm_linear(spec, tile):
 
 
 @section
-def qmma_decode(m: Llama8B, quick: bool = False) -> None:
+def qmma_decode(m: Llama8B, quick: bool = False, pin: bool = False) -> None:
     """Batch-1 decode: bf16 in the dense-decode form; each precision through the GEMV and through this kernel
     (``quick``: the greedy-token kernel checked and timed; three rounds of bf16, FP8 and int8 split between the GEMV
-    and the kernel as the tuner proposes, and FP8 with gate_up's tiles pinned (GATE_UP_TILES), each ratio against
-    its round's bf16; then the kernels of one step of bf16 and of the tuner's FP8, and the step's greedy token
+    and the kernel as the tuner proposes, int8 with down on the kernel too, and (``pin``) FP8 with gate_up's tiles
+    pinned (GATE_UP_TILES), each ratio against its round's bf16; then the kernels of one step of bf16 and of the tuner's FP8, and the step's greedy token
     against torch's). The tiles chosen are a row of their own."""
     from bench.gpu.precision_step import _forms, _measure
 
@@ -252,9 +252,11 @@ def qmma_decode(m: Llama8B, quick: bool = False) -> None:
             row("greedy-token kernel", f"FAILED {type(e).__name__}: {str(e)[:160]}")
         rounds = (("bf16, dense-decode", base), ("fp8, the tuner's split", fp8_mixed),
                   *((f"fp8, the tuner's split, gate_up's tile {tile}", _pin_norm_linear(fp8_mixed, tile))
-                    for tile in GATE_UP_TILES),
+                    for tile in (GATE_UP_TILES if pin else ())),
                   ("int8, the tuner's split", _with_mma(dataclasses.replace(base, weight_dtype="int8"),
-                                                        min_numel=MIXED)))
+                                                        min_numel=MIXED)),
+                  ("int8, down on the tensor cores too (32 Mi)",
+                   _with_mma(dataclasses.replace(base, weight_dtype="int8"), min_numel=DOWN_ON_MMA)))
         forms = tuple((f"{label} (round {i + 1})", spec) for i in range(3) for label, spec in rounds)
     got = {}
     for label, spec in forms:
