@@ -204,22 +204,24 @@ def preset_variant(preset_name: str, /, hidden_size: int | None = None, base: Va
 # where the FP8 tensor-core GEMM takes over (bench/RESULTS.md).
 QUANTIZED_TILES = {"block_n": 8, "block_k": 1024, "num_warps": 8}
 # From 1 to 64 rows the projections run on the tensor-core kernel for one-byte weights (kernels/qmma_triton.py,
-# its tiles autotuned: 5 per shape, 14 s of a swap on an H200), except at one row on weights under 64 Mi elements,
-# where the GEMV's one launch beats the kernel's two in the step (8B: QKV, o_proj and down; gate_up and lm_head on
-# the kernel). Measured there, 8B decode steps of static-best with FP8 weights: 2.95 / 3.40 / 5.17 ms at 8 / 16 /
+# its tiles autotuned: 5 per shape, 14 s of a swap on an H200), except at one row on weights under ``mma_min_numel``
+# elements, where the GEMV's one launch beats the kernel's two in the step. FP8: 64 Mi (8B: QKV, o_proj and down on
+# the GEMV, gate_up and lm_head on the kernel); int8: 32 Mi (down on the kernel too: the int8 GEMV converts at a
+# quarter rate). Measured there, 8B decode steps of static-best with FP8 weights: 2.95 / 3.40 / 5.17 ms at 8 / 16 /
 # 32 sequences against bf16 static-best's 5.13 / 5.11 / 6.05 (1.74x / 1.50x / 1.17x; the FP8 GEMM above 4 rows:
-# 0.99x / 0.96x / 0.99x); batch-1 decode 1.57x bf16 with this split against 1.54x with down on the kernel too
-# (32 Mi; alone, down is 24.4 us on the kernel against 25.9 on the GEMV, but in the step the kernel's quantization
-# launch sits on the critical path) and 1.52x with the GEMV alone (bench/RESULTS.md).
-QUANTIZED_MMA = {"mma": 1, "mma_min_numel": 64 << 20}
+# 0.99x / 0.96x / 0.99x); batch-1 decode FP8 1.61x bf16 with this split against 1.55x with down on the kernel too;
+# int8 1.55x against 1.51x with down on the GEMV (bench/RESULTS.md, 2026-12-04).
+QUANTIZED_MMA = {"fp8": {"mma": 1, "mma_min_numel": 64 << 20}, "int8": {"mma": 1, "mma_min_numel": 32 << 20}}
 
 
 def quantized_variant(base: VariantSpec, kind: str, device: str, name: str | None = None) -> VariantSpec:
     """``base`` with ``kind`` ("int8" or "fp8") weights. On a GPU its projections are the Triton ones (torch has
     no matrix-vector product for one-byte weights; its FP8 GEMM quantizes the activations first, a pass of seven
     kernels through the library path): the GEMV with pinned tiles for one row of a small weight, the tensor-core
-    kernel for one-byte weights otherwise, to 64 rows (``QUANTIZED_MMA``); the other operations and
+    kernel for one-byte weights otherwise, to 64 rows (``QUANTIZED_MMA[kind]``); the other operations and
     parameters stay ``base``'s."""
+    if kind not in QUANTIZED_MMA:
+        raise ConfigError(f"quantized weights are int8 or fp8, not {kind!r}")
     kernels, params = dict(base.kernels), {op: dict(p) for op, p in base.kernel_params}
     if device.startswith("cuda"):
         for op in TRITON_GEMV:
@@ -227,6 +229,6 @@ def quantized_variant(base: VariantSpec, kind: str, device: str, name: str | Non
                 kernels[op] = "triton"
                 params[op] = {**params.get(op, {}), **QUANTIZED_TILES}
             if kernels.get(op) == "triton":
-                params[op] = {**params.get(op, {}), **QUANTIZED_MMA}
+                params[op] = {**params.get(op, {}), **QUANTIZED_MMA[kind]}
     return dataclasses.replace(base, name=name or f"{base.name} + {kind} weights", weight_dtype=kind,
                                kernels=kernels, kernel_params=params)

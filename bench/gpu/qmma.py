@@ -203,9 +203,10 @@ def _with_mma(spec, mma: int = 1, min_numel: int = 0):
     return dataclasses.replace(spec, kernel_params=params)
 
 
-# batch 1: the tuner's own split (engine.presets.QUANTIZED_MMA: the tensor cores for gate_up and lm_head, the GEMV
-# for QKV, o_proj and down); the split before it (down on the tensor cores too: 32 Mi elements)
-MIXED = QUANTIZED_MMA["mma_min_numel"]
+# batch 1: the tuner's own split (engine.presets.QUANTIZED_MMA: FP8 on the tensor cores for gate_up and lm_head, the
+# GEMV for QKV, o_proj and down; int8 down on the tensor cores too); the other split (down on the kernel: 32 Mi)
+MIXED = QUANTIZED_MMA["fp8"]["mma_min_numel"]
+MIXED_INT8 = QUANTIZED_MMA["int8"]["mma_min_numel"]
 DOWN_ON_MMA = 32 << 20
 
 
@@ -227,7 +228,7 @@ def _pin_norm_linear(spec, tile):
 def qmma_decode(m: Llama8B, quick: bool = False, pin: bool = False) -> None:
     """Batch-1 decode: bf16 in the dense-decode form; each precision through the GEMV and through this kernel
     (``quick``: the greedy-token kernel checked and timed; three rounds of bf16, FP8 and int8 split between the GEMV
-    and the kernel as the tuner proposes, int8 with down on the kernel too, and (``pin``) FP8 with gate_up's tiles
+    and the kernel as the tuner proposes, int8 with down on the GEMV, and (``pin``) FP8 with gate_up's tiles
     pinned (GATE_UP_TILES), each ratio against its round's bf16; then the kernels of one step of bf16 and of the tuner's FP8, and the step's greedy token
     against torch's). The tiles chosen are a row of their own."""
     from bench.gpu.precision_step import _forms, _measure
@@ -240,10 +241,10 @@ def qmma_decode(m: Llama8B, quick: bool = False, pin: bool = False) -> None:
     forms = (("bf16, dense-decode", base),
              ("fp8, dense-decode (GEMV)", dataclasses.replace(base, weight_dtype="fp8")),
              ("fp8, dense-decode + tensor cores", _with_mma(dataclasses.replace(base, weight_dtype="fp8"))),
-             ("fp8, dense-decode + tensor cores for gate_up, down, lm_head", fp8_mixed),
+             ("fp8, dense-decode + tensor cores for gate_up and lm_head", fp8_mixed),
              ("int8, dense-decode (GEMV)", dataclasses.replace(base, weight_dtype="int8")),
              ("int8, dense-decode + tensor cores for gate_up, down, lm_head",
-              _with_mma(dataclasses.replace(base, weight_dtype="int8"), min_numel=MIXED)))
+              _with_mma(dataclasses.replace(base, weight_dtype="int8"), min_numel=MIXED_INT8)))
     if quick:
         try:
             greedy_token_kernel()
@@ -254,9 +255,9 @@ def qmma_decode(m: Llama8B, quick: bool = False, pin: bool = False) -> None:
                   *((f"fp8, the tuner's split, gate_up's tile {tile}", _pin_norm_linear(fp8_mixed, tile))
                     for tile in (GATE_UP_TILES if pin else ())),
                   ("int8, the tuner's split", _with_mma(dataclasses.replace(base, weight_dtype="int8"),
-                                                        min_numel=MIXED)),
-                  ("int8, down on the tensor cores too (32 Mi)",
-                   _with_mma(dataclasses.replace(base, weight_dtype="int8"), min_numel=DOWN_ON_MMA)))
+                                                        min_numel=MIXED_INT8)),
+                  ("int8, down on the GEMV (64 Mi)",
+                   _with_mma(dataclasses.replace(base, weight_dtype="int8"), min_numel=64 << 20)))
         forms = tuple((f"{label} (round {i + 1})", spec) for i in range(3) for label, spec in rounds)
     got = {}
     for label, spec in forms:

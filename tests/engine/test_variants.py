@@ -408,14 +408,21 @@ def test_quantized_variant_takes_the_triton_projections_with_pinned_tiles_on_a_g
     kernels, params = dict(gpu.kernels), {op: dict(p) for op, p in gpu.kernel_params}
     assert gpu.weight_dtype == "fp8" and gpu.name == "sb + fp8 weights" and gpu.max_num_seqs == 32
     assert kernels["linear"] == kernels["norm_linear"] == "triton" and kernels["attention"] == "triton_paged"
-    # a chosen form keeps its tiles; every Triton projection takes the tensor-core kernel from 2 rows
-    assert kernels["act_linear"] == "triton" and params["act_linear"] == {"block_n": 16, **QUANTIZED_MMA}
-    assert params["linear"] == {"pdl": 1, **QUANTIZED_TILES, **QUANTIZED_MMA}
-    assert params["norm_linear"] == {**QUANTIZED_TILES, **QUANTIZED_MMA}
+    # a chosen form keeps its tiles; every Triton projection takes the tensor-core kernel from one row, at one row
+    # only on weights of 64 Mi elements and more (FP8) or 32 Mi (int8)
+    mma = QUANTIZED_MMA["fp8"]
+    assert mma == {"mma": 1, "mma_min_numel": 64 << 20}
+    assert kernels["act_linear"] == "triton" and params["act_linear"] == {"block_n": 16, **mma}
+    assert params["linear"] == {"pdl": 1, **QUANTIZED_TILES, **mma}
+    assert params["norm_linear"] == {**QUANTIZED_TILES, **mma}
     assert params["attention"] == {"block_n": 128}
+    int8 = {op: dict(p) for op, p in quantized_variant(base, "int8", "cuda").kernel_params}
+    assert int8["act_linear"] == {"block_n": 16, "mma": 1, "mma_min_numel": 32 << 20}
     cpu = quantized_variant(base, "int8", "cpu", name="q")
     assert (cpu.name, cpu.weight_dtype, cpu.kernels, cpu.kernel_params) == ("q", "int8", base.kernels,
                                                                            base.kernel_params)
+    with pytest.raises(ConfigError, match="int8 or fp8, not 'int4'"):
+        quantized_variant(base, "int4", "cuda")
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
