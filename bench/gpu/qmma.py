@@ -416,7 +416,7 @@ def qmma_served(m: Llama8B, out=None, batches=(1, 8, 16, 32)) -> None:
     fp8 = quantized_variant(base, "fp8", "cuda")
     forms = {"static-best bf16": base,
              "fp8, tensor cores to 64 rows": _with_mma(fp8),
-             "fp8 as the tuner proposes it (GEMV for QKV and o_proj at 1 row, tensor cores otherwise)": fp8,
+             "fp8 as the tuner proposes it (GEMV for QKV, o_proj and down at 1 row, tensor cores otherwise)": fp8,
              "int8 as the tuner proposes it": quantized_variant(base, "int8", "cuda")}
     served_steps(eng, forms, batches, out, "qmma_change.json")
     row("qmma tiles chosen", json.dumps({f"{k[0]}x{k[1]}x{k[2]} {k[3]} p{k[4]}": v for k, v in qm._TUNED.items()}))
