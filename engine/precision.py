@@ -3,9 +3,11 @@
 A variant with ``weight_dtype`` "int8" or "fp8" keeps the checkpoint's tensors (a rollback needs them, and
 the embedding lookup reads them) and adds a quantized copy of each dense projection: QKV, output,
 gate/up, down and the lm_head (kernels/quant.py). MoE experts and routers keep the checkpoint's precision.
-The copies are made when the variant is first prepared and cached per model object, so switching
-back and forth between precisions quantizes once; a rollback to the checkpoint's precision swaps the
-operation table back and frees nothing it would need again.
+The copies are made when the variant is first prepared and cached with the model, keyed by the precision and a
+hash of the weights' contents (``weights_hash``), so switching back and forth between precisions quantizes once,
+and weights changed in place (a checkpoint loaded into the same model) are quantized again rather than served
+stale; a rollback to the checkpoint's precision swaps the operation table back and frees nothing it would need
+again.
 
 ``quantized_ops`` wraps a ForwardOps table: each linear operation receives the quantized copy of the
 weight the model passes (looked up by the parameter's identity), and the prefetch hint reads the bytes
@@ -14,6 +16,7 @@ refused.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import threading
 import weakref
@@ -27,8 +30,13 @@ from kernels.quant import FP8_MAX, WEIGHT_DTYPES, QuantizedWeight, quantize
 
 CHECKPOINT = "auto"  # the checkpoint's own precision
 
-_cache: "weakref.WeakKeyDictionary[CausalLM, dict[str, dict[int, QuantizedWeight]]]" = weakref.WeakKeyDictionary()
+# model -> (kind, weights hash) -> id(parameter) -> its quantized copy
+_cache: "weakref.WeakKeyDictionary[CausalLM, dict[tuple[str, str], dict[int, QuantizedWeight]]]" = \
+    weakref.WeakKeyDictionary()
+# model -> id(parameter) -> ((storage, in-place version, shape, dtype), the content's digest)
+_digests: "weakref.WeakKeyDictionary[CausalLM, dict[int, tuple[tuple, str]]]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
+_CHUNK = 1 << 24  # elements per pass of the digest (bounded temporary memory on a GPU)
 
 
 def dense_weights(model: CausalLM) -> list[torch.Tensor]:
@@ -42,19 +50,62 @@ def dense_weights(model: CausalLM) -> list[torch.Tensor]:
     return out
 
 
+def _content_digest(w: torch.Tensor) -> str:
+    """The tensor's dtype, shape and contents: on the CPU a SHA-256 of its bytes; on a GPU (copying the weights to
+    the host would cost more than quantizing them) two position-weighted sums of its bit patterns, on the device in
+    chunks, which any change of a value changes but for a collision of both sums modulo 2^64."""
+    w = w.detach().contiguous()
+    head = f"{w.dtype}:{tuple(w.shape)}:"
+    if w.device.type == "cpu":
+        return head + hashlib.sha256(w.reshape(-1).view(torch.uint8).numpy()).hexdigest()
+    return head + _bit_sums(w)
+
+
+def _bit_sums(w: torch.Tensor) -> str:
+    """The GPU digest of a contiguous tensor, on its own device (also runs on the CPU, for the tests)."""
+    bits_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[w.element_size()]
+    flat = w.reshape(-1).view(bits_dtype)
+    s1 = s2 = 0
+    with torch.no_grad():
+        for start in range(0, flat.numel(), _CHUNK):
+            b = flat[start:start + _CHUNK].to(torch.int64)
+            pos = torch.arange(start, start + b.numel(), device=b.device, dtype=torch.int64) % 65521 + 1
+            s1 += int(b.sum())
+            s2 += int((b * pos).sum())
+    return f"{s1}:{s2}"
+
+
+def weights_hash(model: CausalLM) -> str:
+    """A hash of the dense weights' contents (``dense_weights``). Each weight's digest is kept until its storage
+    or its in-place version counter changes, so a repeated call reads no weights."""
+    h = hashlib.sha256()
+    memo = _digests.setdefault(model, {})
+    for w in dense_weights(model):
+        stamp = (w.data_ptr(), w._version, tuple(w.shape), w.dtype)
+        got = memo.get(id(w))
+        if got is None or got[0] != stamp:
+            got = memo[id(w)] = (stamp, _content_digest(w))
+        h.update(got[1].encode())
+    return h.hexdigest()[:16]
+
+
 def quantized_weights(model: CausalLM, kind: str) -> dict[int, QuantizedWeight]:
-    """id(parameter) -> its quantized copy; computed on first use and cached for the model's lifetime."""
+    """id(parameter) -> its quantized copy; computed on first use and cached with the model under the weights'
+    hash (weights changed since: quantized again, the stale copies of that precision dropped)."""
     if kind not in WEIGHT_DTYPES:
         raise VariantError(f"unknown weight_dtype {kind!r}; known: {CHECKPOINT}, {', '.join(WEIGHT_DTYPES)}")
     with _lock:
         per_model = _cache.setdefault(model, {})
-        if kind not in per_model:
+        key = (kind, weights_hash(model))
+        if key not in per_model:
+            for stale in [k for k in per_model if k[0] == kind]:
+                del per_model[stale]
             keep = next(model.parameters()).device.type == "cpu"  # CPU: dequantizing per prefill costs more
             try:
-                per_model[kind] = {id(w): quantize(w, kind, keep_dequantized=keep) for w in dense_weights(model)}
+                per_model[key] = {id(w): quantize(w, kind, keep_dequantized=keep) for w in dense_weights(model)}
             except (ValueError, RuntimeError) as e:
                 raise VariantError(f"cannot quantize the weights to {kind}: {e}") from None
-        return per_model[kind]
+        return per_model[key]
 
 
 def quantized_bytes(model: CausalLM, kind: str) -> int:

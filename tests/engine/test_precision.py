@@ -139,3 +139,42 @@ def test_gates_judge_an_fp8_kv_cache_by_fp8_thresholds(smollm2_engine_factory):
     assert report.kv_cache_dtype == "fp8" and "fp8 KV cache" in report.summary()
     assert "(min 0.8)" in next(c for c in report.quality if c.name == "greedy agreement").detail
     assert report.greedy_agreement >= 0.8 and report.mean_kl < 0.05
+
+
+def test_quantized_copies_are_keyed_by_the_weights_hash():
+    from engine import EngineConfig, LLMEngine
+    from engine.loader import ModelSource
+    from engine.precision import _bit_sums, _content_digest, weights_hash
+    from tests.engine.test_variants import TINY
+
+    def tiny(seed):
+        return LLMEngine(EngineConfig(source=ModelSource("synthetic", TINY, seed=seed), num_kv_blocks=16,
+                                      load_tokenizer=False)).model
+
+    model = tiny(1)
+    h = weights_hash(model)
+    assert weights_hash(model) == h and weights_hash(tiny(1)) == h  # the same contents: the same hash
+    assert weights_hash(tiny(2)) != h
+    table = quantized_weights(model, "int8")
+    assert quantized_weights(model, "int8") is table  # cached while the weights stay
+    w = dense_weights(model)[3]
+    first = w[0, 0].clone()
+    with torch.no_grad():
+        w[0, 0] += 1.0  # a weight changed in place (as a checkpoint loaded into the same model)
+    assert weights_hash(model) != h
+    again = quantized_weights(model, "int8")
+    assert again is not table
+    fresh = torch.round(w[0] / again[id(w)].scale[0]).clamp(-127, 127).to(torch.int8)
+    assert torch.equal(again[id(w)].q[0], fresh) and not torch.equal(table[id(w)].q[0], fresh)
+    with torch.no_grad():
+        w[0, 0] = first
+    assert weights_hash(model) == h  # back to the first contents
+    # any single bit of a value changes the digest; a float and its bits' neighbour differ
+    x = torch.randn(5000)
+    y = x.clone()
+    y[4321] = torch.nextafter(y[4321], torch.tensor(float("inf")))
+    assert _content_digest(x) != _content_digest(y) and _content_digest(x) == _content_digest(x.clone())
+    assert _bit_sums(x) != _bit_sums(y) and _bit_sums(x) == _bit_sums(x.clone())  # the GPU's form
+    z = x.clone()
+    z[[10, 20]] = z[[20, 10]]  # two values swapped: the same plain sum, not the same weighted one
+    assert _bit_sums(z) != _bit_sums(x)
