@@ -96,9 +96,9 @@ def decode_tps(eng, prompt, new, SamplingParams) -> float:
     return (new - 1) / (time.perf_counter() - t)
 
 
-def kernel_profile(label: str, fn, steps: int = 5, top: int = 14) -> None:
-    """GPU time of each kernel ``fn`` launches (one call = one step), from the CUDA profiler: the kernels a
-    step spends its time in, their count per step, and the step's time not covered by any kernel."""
+def _profiled(fn, steps: int) -> tuple[list, float]:
+    """(the CUDA events of ``steps`` calls of ``fn`` with GPU time, the wall time per call), after one call that
+    warms up."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -110,10 +110,16 @@ def kernel_profile(label: str, fn, steps: int = 5, top: int = 14) -> None:
             fn()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t) / steps
+    return [e for e in prof.events() if e.device_type == DeviceType.CUDA and e.time_range.elapsed_us() > 0], wall
+
+
+def kernel_profile(label: str, fn, steps: int = 5, top: int = 14) -> None:
+    """GPU time of each kernel ``fn`` launches (one call = one step), from the CUDA profiler: the kernels a
+    step spends its time in, their count per step, and the step's time not covered by any kernel."""
+    events, wall = _profiled(fn, steps)
     per: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == DeviceType.CUDA and e.time_range.elapsed_us() > 0:
-            per.setdefault(e.name[:60], []).append(e.time_range.elapsed_us())
+    for e in events:
+        per.setdefault(e.name[:60], []).append(e.time_range.elapsed_us())
     total = sum(sum(v) for v in per.values()) / steps
     row(f"{label}: kernel time per step", f"{total:.0f} us in {sum(len(v) for v in per.values()) // steps} "
         f"kernels; wall {1e6 * wall:.0f} us (not covered by kernels {1e6 * wall - total:.0f} us)")
@@ -127,19 +133,8 @@ def step_timeline(label: str, fn, steps: int = 5, first: int = 0, count: int = 1
     launch's GPU time summed by kernel name over the step, the step's wall time, and launches ``first`` to
     ``first + count`` of the last step with their start after the previous one's end (negative: they overlap, as
     a dependent launch's do; its time then includes the wait)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t = time.perf_counter()
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t) / steps
-    ev = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                 if e.device_type == DeviceType.CUDA and e.time_range.elapsed_us() > 0), key=lambda e: e[0])
+    events, wall = _profiled(fn, steps)
+    ev = sorted(((e.time_range.start, e.time_range.end, e.name) for e in events), key=lambda e: e[0])
     per_step = len(ev) // steps
     last = ev[-per_step:]
     by_name: dict[str, list[float]] = {}

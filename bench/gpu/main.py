@@ -54,7 +54,7 @@ def parser(description: str) -> argparse.ArgumentParser:
                     help="qmma: the kernel checks, but not each projection timed alone")
     ap.add_argument("--qmma-sweep", action="store_true",
                     help="qmma: each projection's tiles and K splits timed at batch 1 (FP8), then the quick decode "
-                         "(bf16, FP8, int8 as the tuner splits them, each ratio twice)")
+                         "(bf16, FP8, int8 as the tuner splits them, three rounds, each ratio against its round's bf16)")
     ap.add_argument("--qmma-quick", action="store_true",
                     help="qmma: the quick decode (as with --qmma-sweep) without the projections' sweep")
     ap.add_argument("--qmma-pin", action="store_true",

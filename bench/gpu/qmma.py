@@ -229,8 +229,8 @@ def qmma_decode(m: Llama8B, quick: bool = False, pin: bool = False) -> None:
     """Batch-1 decode: bf16 in the dense-decode form; each precision through the GEMV and through this kernel
     (``quick``: the greedy-token kernel checked and timed; three rounds of bf16, FP8 and int8 split between the GEMV
     and the kernel as the tuner proposes, int8 with down on the GEMV, and (``pin``) FP8 with gate_up's tiles
-    pinned (GATE_UP_TILES), each ratio against its round's bf16; then the kernels of one step of bf16 and of the tuner's FP8, and the step's greedy token
-    against torch's). The tiles chosen are a row of their own."""
+    pinned (GATE_UP_TILES), each ratio against its round's bf16; then the kernels of one step of bf16 and of the
+    tuner's FP8, and the step's greedy token against torch's). The tiles chosen are a row of their own."""
     from bench.gpu.precision_step import _forms, _measure
 
     eng = m.engine
@@ -269,22 +269,20 @@ def qmma_decode(m: Llama8B, quick: bool = False, pin: bool = False) -> None:
             continue
         ref = got.get(f"bf16, dense-decode ({label.rsplit('(', 1)[1]}" if quick else "bf16, dense-decode")
         row(f"8B decode b=1, {label}", f"{got[label]:.1f} tok/s" + (f" = {got[label] / ref:.3f}x bf16" if ref else ""))
-    if quick:  # where the step's time goes: each launch's time without dependent launch (no overlap), then with
+    if quick:  # where the step's time goes (dependent launch on, as measured), and the graph's greedy token
         from bench.gpu.harness import step_timeline
         from engine import SamplingParams
 
         for label, spec in (("bf16", base), ("fp8, the tuner's split", fp8_mixed)):
-            for level in (1,):
-                params = {op: {**p, "pdl": level} if "pdl" in p else p for op, p in spec.kernel_params}
-                eng.apply_variant(dataclasses.replace(spec, kernel_params=params))
-                eng.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
-                graph, logits = eng.runner.graphs.graphs[1]
-                step_timeline(f"8B decode step b=1, {label}, pdl {level}", graph.replay, count=24)
-                graph.replay()
-                torch.cuda.synchronize()
-                token, want = eng.runner.graphs.input_ids[0].item(), logits[0].argmax().item()
-                row(f"8B decode step b=1, {label}, pdl {level}: the graph's greedy token against torch.argmax",
-                    "equal" if token == want else f"DIFFERS: {token} against {want}")
+            eng.apply_variant(spec)
+            eng.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+            graph, logits = eng.runner.graphs.graphs[1]
+            step_timeline(f"8B decode step b=1, {label}, pdl 1", graph.replay, count=24)
+            graph.replay()
+            torch.cuda.synchronize()
+            token, want = eng.runner.graphs.input_ids[0].item(), logits[0].argmax().item()
+            row(f"8B decode step b=1, {label}, pdl 1: the graph's greedy token against torch.argmax",
+                "equal" if token == want else f"DIFFERS: {token} against {want}")
     import kernels.qmma_triton as qm
 
     row("qmma tiles chosen (batch 1)", json.dumps({f"{k[1]}x{k[2]} {k[3]} p{k[4]}": v for k, v in qm._TUNED.items()
