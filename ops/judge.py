@@ -1,0 +1,676 @@
+"""The judge: every decision of the loop (choose, deploy, keep, roll back) goes through this module.
+
+A decision rests on capacity at the SLO: the highest request rate at which at least 90% of requests meet
+their TTFT and TPOT targets. Measured, it is a statistical quantity, and this module treats it as one:
+
+- **A rate probe** replays a window of the traffic at a rate (its arrival pattern scaled), leaves out its
+  warm-up requests, and decides pass or fail only when the Wilson 95% interval of its attainment excludes
+  the target (``sequential_stop``: looked at after 1, 2, 4, ... times the first look's requests, extended with
+  the next requests of the traffic up to a cap; "undecided" if it never excludes it; "void" when the load
+  generator lagged behind the schedule, which says nothing about the engine).
+- **The search** (``search_capacity``) starts from the measured saturation throughput (or a prediction
+  below it), doubles or halves until a fitted pass and a fitted fail bracket the capacity, and bisects to a
+  bracket of 10%; a baseline that fails even where requests run alone is reported as "capacity below X".
+- **The capacity** (``capacity_of``) is where one monotone (non-increasing) attainment curve, fitted over
+  every probe, crosses the target; its 95% interval comes from a block bootstrap over each probe's requests,
+  each replicate placing the crossing anywhere inside its bracket (a capacity is only known to lie between
+  the probes around it).
+- **A comparison** (``compare``) of a candidate with the baseline, both replayed on the same windows and
+  arrivals in lockstep, gives the capacity ratio's 95% interval from the same bootstrap and a verdict:
+  better, worse, no detectable difference, or censored. ``decide`` adopts a candidate only when the
+  ratio's lower bound exceeds 1.05 after Holm's correction over the candidates, its saturation throughput is
+  not 5% below the baseline's, and its latency at the traffic's own rate is not significantly worse than
+  the baseline's by more than 5% (unless the trade is named).
+- **Out of sample** (``confirm``): the choice is replayed with the baseline on a window the search did not
+  see, at a rate between their capacities; it holds when its attainment there is higher (Newcombe 95%).
+- **Live verification** (``verify_live``): attainment of the live traffic after a swap against the window
+  before; significantly worse rolls back.
+
+Nothing here touches an engine: measurements come in through callables, so every rule is tested on synthetic
+attainment curves. References: vLLM's ``bench serve`` and its SLA search, DistServe (goodput at 90%
+attainment), pyperf and Criterion's "not significant", Newcombe (1998) for a difference of proportions.
+"""
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+Z95 = 1.959963984540054  # the two-sided 95% normal quantile
+TARGET = 0.9  # share of requests that must meet the SLO
+MIN_GAIN = 1.05  # a capacity ratio whose lower bound does not clear this is no reason to change
+TOLERANCE = 0.05  # saturation throughput and latency may not be worse by more than this
+
+
+# ---- intervals -----------------------------------------------------------------------------------------
+def wilson(good: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """The Wilson score interval of a proportion ``good`` / ``n``; (0, 1) when ``n`` is 0."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = good / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return max(0.0, c - h), min(1.0, c + h)
+
+
+def newcombe(good1: int, n1: int, good2: int, n2: int, z: float = Z95) -> tuple[float, float, float]:
+    """(p1 - p2, low, high): the difference of two independent proportions with Newcombe's hybrid score
+    interval (his method 10), built from each one's Wilson interval."""
+    p1, p2 = (good1 / n1 if n1 else 0.0), (good2 / n2 if n2 else 0.0)
+    l1, u1 = wilson(good1, n1, z)
+    l2, u2 = wilson(good2, n2, z)
+    d = p1 - p2
+    return d, d - math.sqrt((p1 - l1) ** 2 + (u2 - p2) ** 2), d + math.sqrt((u1 - p1) ** 2 + (p2 - l2) ** 2)
+
+
+def outcome(good: int, n: int, target: float = TARGET) -> str:
+    """"pass" when the Wilson interval lies at or above ``target``, "fail" when below it, else "undecided"."""
+    lo, hi = wilson(good, n)
+    if n and lo >= target:
+        return "pass"
+    if n and hi < target:
+        return "fail"
+    return "undecided"
+
+
+def looks(first: int, cap: int) -> list[int]:
+    """The request counts a sequential probe is judged at: ``first``, doubling, up to ``cap`` (always last)."""
+    first, cap = max(1, first), max(1, cap)
+    out, n = [], first
+    while n < cap:
+        out.append(n)
+        n *= 2
+    return out + [cap]
+
+
+def sequential_stop(status: list[bool | None], plan: list[int], target: float = TARGET) -> tuple[int, str] | None:
+    """Whether a probe can stop, from its counted requests' status in arrival order (True: met the SLO,
+    False: missed it, None: not known yet). At each look ``n`` of ``plan`` whose first ``n`` requests are all
+    known, the probe stops when their Wilson interval excludes ``target`` (or at the last look). Before a look
+    it stops as failed when the misses so far would fail that look even if every other request passed
+    (futility). Returns (requests counted, "pass" | "fail" | "undecided") or None to go on."""
+    known = 0
+    while known < len(status) and status[known] is not None:
+        known += 1
+    for n in plan:
+        if known >= n:
+            verdict = outcome(sum(1 for s in status[:n] if s), n, target)
+            if verdict != "undecided" or n == plan[-1]:
+                return n, verdict
+            continue
+        # the next look not yet reached: stop now if it is failed whatever the rest do
+        misses = sum(1 for s in status[:n] if s is False)
+        if misses and wilson(n - misses, n)[1] < target:
+            return known, "fail"
+        return None
+    return None
+
+
+# ---- probes and capacities -------------------------------------------------------------------------------
+@dataclass
+class Probe:
+    """One rate probe: ``outcomes`` holds each counted request's result (1 met the SLO) in arrival order."""
+
+    rate: float  # offered, req/s
+    achieved: float = 0.0  # requests completed per second of the probe
+    outcomes: list[int] = field(default_factory=list)
+    warmup: int = 0  # requests replayed first and not counted
+    window: int = 0  # index in the traffic of the probe's first request
+    lag_s: float = 0.0  # the load generator's worst send lag behind the schedule
+    verdict: str = "undecided"  # "pass" | "fail" | "undecided" | "void"
+    seconds: float = 0.0
+    arm: str = ""  # which variant was replayed (a comparison's probes carry it)
+
+    @property
+    def n(self) -> int:
+        return len(self.outcomes)
+
+    @property
+    def good(self) -> int:
+        return sum(self.outcomes)
+
+    @property
+    def attainment(self) -> float:
+        return self.good / self.n if self.n else 0.0
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        return wilson(self.good, self.n)
+
+    def to_json(self) -> dict:
+        lo, hi = self.interval
+        return asdict(self) | {"n": self.n, "good": self.good, "attainment": self.attainment, "low": lo, "high": hi}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Probe":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+    def line(self) -> str:
+        lo, hi = self.interval
+        return (f"{self.rate:.3f} req/s offered, {self.achieved:.3f} achieved: {self.good}/{self.n} = "
+                f"{self.attainment:.2f} ({lo:.2f}-{hi:.2f}) {self.verdict}"
+                + (f" (client lag {1e3 * self.lag_s:.0f} ms)" if self.verdict == "void" else ""))
+
+
+def _pav(points: list[tuple[float, float, float]]) -> list[tuple[float, float]]:
+    """Pool-adjacent-violators: the weighted least-squares non-increasing fit of (rate, value, weight) points;
+    returns (rate, fitted value) sorted by rate."""
+    blocks: list[list[float]] = []  # [value, weight, count]
+    pts = sorted(points)
+    for _, v, w in pts:
+        blocks.append([v, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:  # an increase: pool the two
+            v2, w2, c2 = blocks.pop()
+            v1, w1, c1 = blocks.pop()
+            blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2) if w1 + w2 else (v1 + v2) / 2, w1 + w2, c1 + c2])
+    fitted = [b[0] for b in blocks for _ in range(int(b[2]))]
+    return [(r, f) for (r, _, _), f in zip(pts, fitted)]
+
+
+def fit(probes: list[Probe]) -> list[tuple[float, float]]:
+    """The monotone attainment-vs-rate curve over every counted probe (void ones left out): several probes at
+    one rate pool their requests; returns (rate, fitted attainment) by rising rate."""
+    by_rate: dict[float, list[int]] = {}
+    for p in probes:
+        if p.verdict != "void" and p.n:
+            by_rate.setdefault(p.rate, []).extend(p.outcomes)
+    return _pav([(r, sum(o) / len(o), len(o)) for r, o in by_rate.items()])
+
+
+def bracket(curve: list[tuple[float, float]], target: float = TARGET) -> tuple[float, float]:
+    """(the highest rate fitted at or above ``target``, the lowest fitted below it): 0 when every rate is
+    below, inf when none is."""
+    passing = [r for r, a in curve if a >= target]
+    failing = [r for r, a in curve if a < target]
+    return (max(passing) if passing else 0.0), (min(failing) if failing else math.inf)
+
+
+def crossing(curve: list[tuple[float, float]], target: float = TARGET) -> float:
+    """Where the fitted curve crosses ``target``, interpolated in log rate between the two probes around it;
+    at a censored end, the probed rate that bounds it (the lowest rate when all fail, the highest when none)."""
+    lo, hi = bracket(curve, target)
+    if not curve:
+        return 0.0
+    if lo == 0.0:
+        return curve[0][0]
+    if hi == math.inf:
+        return curve[-1][0]
+    a_lo = next(a for r, a in curve if r == lo)
+    a_hi = next(a for r, a in curve if r == hi)
+    f = (a_lo - target) / (a_lo - a_hi) if a_lo > a_hi else 0.5
+    return math.exp(math.log(lo) + f * (math.log(hi) - math.log(lo)))
+
+
+@dataclass
+class Capacity:
+    """A capacity at the SLO with its 95% interval, and every probe behind it."""
+
+    estimate: float  # req/s where the fitted curve crosses the target (a bound when censored)
+    low: float
+    high: float  # math.inf when nothing failed
+    censored: str = ""  # "" | "below" (failed at every rate probed) | "above" (passed at every rate)
+    status: str = "converged"  # "converged" | "undecided" (budget or probes ran out before a 10% bracket)
+    probes: list[Probe] = field(default_factory=list)
+    saturation: float = 0.0  # req/s completed with every request of a window at once
+
+    @property
+    def requests(self) -> int:
+        return sum(p.n for p in self.probes)
+
+    def describe(self) -> str:
+        if self.censored == "below":
+            lowest = min((p for p in self.probes if p.verdict != "void" and p.n), key=lambda p: p.rate, default=None)
+            at = f" (attained {lowest.attainment:.2f}, {lowest.interval[0]:.2f}-{lowest.interval[1]:.2f}, " \
+                 f"n {lowest.n})" if lowest else ""
+            return f"below {self.estimate:.3f} req/s{at}"
+        if self.censored == "above":
+            return f"above {self.estimate:.3f} req/s (nothing probed failed)"
+        hi = "inf" if self.high == math.inf else f"{self.high:.3f}"
+        return f"{self.estimate:.3f} req/s (95% {self.low:.3f}-{hi})" + \
+            (" undecided: the budget ended before a 10% bracket" if self.status == "undecided" else "")
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["probes"] = [p.to_json() for p in self.probes]
+        d["high"] = None if self.high == math.inf else self.high
+        d["requests"] = self.requests
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Capacity":
+        return cls(estimate=d["estimate"], low=d["low"], high=math.inf if d.get("high") is None else d["high"],
+                   censored=d.get("censored", ""), status=d.get("status", "converged"),
+                   probes=[Probe.from_json(p) for p in d.get("probes", [])], saturation=d.get("saturation", 0.0))
+
+
+def _blocks(outcomes: list[int]) -> list[list[int]]:
+    """Consecutive requests in blocks of about n^(1/3) (at least 2): the unit the bootstrap redraws, so that
+    the correlation of neighbours in one queue stays inside a block."""
+    n = len(outcomes)
+    b = max(2, round(n ** (1 / 3)))
+    return [outcomes[i:i + b] for i in range(0, n, b)]
+
+
+def _resample(probes: list[Probe], rng: random.Random) -> list[Probe]:
+    out = []
+    for p in probes:
+        if p.verdict == "void" or not p.n:
+            continue
+        blocks = _blocks(p.outcomes)
+        drawn: list[int] = []
+        while len(drawn) < p.n:
+            drawn.extend(blocks[rng.randrange(len(blocks))])
+        out.append(Probe(rate=p.rate, outcomes=drawn[:p.n]))
+    return out
+
+
+def _replicate(probes: list[Probe], rng: random.Random, target: float) -> float:
+    """One bootstrap replicate of a capacity: the curve refitted on redrawn requests, the crossing drawn
+    anywhere inside its bracket (log-uniform), or the bound at a censored end."""
+    curve = fit(_resample(probes, rng))
+    lo, hi = bracket(curve, target)
+    if not curve:
+        return 0.0
+    if lo == 0.0:
+        return curve[0][0]
+    if hi == math.inf:
+        return curve[-1][0]
+    return math.exp(rng.uniform(math.log(lo), math.log(hi)))
+
+
+def capacity_of(probes: list[Probe], target: float = TARGET, replicates: int = 1000, seed: int = 0,
+                status: str = "converged", saturation: float = 0.0) -> Capacity:
+    """The capacity the probes show: the crossing of their monotone fit, its 95% interval from the block
+    bootstrap (``_replicate``). Censored below (every rate failed) its estimate is the lowest rate probed, an
+    upper bound; censored above, the highest, a lower bound."""
+    curve = fit(probes)
+    est = crossing(curve, target)
+    lo, hi = bracket(curve, target)
+    censored = "below" if curve and lo == 0.0 else "above" if curve and hi == math.inf else ""
+    if not curve:
+        return Capacity(0.0, 0.0, math.inf, "below", "undecided", list(probes), saturation)
+    rng = random.Random(seed)
+    reps = sorted(_replicate(probes, rng, target) for _ in range(replicates))
+    low, high = _quantile(reps, 0.025), _quantile(reps, 0.975)
+    if censored == "below":
+        low = 0.0
+    if censored == "above":
+        high = math.inf
+    return Capacity(est, min(low, est), max(high, est), censored, status, list(probes), saturation)
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    if not xs:
+        return math.nan
+    i = min(len(xs) - 1, max(0, int(math.floor(q * (len(xs) - 1) + 0.5))))
+    return xs[i]
+
+
+def search_capacity(probe_at: Callable[[float], Probe], start: float, *, target: float = TARGET,
+                    resolution: float = 1.10, step: float = 2.0, max_probes: int = 8, floor: float = 0.0,
+                    ceiling: float = math.inf, deadline: Callable[[], bool] | None = None,
+                    saturation: float = 0.0, seed: int = 0) -> Capacity:
+    """Brackets and bisects the capacity. From ``start`` (the measured saturation throughput, or a prediction
+    below it) the rate is multiplied or divided by ``step`` until the fitted curve has a pass and a fail, then
+    bisected (geometrically) until their ratio is at most ``resolution``. ``floor``: the rate below which
+    requests no longer overlap (no lower rate can do better): failing there, the capacity is censored below
+    it. ``ceiling``: the rate at which the window arrives at once: passing there, censored above. A void
+    probe (the load generator lagged) is repeated once; ``deadline()`` true or ``max_probes`` spent ends the
+    search "undecided" unless it has converged."""
+    probes: list[Probe] = []
+    rate = min(max(start, floor, 1e-6), ceiling)
+    status, voids = "undecided", 0
+    while len(probes) < max_probes and not (deadline and deadline()):
+        p = probe_at(rate)
+        probes.append(p)
+        if p.verdict == "void":
+            voids += 1
+            if voids >= 2:
+                break
+            continue
+        voids = 0
+        lo, hi = bracket(fit(probes), target)
+        if lo > 0 and hi < math.inf:
+            if hi / lo <= resolution * (1 + 1e-9):
+                status = "converged"
+                break
+            rate = math.sqrt(lo * hi)
+        elif lo == 0.0:  # every rate so far failed: lower, down to where requests run alone
+            lowest = min(p.rate for p in probes if p.verdict != "void")
+            if lowest <= floor * (1 + 1e-9):
+                status = "converged"  # fails even unloaded: censored below, found
+                break
+            rate = max(lowest / step, floor)
+        else:  # every rate so far passed: higher, up to where the window arrives at once
+            highest = max(p.rate for p in probes if p.verdict != "void")
+            if highest >= ceiling * (1 - 1e-9):
+                status = "converged"
+                break
+            rate = min(highest * step, ceiling)
+        if any(abs(q.rate - rate) <= 1e-9 * rate for q in probes if q.verdict != "void"):
+            break  # nothing new to probe
+    return capacity_of(probes, target, status=status, saturation=saturation, seed=seed)
+
+
+# ---- comparisons and the decision ------------------------------------------------------------------------
+@dataclass
+class Arm:
+    """What the judge knows of one variant: its capacity, saturation throughput and, at the traffic's own rate,
+    each request's TTFT and TPOT (the same requests for every arm: paired)."""
+
+    variant_id: str
+    name: str
+    capacity: Capacity
+    saturation: float = 0.0  # req/s with every request of a window at once
+    ttft: list[float] = field(default_factory=list)  # seconds, per request of the own-rate replay
+    tpot: list[float] = field(default_factory=list)  # seconds, per request (None where not judged)
+    predicted: float = 0.0  # the simulator's capacity (req/s), when it made one
+
+
+@dataclass
+class Comparison:
+    variant_id: str
+    name: str
+    ratio: float  # capacity, candidate / baseline (from the two estimates)
+    low: float
+    high: float  # math.inf when the candidate's capacity is censored above
+    p_value: float  # one-sided, of "the ratio is at most MIN_GAIN", from the bootstrap
+    verdict: str  # "better" | "worse" | "no detectable difference" | "censored"
+    adopted: bool = False
+    reasons: list[str] = field(default_factory=list)
+    guards: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["high"] = None if self.high == math.inf else self.high
+        return d
+
+    def line(self) -> str:
+        hi = "inf" if self.high == math.inf else f"{self.high:.2f}"
+        return f"{self.ratio:.2f}x (95% {self.low:.2f}-{hi}x)"
+
+
+def ratio_interval(cand: Capacity, base: Capacity, replicates: int = 2000, seed: int = 1,
+                   target: float = TARGET) -> tuple[float, float, float, float]:
+    """(ratio, low, high, p) of two capacities: the estimates' ratio, its 95% interval from the block
+    bootstrap of both arms' probes, and the one-sided p-value of "ratio <= MIN_GAIN". A censored end enters
+    as its bound (below: the lowest rate probed, an upper bound; above: the highest, a lower bound), which
+    errs against a verdict either way."""
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(replicates):
+        b = _replicate(base.probes, rng, target)
+        c = _replicate(cand.probes, rng, target)
+        ratios.append(c / b if b > 0 else math.inf)
+    ratios.sort()
+    est = cand.estimate / base.estimate if base.estimate > 0 else math.inf
+    low, high = _quantile(ratios, 0.025), _quantile(ratios, 0.975)
+    if cand.censored == "above" or base.censored == "below":
+        high = math.inf  # the ratio is only bounded below
+    if cand.censored == "below" or base.censored == "above":
+        low = 0.0  # the ratio is only bounded above
+    p = (1 + sum(1 for r in ratios if r <= MIN_GAIN)) / (replicates + 1)
+    return est, min(low, est), max(high, est), p
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return math.nan
+    k = (len(xs) - 1) * q
+    f = math.floor(k)
+    c = min(f + 1, len(xs) - 1)
+    return xs[f] + (xs[c] - xs[f]) * (k - f)
+
+
+def latency_worse(cand: list[float], base: list[float], q: float, replicates: int = 1000,
+                  seed: int = 2) -> tuple[float, float, bool]:
+    """(ratio of the candidate's ``q`` percentile to the baseline's, its bootstrap lower bound, significantly
+    worse by more than TOLERANCE): requests redrawn in pairs (the same requests replayed by both arms)."""
+    pairs = [(c, b) for c, b in zip(cand, base) if c is not None and b is not None]
+    if len(pairs) < 4:
+        return math.nan, math.nan, False
+    pb = _percentile([b for _, b in pairs], q)
+    ratio = _percentile([c for c, _ in pairs], q) / pb if pb > 0 else math.nan
+    rng = random.Random(seed)
+    reps = []
+    for _ in range(replicates):
+        draw = [pairs[rng.randrange(len(pairs))] for _ in pairs]
+        b = _percentile([x for _, x in draw], q)
+        reps.append(_percentile([x for x, _ in draw], q) / b if b > 0 else math.inf)
+    reps.sort()
+    low = _quantile(reps, 0.025)
+    return ratio, low, low > 1 + TOLERANCE
+
+
+def compare(cand: Arm, base: Arm, allow_trade: bool = False) -> Comparison:
+    """The candidate against the baseline: the capacity ratio's interval and verdict, then the guards (each
+    measured on the same requests): saturation throughput not lower by more than 5%, p50/p99 TTFT and TPOT at
+    the traffic's own rate not significantly worse by more than 5% (waived, and named, with ``allow_trade``)."""
+    ratio, low, high, p = ratio_interval(cand.capacity, base.capacity)
+    c, b = cand.capacity.censored, base.capacity.censored
+    if c and c == b:
+        verdict = "censored"
+    elif low > MIN_GAIN:
+        verdict = "better"
+    elif high < 1 / MIN_GAIN:
+        verdict = "worse"
+    else:
+        verdict = "no detectable difference"
+    reasons, guards = [], {}
+    if verdict == "censored":
+        reasons.append(f"both capacities are censored {c} the rates probed: "
+                       f"{cand.capacity.describe()} and {base.capacity.describe()}")
+    if base.saturation > 0 and cand.saturation > 0:
+        s = cand.saturation / base.saturation
+        guards["saturation_ratio"] = s
+        if s < 1 - TOLERANCE:
+            reasons.append(f"saturation throughput {s:.2f}x static-best's ({cand.saturation:.2f} vs "
+                           f"{base.saturation:.2f} req/s): lower by more than {TOLERANCE:.0%}")
+    trades = []
+    for label, cv, bv in (("TTFT", cand.ttft, base.ttft), ("TPOT", cand.tpot, base.tpot)):
+        for q in (0.5, 0.99):
+            r, lo, worse = latency_worse(cv, bv, q)
+            key = f"{label} p{int(q * 100)}"
+            guards[key] = r
+            if worse:
+                trades.append(f"{key} at the traffic's own rate {r:.2f}x static-best's (95% lower bound {lo:.2f})")
+    if trades and not allow_trade:
+        reasons += [t + f": worse by more than {TOLERANCE:.0%}" for t in trades]
+    elif trades:
+        guards["trade"] = "; ".join(trades) + " (accepted: the SLO asks for capacity)"
+    return Comparison(cand.variant_id, cand.name, ratio, low, high, p, verdict, reasons=reasons, guards=guards)
+
+
+def holm(p_values: list[float], alpha: float = 0.025) -> list[bool]:
+    """Holm's step-down procedure: which of the hypotheses are rejected at family-wise level ``alpha``."""
+    order = sorted(range(len(p_values)), key=lambda i: p_values[i])
+    out = [False] * len(p_values)
+    for k, i in enumerate(order):
+        if p_values[i] > alpha / (len(p_values) - k):
+            break
+        out[i] = True
+    return out
+
+
+@dataclass
+class Confirmation:
+    """The choice and the baseline replayed on a window the search did not see, at ``rate``."""
+
+    rate: float
+    window: int
+    base: Probe
+    cand: Probe
+    diff: float
+    low: float
+    high: float
+    holds: bool
+
+    def to_json(self) -> dict:
+        return {"rate": self.rate, "window": self.window, "base": self.base.to_json(), "cand": self.cand.to_json(),
+                "diff": self.diff, "low": self.low, "high": self.high, "holds": self.holds}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Confirmation":
+        return cls(d["rate"], d["window"], Probe.from_json(d["base"]), Probe.from_json(d["cand"]), d["diff"],
+                   d["low"], d["high"], d["holds"])
+
+    def line(self) -> str:
+        return (f"held-out window at {self.rate:.3f} req/s (requests from #{self.window}): attainment "
+                f"{self.cand.attainment:.2f} ({self.cand.interval[0]:.2f}-{self.cand.interval[1]:.2f}, n "
+                f"{self.cand.n}) vs static-best {self.base.attainment:.2f} ({self.base.interval[0]:.2f}-"
+                f"{self.base.interval[1]:.2f}, n {self.base.n}): difference {self.diff:+.2f} (95% {self.low:+.2f} "
+                f"to {self.high:+.2f}): {'holds' if self.holds else 'does not hold'}")
+
+
+def confirm_rate(cand: Capacity, base: Capacity) -> float:
+    """Where the held-out window tells the two apart: between the two capacities (their geometric mean)."""
+    return math.sqrt(max(cand.estimate, 1e-9) * max(base.estimate, 1e-9))
+
+
+def confirm(replay: Callable[[str, float], Probe], cand: Capacity, base: Capacity) -> Confirmation:
+    """Replays the baseline ("base") and the choice ("cand") on the held-out window at a rate between their
+    capacities; the choice holds when its attainment there is higher (Newcombe's interval above 0)."""
+    rate = confirm_rate(cand, base)
+    b = replay("base", rate)
+    c = replay("cand", rate)
+    d, lo, hi = newcombe(c.good, c.n, b.good, b.n)
+    return Confirmation(rate, b.window, b, c, d, lo, hi, holds=lo > 0 and c.verdict != "void" and b.verdict != "void")
+
+
+@dataclass
+class Judgement:
+    """A decision: the baseline's capacity, every compared candidate, the choice, the out-of-sample check."""
+
+    baseline: str  # variant id
+    chosen: str  # variant id (the baseline's when kept)
+    verdict: str  # the word for the run: better | worse | no detectable difference | censored
+    reason: str
+    arms: dict[str, dict] = field(default_factory=dict)  # variant id -> {name, capacity, saturation, predicted}
+    comparisons: list[Comparison] = field(default_factory=list)
+    confirmation: Confirmation | None = None
+    simulator_error: float = math.nan  # max |predicted - measured| / measured over the compared arms
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"baseline": self.baseline, "chosen": self.chosen, "verdict": self.verdict, "reason": self.reason,
+                "arms": self.arms, "comparisons": [c.to_json() for c in self.comparisons],
+                "confirmation": self.confirmation.to_json() if self.confirmation else None,
+                "simulator_error": None if math.isnan(self.simulator_error) else self.simulator_error,
+                "seconds": self.seconds, "notes": self.notes}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Judgement":
+        comps = [Comparison(**{**c, "high": math.inf if c.get("high") is None else c["high"]})
+                 for c in d.get("comparisons", [])]
+        conf = Confirmation.from_json(d["confirmation"]) if d.get("confirmation") else None
+        err = d.get("simulator_error")
+        return cls(d["baseline"], d["chosen"], d["verdict"], d["reason"], d.get("arms", {}), comps, conf,
+                   math.nan if err is None else err, d.get("seconds", 0.0), d.get("notes", []))
+
+    def capacity(self, variant_id: str) -> Capacity | None:
+        arm = self.arms.get(variant_id)
+        return Capacity.from_json(arm["capacity"]) if arm and arm.get("capacity") else None
+
+    def comparison(self, variant_id: str) -> Comparison | None:
+        return next((c for c in self.comparisons if c.variant_id == variant_id), None)
+
+    @property
+    def kept(self) -> bool:
+        return self.chosen == self.baseline
+
+    def headline(self) -> str:
+        """The line every report prints: the ratio with its interval, the verdict, the capacities."""
+        base = self.capacity(self.baseline)
+        shown = self.comparison(self.chosen) if not self.kept else \
+            max(self.comparisons, key=lambda c: c.low, default=None)
+        if base is None:
+            return "capacity at SLO, chosen / static-best: not measured (" + self.reason + ")"
+        if shown is None:
+            return (f"capacity at SLO: static-best {base.describe()}; no candidate compared: {self.verdict}")
+        cap = self.capacity(shown.variant_id)
+        who = "chosen" if not self.kept else f"best candidate ({shown.name})"
+        return (f"capacity at SLO, {who} / static-best: {shown.line()}, {shown.verdict}"
+                f"{', kept static-best' if self.kept else ''}; {cap.describe() if cap else '?'} vs {base.describe()}")
+
+
+def decide(base: Arm, cands: list[Arm], allow_trade: bool = False, alpha: float = 0.025) -> Judgement:
+    """The rule: compare each candidate with the baseline, correct the one-sided tests of "ratio > MIN_GAIN"
+    for their number (Holm, family-wise ``alpha``), and adopt the candidate with the highest lower bound among
+    those that are better after the correction and pass every guard. The out-of-sample confirmation comes
+    after (``confirm``) and may still refuse the choice."""
+    comps = [compare(c, base, allow_trade) for c in cands]
+    rejected = holm([c.p_value for c in comps], alpha)
+    for c, r in zip(comps, rejected):
+        if c.verdict == "better" and not r:
+            c.verdict = "no detectable difference"
+            c.reasons.append(f"not significant after Holm's correction over {len(comps)} candidates "
+                             f"(p {c.p_value:.3f})")
+        c.adopted = c.verdict == "better" and not c.reasons
+    arms = {a.variant_id: {"name": a.name, "capacity": a.capacity.to_json(), "saturation": a.saturation,
+                           "predicted": a.predicted} for a in [base] + cands}
+    adopted = [c for c in comps if c.adopted]
+    if adopted:
+        best = max(adopted, key=lambda c: (c.low, c.ratio))
+        reason = (f"{best.name} ({best.variant_id}): capacity {best.line()} static-best's, "
+                  f"{Capacity.from_json(arms[best.variant_id]['capacity']).describe()} vs {base.capacity.describe()}")
+        return Judgement(base.variant_id, best.variant_id, "better", reason, arms, comps)
+    if not comps:
+        return Judgement(base.variant_id, base.variant_id, "no detectable difference",
+                         "no candidate was compared with static-best; kept static-best", arms, comps)
+    top = max(comps, key=lambda c: (c.low, c.ratio))
+    words = {c.verdict for c in comps}
+    verdict = "censored" if words == {"censored"} else "worse" if words == {"worse"} else \
+        "better" if "better" in words else "no detectable difference"
+    why = "; ".join(f"{c.name}: {c.verdict}, {c.line()}" + (f" ({'; '.join(c.reasons)})" if c.reasons else "")
+                    for c in comps)
+    return Judgement(base.variant_id, base.variant_id, verdict, f"kept static-best: {why}", arms, comps,
+                     notes=[f"closest: {top.name}"])
+
+
+# ---- live verification -------------------------------------------------------------------------------------
+@dataclass
+class LiveCheck:
+    """Attainment of the live traffic in a window before a swap and one after it."""
+
+    before_good: int
+    before_n: int
+    after_good: int
+    after_n: int
+    diff: float
+    low: float
+    high: float
+    worse: bool  # significantly worse: the interval of (after - before) lies below 0
+    predicted_before: float = math.nan
+    predicted_after: float = math.nan
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def line(self) -> str:
+        b = self.before_good / self.before_n if self.before_n else 0.0
+        a = self.after_good / self.after_n if self.after_n else 0.0
+        lb, hb = wilson(self.before_good, self.before_n)
+        la, ha = wilson(self.after_good, self.after_n)
+        pred = "" if math.isnan(self.predicted_after) else \
+            f" (predicted {self.predicted_after:.2f} vs {self.predicted_before:.2f})"
+        return (f"live SLO attainment {a:.2f} ({la:.2f}-{ha:.2f}, n {self.after_n}) after vs {b:.2f} "
+                f"({lb:.2f}-{hb:.2f}, n {self.before_n}) before{pred}: difference {self.diff:+.2f} "
+                f"(95% {self.low:+.2f} to {self.high:+.2f})")
+
+
+def verify_live(before: list[bool], after: list[bool], predicted_before: float = math.nan,
+                predicted_after: float = math.nan) -> LiveCheck:
+    """Compares the live windows; ``worse`` (roll back) when after is significantly below before."""
+    bg, ag = sum(before), sum(after)
+    d, lo, hi = newcombe(ag, len(after), bg, len(before))
+    return LiveCheck(bg, len(before), ag, len(after), d, lo, hi, worse=hi < 0 and bool(before) and bool(after),
+                     predicted_before=predicted_before, predicted_after=predicted_after)
+
+
+def median_or_nan(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else math.nan

@@ -1,0 +1,216 @@
+"""The judge on synthetic attainment curves: intervals against published values, the sequential probe, a search
+that converges, the decision rule, censoring, out-of-sample confirmation and live verification."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from ops.judge import (Arm, Capacity, Probe, capacity_of, compare, confirm, decide, fit, holm, looks, newcombe,
+                       outcome, search_capacity, sequential_stop, verify_live, wilson)
+
+
+def test_wilson_and_newcombe_match_published_values():
+    # Newcombe (1998), Statistics in Medicine 17: Wilson 95% for 81/263 is 0.2553-0.3662; his example (a) of a
+    # difference, 56/70 - 48/80, has the hybrid score interval 0.0524 to 0.3339
+    lo, hi = wilson(81, 263)
+    assert lo == pytest.approx(0.2553, abs=1e-4) and hi == pytest.approx(0.3662, abs=1e-4)
+    d, lo, hi = newcombe(56, 70, 48, 80)
+    assert d == pytest.approx(0.2) and lo == pytest.approx(0.0524, abs=1e-4) and hi == pytest.approx(0.3339, abs=1e-4)
+    # against a float64 solution of the score equation |p - x| = z sqrt(x (1 - x) / n) on fresh counts
+    rng = random.Random(3)
+    for _ in range(20):
+        n = rng.randrange(1, 400)
+        k = rng.randrange(0, n + 1)
+        p, z = k / n, 1.959963984540054
+        a, b, c = 1 + z * z / n, -(2 * p + z * z / n), p * p
+        disc = math.sqrt(max(0.0, b * b - 4 * a * c))
+        lo, hi = wilson(k, n)
+        assert lo == pytest.approx(max(0.0, (-b - disc) / (2 * a)), abs=1e-9)
+        assert hi == pytest.approx(min(1.0, (-b + disc) / (2 * a)), abs=1e-9)
+    assert wilson(0, 0) == (0.0, 1.0)
+
+
+def test_a_probe_decides_only_when_its_interval_excludes_the_target():
+    assert outcome(34, 34) == "undecided" and outcome(35, 35) == "pass"  # 35 of 35 is the least that passes
+    assert outcome(14, 20) == "fail" and outcome(18, 20) == "undecided"
+    assert looks(20, 160) == [20, 40, 80, 160] and looks(30, 30) == [30]
+
+
+def _probe(attain, rate, plan, rng, warmup=0):
+    """A sequential probe of a synthetic engine whose requests meet the SLO with probability attain(rate)."""
+    status: list[bool | None] = []
+    while True:
+        status.append(rng.random() < attain(rate))
+        stop = sequential_stop(status, plan)
+        if stop is not None:
+            n, verdict = stop
+            return Probe(rate=rate, outcomes=[int(s) for s in status[:n]], verdict=verdict, warmup=warmup)
+
+
+@pytest.mark.parametrize("p, expected", [(0.995, "pass"), (0.6, "fail"), (0.9, "undecided")])
+def test_the_sequential_probe_extends_until_decided(p, expected):
+    rng = random.Random(11)
+    plan = looks(20, 320)
+    got = [_probe(lambda r: p, 1.0, plan, rng) for _ in range(20)]
+    verdicts = [g.verdict for g in got]
+    assert verdicts.count(expected) >= 17, verdicts
+    if expected == "undecided":
+        assert all(g.n == 320 for g in got if g.verdict == "undecided")  # ran to the cap
+    if expected == "fail":
+        assert max(g.n for g in got) <= 40  # a clear failure stops early
+    for g in got:  # a decision is exactly what the Wilson interval of the counted requests says
+        assert g.verdict == outcome(g.good, g.n) or g.n < plan[0] or (g.verdict == "fail" and g.n not in plan)
+
+
+def test_futility_stops_a_probe_that_cannot_pass_its_next_look():
+    # 7 misses: even 13 of 20 fails the first look (3 would not: 17 of 20 is undecided)
+    assert sequential_stop([True] * 3 + [False] * 7 + [None], [20, 40]) == (10, "fail")
+    assert sequential_stop([False] * 3 + [None], [20, 40]) is None
+    assert sequential_stop([True] * 10 + [None], [20, 40]) is None
+
+
+def _steep(capacity):
+    """Attainment near 1 below the capacity and falling fast above it (a queue that builds)."""
+    return lambda r: 0.995 if r <= capacity else max(0.0, 0.995 - 4 * (r / capacity - 1))
+
+
+@pytest.mark.parametrize("capacity, start", [(3.7, 10.0), (3.7, 1.0), (0.41, 6.0)])
+def test_the_search_converges_to_a_bracket_of_10_percent(capacity, start):
+    rng = random.Random(5)
+    plan = looks(20, 160)
+    cap = search_capacity(lambda r: _probe(_steep(capacity), r, plan, rng), start, max_probes=14, floor=0.01)
+    assert cap.status == "converged" and not cap.censored
+    assert cap.low <= capacity * 1.02 and cap.high >= capacity * 0.98  # the interval holds the truth
+    assert cap.high / cap.low <= 1.25 and abs(cap.estimate / capacity - 1) < 0.1
+    curve = fit(cap.probes)
+    assert all(a >= b for (_, a), (_, b) in zip(curve, curve[1:]))  # one monotone curve over all probes
+
+
+def test_a_baseline_that_fails_even_unloaded_is_censored_below_quickly():
+    rng = random.Random(1)
+    plan = looks(20, 160)
+    cap = search_capacity(lambda r: _probe(lambda _: 0.5, r, plan, rng), 8.0, floor=0.5, max_probes=10)
+    assert cap.censored == "below" and cap.estimate == 0.5 and cap.low == 0.0
+    assert len(cap.probes) == 5 and [p.rate for p in cap.probes] == [8.0, 4.0, 2.0, 1.0, 0.5]
+    assert cap.describe().startswith("below 0.500 req/s (attained ") and f"n {cap.probes[-1].n})" in cap.describe()
+    above = search_capacity(lambda r: _probe(lambda _: 1.0, r, plan, rng), 1.0, ceiling=3.0)
+    assert above.censored == "above" and above.high == math.inf and above.estimate == 3.0
+
+
+def test_a_void_probe_is_repeated_and_never_counted():
+    rng = random.Random(2)
+    plan = looks(20, 80)
+    calls = []
+
+    def probe(r):
+        calls.append(r)
+        p = _probe(_steep(2.0), r, plan, rng)
+        if len(calls) == 1:
+            p.verdict = "void"  # the client lagged: this says nothing about the engine
+            p.outcomes = [0] * 80
+        return p
+
+    cap = search_capacity(probe, 1.5, max_probes=10)
+    assert calls[0] == calls[1] == 1.5 and cap.probes[0].verdict == "void"
+    assert 1.7 < cap.estimate < 2.3
+
+
+def _capacity(capacity, rng, start=None):
+    plan = looks(20, 160)
+    return search_capacity(lambda r: _probe(_steep(capacity), r, plan, rng), start or capacity * 1.7, max_probes=14)
+
+
+def _arm(name, cap, sat=1.0, ttft=None, tpot=None):
+    return Arm(name, name, cap, saturation=sat, ttft=ttft or [0.1] * 16, tpot=tpot or [0.02] * 16)
+
+
+def test_the_rule_refuses_a_candidate_whose_interval_holds_one_and_adopts_a_clear_gain():
+    rng = random.Random(9)
+    base = _arm("base", _capacity(2.0, rng))
+    same = _arm("same", _capacity(2.05, rng))
+    c = compare(same, base)
+    assert c.low < 1.05 and c.verdict == "no detectable difference" and not c.reasons
+    j = decide(base, [same])
+    assert j.kept and j.verdict == "no detectable difference" and "kept static-best" in j.reason
+    better = _arm("better", _capacity(3.0, rng))
+    j = decide(base, [same, better])
+    assert j.chosen == "better" and j.verdict == "better"
+    comp = j.comparison("better")
+    assert comp.adopted and comp.low > 1.05 and comp.low <= 1.5 <= comp.high
+    worse = compare(_arm("worse", _capacity(1.2, rng)), base)
+    assert worse.verdict == "worse" and worse.high < 1
+    assert "capacity at SLO, chosen / static-best: 1." in j.headline()
+
+
+def test_guards_refuse_a_capacity_gain_that_costs_throughput_or_latency():
+    rng = random.Random(4)
+    base = _arm("base", _capacity(2.0, rng), sat=3.0)
+    slower = _arm("slower", _capacity(3.0, rng), sat=2.7)
+    c = compare(slower, base)
+    assert c.verdict == "better" and c.reasons and "saturation throughput 0.90x" in c.reasons[0]
+    assert decide(base, [slower]).kept
+    lat = [0.1 + 0.01 * i for i in range(30)]
+    late = _arm("late", _capacity(3.0, rng), sat=3.0, ttft=[x * 1.3 for x in lat])
+    base2 = _arm("base", base.capacity, sat=3.0, ttft=lat)
+    assert any("TTFT p50" in r for r in compare(late, base2).reasons)
+    traded = compare(late, base2, allow_trade=True)
+    assert not traded.reasons and "TTFT" in traded.guards["trade"]
+    noisy = _arm("noisy", _capacity(3.0, rng), sat=3.0, ttft=[x * (1.03 if i % 2 else 0.99) for i, x in enumerate(lat)])
+    assert not compare(noisy, base2).reasons  # within 5%: not a reason
+
+
+def test_holm_corrects_for_several_candidates():
+    assert holm([0.005, 0.02, 0.2], alpha=0.025) == [True, False, False]  # 0.02 > 0.025 / 2
+    assert holm([0.01, 0.02, 0.2], alpha=0.025) == [False, False, False]  # 0.01 > 0.025 / 3
+    assert holm([0.001, 0.01], alpha=0.025) == [True, True]
+    assert holm([], alpha=0.025) == []
+
+
+def test_censored_capacities_give_a_censored_verdict_never_nan():
+    rng = random.Random(8)
+    plan = looks(20, 80)
+    below = search_capacity(lambda r: _probe(lambda _: 0.3, r, plan, rng), 2.0, floor=0.25, max_probes=6)
+    base, cand = _arm("base", below), _arm("cand", below)
+    j = decide(base, [cand])
+    assert j.verdict == "censored" and j.kept and "nan" not in j.headline() and "below" in j.headline()
+    # a candidate with a capacity where static-best has none is bounded below by it
+    up = _arm("up", _capacity(2.0, rng))
+    c = compare(up, base)
+    assert c.verdict == "better" and c.high == math.inf and c.low > 1.05
+
+
+def test_a_choice_that_holds_out_of_sample_and_one_that_does_not():
+    rng = random.Random(6)
+    base, cand = _capacity(2.0, rng), _capacity(3.0, rng)
+    plan = looks(40, 40)
+
+    def replay(truth):
+        def run(arm, rate):
+            return _probe(_steep(truth[arm]), rate, plan, rng)
+        return run
+
+    held = confirm(replay({"base": 2.0, "cand": 3.0}), cand, base)
+    assert 2.0 < held.rate < 3.0 and held.holds and held.low > 0 and "holds" in held.line()
+    tuned_to_noise = confirm(replay({"base": 2.0, "cand": 2.0}), cand, base)
+    assert not tuned_to_noise.holds
+
+
+def test_live_verification_rolls_back_a_significantly_worse_variant():
+    worse = verify_live([True] * 38 + [False] * 2, [True] * 22 + [False] * 18)
+    assert worse.worse and worse.high < 0 and "live SLO attainment 0.55" in worse.line()
+    same = verify_live([True] * 36 + [False] * 4, [True] * 35 + [False] * 5)
+    assert not same.worse and same.low < 0 < same.high
+
+
+def test_capacities_and_judgements_survive_json():
+    from ops.judge import Judgement
+
+    rng = random.Random(12)
+    base, cand = _arm("base", _capacity(2.0, rng)), _arm("cand", _capacity(3.0, rng))
+    j = decide(base, [cand])
+    back = Judgement.from_json(j.to_json())
+    assert back.to_json() == j.to_json() and back.capacity("cand").estimate == cand.capacity.estimate
+    c = capacity_of([Probe(rate=1.0, outcomes=[1] * 40, verdict="pass")])
+    assert Capacity.from_json(c.to_json()).high == math.inf
