@@ -159,8 +159,8 @@ class VariantSource(dg.ConfigurableResource):
         """The run's search on the board (one per Dagster run, so every asset step finds the same one)."""
         from ops.tune import Search
 
-        # one timed replay at the trace's rate and up to three capacity probes per variant: the job stays minutes
-        cfg = search_config(runner, traffic, slow_repeats=1, capacity_probes=3, slow_layers=self.slow_layers or None)
+        # one timed replay at the trace's rate per variant; the judge measures the capacities it compares
+        cfg = search_config(runner, traffic, slow_repeats=1, capacity_probes=0, slow_layers=self.slow_layers or None)
         return Search.start(cfg, self.board_url(), f"run-{context.run.run_id}", hardware=hardware, cost_plan=cost_plan,
                             log=context.log.info)
 

@@ -61,6 +61,14 @@ class BenchResult:
     # served layouts (``served_tier``): seconds from starting the variant's processes to serving it, what a
     # restart-scope swap to its parallel layout costs; 0 for the in-process replay
     start_s: float = 0.0
+    # per request of the median replay at the slice's own rate, in record order (None: unfinished, or one token):
+    # what the judge compares paired, request by request, with static-best's replay of the same requests
+    ttfts: list = field(default_factory=list)
+    tpots: list = field(default_factory=list)
+    saturation: float = 0.0  # req/s completed with every request of the slice at once (0: not measured)
+    saturation_samples: list[list[float]] = field(default_factory=list)  # its steps, as step_samples
+    slo_ttft_per_token_s: float = 0.0
+    capacity_predicted: float = 0.0  # the simulator's capacity (req/s), calibrated on this variant's own steps
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -74,41 +82,90 @@ def hardware_label(device: torch.device) -> str:
 
 @dataclass(frozen=True)
 class SLO:
+    """Per-request latency targets. The TTFT target grows with the prompt (``ttft_per_token_s`` per prompt
+    token beyond ``ttft_s``: a long prompt's prefill takes longer even alone); TPOT is judged only for outputs
+    of ``tpot_min_tokens`` or more (a few tokens' average says little about decoding)."""
+
     ttft_s: float = 2.0
     tpot_s: float = 0.2
+    ttft_per_token_s: float = 0.0
+    tpot_min_tokens: int = 8
+
+    def ttft_limit(self, prompt_tokens: int) -> float:
+        return self.ttft_s + self.ttft_per_token_s * prompt_tokens
+
+    def judges_tpot(self, output_tokens: int) -> bool:
+        return output_tokens >= max(2, self.tpot_min_tokens)
+
+    def met(self, ttft: float, tpot: float | None, prompt_tokens: int, output_tokens: int) -> bool:
+        return ttft <= self.ttft_limit(prompt_tokens) and (
+            tpot is None or not self.judges_tpot(output_tokens) or tpot <= self.tpot_s)
+
+    def describe(self) -> str:
+        grow = f" + {1e3 * self.ttft_per_token_s:.2f} ms per prompt token" if self.ttft_per_token_s else ""
+        return (f"TTFT <= {1e3 * self.ttft_s:.0f} ms{grow} and TPOT <= {1e3 * self.tpot_s:.0f} ms (outputs of "
+                f"{max(2, self.tpot_min_tokens)}+ tokens) for 90% of requests")
 
 
-def _replay_once(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[int]], max_output: int | None,
-                 time_scale: float, slo: SLO, give_up_after: int | None = None) -> dict:
-    """Adds each request when its (scaled) arrival time has passed, steps the engine, times every request.
-    With ``give_up_after``, stops (aborting what runs) once that many requests have missed the SLO: a rate
-    probe that has already failed need not run to the end.
+def _replay(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[int]], max_output: int | None,
+            time_scale: float, slo: SLO, stop=None, counted_from: int = 0, deadline: float | None = None) -> dict:
+    """Adds each request when its (scaled) arrival time has passed, steps the engine, times every request
+    from its scheduled arrival (a request that arrives during a step waits for it, as on a server).
 
     Time runs on the replay's own clock: wall time, plus every gap in which the engine had nothing to do
-    before the next arrival, skipped instead of slept. An idle engine's state does not change with time,
-    so every latency is what a real-time replay would measure, and a probe at a low rate takes its busy
-    time, not its arrival span."""
+    before the next arrival, skipped instead of slept. An idle engine's state does not change with time, so
+    every latency is what a real-time replay would measure, and a replay at a low rate takes its busy time,
+    not its arrival span.
+
+    ``stop(status)``, called after every step with the status of the requests from ``counted_from`` on in
+    arrival order (True: met the SLO, False: missed it, None: not known yet), ends the replay early when it
+    returns true (what runs is aborted); so does ``deadline`` (time.perf_counter()). Returns per request, in
+    record order, its TTFT, TPOT (None when unfinished or one token), end-to-end time, output tokens, send lag
+    and status, and the run's totals and step samples."""
+    n = len(records)
     t0 = records[0].arrival_s
     skipped = 0.0
 
     def clock() -> float:
         return time.perf_counter() + skipped
-    pending = list(range(len(records)))
-    arrival: dict[str, float] = {}
-    first: dict[str, float] = {}
-    done: dict[str, tuple[float, int]] = {}
-    run: dict[str, int] = {}  # tokens run per request so far (cached prefix included)
-    samples: list[list[float]] = []
     start = clock()
-    while pending or engine.has_unfinished():
-        now = clock() - start
-        while pending and (records[pending[0]].arrival_s - t0) * time_scale <= now:
-            i = pending.pop(0)
-            out = records[i].output_tokens if max_output is None else min(records[i].output_tokens, max_output)
-            rid = engine.add_request(prompts[i], SamplingParams(max_tokens=max(1, out), ignore_eos=True))
-            arrival[rid] = clock()
+    due = [start + (r.arrival_s - t0) * time_scale for r in records]
+    outs_n = [max(1, r.output_tokens if max_output is None else min(r.output_tokens, max_output)) for r in records]
+    rid_of: dict[str, int] = {}
+    first: list[float | None] = [None] * n
+    end: list[float | None] = [None] * n
+    got: list[int] = [0] * n
+    lag: list[float] = [0.0] * n
+    status: list[bool | None] = [None] * n
+    run: dict[str, int] = {}
+    samples: list[list[float]] = []
+    nxt = 0
+    stopped = False
+
+    def resolve(i: int, now: float) -> None:
+        if status[i] is not None:
+            return
+        limit = due[i] + slo.ttft_limit(len(prompts[i]))
+        if first[i] is None:
+            if now > limit:
+                status[i] = False
+            return
+        if first[i] > limit:
+            status[i] = False
+        elif end[i] is not None:
+            tpot = (end[i] - first[i]) / (got[i] - 1) if got[i] > 1 else None
+            status[i] = slo.met(first[i] - due[i], tpot, len(prompts[i]), got[i])
+        elif slo.judges_tpot(outs_n[i]) and now - first[i] > slo.tpot_s * (outs_n[i] - 1):
+            status[i] = False  # cannot finish within its TPOT target any more
+    while nxt < n or engine.has_unfinished():
+        now = clock()
+        while nxt < n and due[nxt] <= now:
+            rid = engine.add_request(prompts[nxt], SamplingParams(max_tokens=outs_n[nxt], ignore_eos=True))
+            rid_of[rid] = nxt
+            lag[nxt] = clock() - due[nxt]
+            nxt += 1
         if not engine.has_unfinished():
-            skipped += max(0.0, (records[pending[0]].arrival_s - t0) * time_scale - now)
+            skipped += max(0.0, due[nxt] - now)
             continue
         ts = clock()
         outs = engine.step()
@@ -117,47 +174,100 @@ def _replay_once(engine: LLMEngine, records: list[TraceRecord], prompts: list[li
         for o in outs:
             before = run.get(o.request_id, o.num_cached_tokens)
             now_run = o.num_cached_tokens + o.num_tokens_run
-            n = max(0, now_run - before)
+            k = max(0, now_run - before)
             run[o.request_id] = now_run
-            shape[0] += n
+            shape[0] += k
             shape[1] += now_run
-            shape[3] += n * (before + (n + 1) // 2)
+            shape[3] += k * (before + (k + 1) // 2)
         if shape[0]:
             samples.append(shape)
         for o in outs:
-            t = te
-            if o.token_ids and o.request_id not in first:
-                first[o.request_id] = t
+            i = rid_of.get(o.request_id)
+            if i is None:
+                continue
+            if o.token_ids and first[i] is None:
+                first[i] = te
+            got[i] = len(o.token_ids)
             if o.finished:
-                done[o.request_id] = (t, len(o.token_ids))
-        if give_up_after is not None and _missed(arrival, first, done, te, slo) >= give_up_after:
-            for rid in arrival:
+                end[i] = te
+        for i in range(counted_from, nxt):
+            resolve(i, te)
+        if (stop is not None and stop(status[counted_from:])) or \
+                (deadline is not None and time.perf_counter() > deadline):
+            stopped = True
+            for rid in rid_of:
                 engine.abort(rid)
             while engine.has_unfinished():  # a step launched ahead is collected and dropped
                 engine.step()
-            return {"gave_up": True, "missed": give_up_after}
+            break
     wall = clock() - start
-    ttft = {r: first[r] - arrival[r] for r in done}
-    e2e = {r: done[r][0] - arrival[r] for r in done}
-    tpot = {r: (done[r][0] - first[r]) / (done[r][1] - 1) for r in done if done[r][1] > 1}
-    out_tokens = sum(n for _, n in done.values())
-    in_tokens = sum(len(p) for p in prompts)
-    good = sum(1 for r in done if ttft[r] <= slo.ttft_s and tpot.get(r, 0.0) <= slo.tpot_s)
-    return {"wall": wall, "out": out_tokens, "in": in_tokens, "ttft": list(ttft.values()),
-            "tpot": list(tpot.values()), "e2e": list(e2e.values()), "good": good, "samples": samples}
+    ttft = [first[i] - due[i] if first[i] is not None else None for i in range(n)]
+    tpot = [(end[i] - first[i]) / (got[i] - 1) if end[i] is not None and got[i] > 1 else None for i in range(n)]
+    e2e = [end[i] - due[i] if end[i] is not None else None for i in range(n)]
+    done = [i for i in range(n) if end[i] is not None]
+    return {"wall": wall, "out": sum(got[i] for i in done), "in": sum(len(prompts[i]) for i in done),
+            "ttft": ttft, "tpot": tpot, "e2e": e2e, "status": status, "lag": lag[:nxt], "samples": samples,
+            "done": len(done), "added": nxt, "stopped": stopped, "good": sum(1 for s in status if s)}
 
 
-def _missed(arrival: dict, first: dict, done: dict, now: float, slo: SLO) -> int:
-    """Requests that can no longer meet the SLO: no first token within the TTFT target, or finished slower than
-    the TPOT target."""
-    n = 0
-    for rid, a in arrival.items():
-        f = first.get(rid)
-        if (f is None and now - a > slo.ttft_s) or (f is not None and f - a > slo.ttft_s):
+def _replay_once(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[int]], max_output: int | None,
+                 time_scale: float, slo: SLO, give_up_after: int | None = None) -> dict:
+    """The whole slice replayed (``_replay``); with ``give_up_after``, stopped once that many requests have
+    missed the SLO (a rate probe that has already failed need not run to the end). ``ttft``, ``tpot`` and
+    ``e2e`` keep the finished requests' figures; ``*_all`` every request's, in record order (None: none)."""
+    stop = (lambda st: sum(1 for s in st if s is False) >= give_up_after) if give_up_after is not None else None
+    r = _replay(engine, records, prompts, max_output, time_scale, slo, stop=stop)
+    if r["stopped"]:
+        return {"gave_up": True, "missed": sum(1 for s in r["status"] if s is False)}
+    for k in ("ttft", "tpot", "e2e"):
+        r[k + "_all"] = r[k]
+        r[k] = [x for x in r[k] if x is not None]
+    return r
+
+
+def probe(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[int]], rate: float, slo: SLO,
+          warmup: int, plan: list[int], max_output: int | None, window: int = 0, target: float = 0.9,
+          deadline: float | None = None):
+    """One rate probe of the judge (ops/judge.py): ``records`` (the first ``warmup`` of them not counted) replayed
+    with their arrival pattern scaled to ``rate`` req/s, stopped as soon as the counted requests decide it
+    (``sequential_stop`` at the looks of ``plan``) or at ``deadline``. Returns (the Probe, the replay's step
+    samples). In process the load generator is the engine loop itself: its send lag is at most the step in
+    progress, which a server's request would wait for too, so a probe here is never void."""
+    from ops.judge import Probe, sequential_stop
+
+    engine.block_manager.reset_prefix_cache()
+    scale = own_rate(records) / rate if rate > 0 else 0.0
+    decided: list = []
+
+    def stop(status) -> bool:
+        got = sequential_stop(status, plan, target)
+        if got is not None:
+            decided.append(got)
+        return got is not None
+    t = time.perf_counter()
+    r = _replay(engine, records, prompts, max_output, scale, slo, stop=stop, counted_from=warmup, deadline=deadline)
+    status = r["status"][warmup:]
+    if decided:
+        n, verdict = decided[-1]
+    else:  # the deadline came first: the longest prefix of known requests, undecided
+        n = 0
+        while n < len(status) and status[n] is not None:
             n += 1
-        elif rid in done and done[rid][1] > 1 and (done[rid][0] - f) / (done[rid][1] - 1) > slo.tpot_s:
-            n += 1
-    return n
+        verdict = "undecided"
+    span = r["wall"]
+    p = Probe(rate=rate, achieved=r["done"] / span if span > 0 else 0.0,
+              outcomes=[int(bool(s)) for s in status[:n]], warmup=warmup, window=window,
+              lag_s=max(r["lag"], default=0.0), verdict=verdict, seconds=time.perf_counter() - t)
+    return p, r["samples"]
+
+
+def saturation(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[int]], max_output: int | None,
+               slo: SLO) -> tuple[float, list[list[float]]]:
+    """Saturation throughput: requests completed per second with every request of ``records`` at once (as
+    ``vllm bench serve`` at an infinite rate), and the replay's step samples."""
+    engine.block_manager.reset_prefix_cache()
+    r = _replay(engine, records, prompts, max_output, 0.0, slo)
+    return (r["done"] / r["wall"] if r["wall"] > 0 else 0.0), r["samples"]
 
 
 def own_rate(records: list[TraceRecord]) -> float:
@@ -222,10 +332,13 @@ def capacity_search(attain, guess: float, target: float = 0.9, resolution: float
 
 def slow_tier(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[int]], trace_id: str,
               repeats: int = 3, time_scale: float = 1.0, max_output: int | None = None, slo: SLO = SLO(),
-              capacity_guess: float | None = None, capacity_probes: int = 6) -> BenchResult:
+              capacity_guess: float | None = None, capacity_probes: int = 6,
+              saturation_of: bool = False) -> BenchResult:
     """Replays the slice ``repeats`` times (prefix cache dropped between runs) and reports medians; with
-    ``capacity_guess`` (req/s, e.g. the cost model's), then searches the capacity at the SLO from there, each
-    rate replayed ``repeats`` times (it passes only if every replay does)."""
+    ``saturation_of``, also the saturation throughput (the slice at once); with ``capacity_guess`` (req/s, e.g.
+    the cost model's), then a quick capacity search from there, each rate replayed ``repeats`` times (it
+    passes only if every replay does). Decisions do not use that quick search: the judge (ops/judge.py)
+    measures the capacities it compares itself."""
     if not records or len(records) != len(prompts):
         raise ValueError("slow_tier needs one prompt per trace record")
     t0 = time.perf_counter()
@@ -253,7 +366,10 @@ def slow_tier(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[
         step_samples=m["samples"], attainment=m["good"] / len(records), slo_ttft_s=slo.ttft_s, slo_tpot_s=slo.tpot_s,
         hardware=hardware_label(engine.device), wall_s=time.perf_counter() - t0,
         spec_acceptance=accepted / drafted if drafted else 0.0, spec_accepted_length=1 + accepted / drafts if drafts else 0.0,
+        ttfts=m["ttft_all"], tpots=m["tpot_all"], slo_ttft_per_token_s=slo.ttft_per_token_s,
     )
+    if saturation_of:
+        res.saturation, res.saturation_samples = saturation(engine, records, prompts, max_output, slo)
     if capacity_guess is not None:
         # below one request per median latency the requests run one at a time: no lower rate does better; above
         # the whole slice arriving within a twentieth of the fastest request's latency, they arrive at once
@@ -289,8 +405,8 @@ def served_tier(config, records: list[TraceRecord], prompts: list[list[int]], tr
                                        max_output=max_output, timeout=3600))
         ok = [r for r in rep.results if r.ok]
         tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-        good = sum(1 for r in ok if r.ttft <= slo.ttft_s and (r.output_tokens <= 1 or
-                                                               (r.e2e - r.ttft) / (r.output_tokens - 1) <= slo.tpot_s))
+        good = sum(1 for r in ok if slo.met(r.ttft, (r.e2e - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1
+                                             else None, r.input_tokens, r.output_tokens))
         return {"wall": rep.duration_s, "out": rep.total_output_tokens, "in": rep.total_input_tokens,
                 "ttft": [r.ttft for r in ok], "tpot": tpot, "e2e": [r.e2e for r in ok], "good": good,
                 "errors": rep.errors}

@@ -29,7 +29,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
 from engine.trace_record import TraceRecord
 from engine.variant import VariantSpec
-from ops.bench import capacity_search, own_rate
+from ops.bench import SLO, capacity_search, own_rate
 from ops.hardware import HardwareProfile
 from ops.model_spec import ModelSpec
 from ops.traces import TrafficProfile, percentile
@@ -199,7 +199,8 @@ def sim_prompts(records: list[TraceRecord], max_input: int | None) -> list[list[
 def simulate(model: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], v: VariantSpec,
              cal: Calibration = ROOFLINE, *, time_scale: float = 1.0, max_input: int | None = None,
              max_output: int | None = None, num_kv_blocks: int = 512, slo_ttft_s: float = 2.0,
-             slo_tpot_s: float = 0.2, steps_out: list | None = None) -> Prediction:
+             slo_tpot_s: float = 0.2, slo_ttft_per_token_s: float = 0.0, tpot_min_tokens: int = 8,
+             steps_out: list | None = None) -> Prediction:
     """Replays the records through the engine's own Scheduler and BlockManager (continuous batching, chunked
     prefill, prefix caching over prompts built as the slow tier builds them, preemption by recompute) on a
     simulated clock that advances by each step's modelled time. ``steps_out``, when given, receives every
@@ -258,9 +259,11 @@ def simulate(model: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], 
     tpot = [(end - first[s.request_id]) / (len(s.output_token_ids) - 1) for s, end in done
             if len(s.output_token_ids) > 1]
     out_tokens = sum(len(s.output_token_ids) for s, _ in done)
-    good = sum(1 for s, end in done if first[s.request_id] - arrival[s.request_id] <= slo_ttft_s
-               and (len(s.output_token_ids) <= 1
-                    or (end - first[s.request_id]) / (len(s.output_token_ids) - 1) <= slo_tpot_s))
+    slo = SLO(slo_ttft_s, slo_tpot_s, slo_ttft_per_token_s, tpot_min_tokens)
+    good = sum(1 for s, end in done if slo.met(
+        first[s.request_id] - arrival[s.request_id],
+        (end - first[s.request_id]) / (len(s.output_token_ids) - 1) if len(s.output_token_ids) > 1 else None,
+        len(s.prompt_token_ids), len(s.output_token_ids)))
     return Prediction(output_tok_s=out_tokens / wall, ttft_s=percentile(ttft, .5), tpot_s=percentile(tpot, .5),
                       total_tok_s=(out_tokens + in_tokens) / wall, ttft_p99=percentile(ttft, .99),
                       tpot_p99=percentile(tpot, .99), goodput=good / wall, wall_s=wall, steps=steps,

@@ -309,50 +309,74 @@ def _quantile(xs: list[float], q: float) -> float:
     return xs[i]
 
 
+class Searcher:
+    """The capacity search as a state machine, so that several arms can be probed in lockstep: ``rate`` is the
+    next rate to probe (None when done), ``record(probe)`` takes its result.
+
+    From ``start`` (the measured saturation throughput, or a prediction below it) the rate is multiplied or
+    divided by ``step`` until the fitted curve has a pass and a fail, then bisected (geometrically) until their
+    ratio is at most ``resolution``. ``floor``: the rate below which requests no longer overlap (no lower rate
+    can do better): failing there, the capacity is censored below it. ``ceiling``: the rate at which the window
+    arrives at once: passing there, censored above. A void probe (the load generator lagged) is repeated once;
+    ``max_probes`` spent ends the search "undecided" unless it has converged."""
+
+    def __init__(self, start: float, *, target: float = TARGET, resolution: float = 1.10, step: float = 2.0,
+                 max_probes: int = 8, floor: float = 0.0, ceiling: float = math.inf):
+        self.target, self.resolution, self.step, self.max_probes = target, resolution, step, max_probes
+        self.floor, self.ceiling = floor, ceiling
+        self.probes: list[Probe] = []
+        self.status = "undecided"
+        self.rate: float | None = min(max(start, floor, 1e-6), ceiling)
+        self._voids = 0
+
+    def record(self, p: Probe) -> None:
+        self.probes.append(p)
+        self.rate = self._next(p)
+        if self.rate is not None and len(self.probes) >= self.max_probes:
+            self.rate = None
+
+    def _next(self, p: Probe) -> float | None:
+        if p.verdict == "void":
+            self._voids += 1
+            return p.rate if self._voids < 2 else None
+        self._voids = 0
+        counted = [q for q in self.probes if q.verdict != "void"]
+        lo, hi = bracket(fit(counted), self.target)
+        if lo > 0 and hi < math.inf:
+            if hi / lo <= self.resolution * (1 + 1e-9):
+                self.status = "converged"
+                return None
+            rate = math.sqrt(lo * hi)
+        elif lo == 0.0:  # every rate so far failed: lower, down to where requests run alone
+            lowest = min(q.rate for q in counted)
+            if lowest <= self.floor * (1 + 1e-9):
+                self.status = "converged"  # fails even unloaded: censored below, found
+                return None
+            rate = max(lowest / self.step, self.floor)
+        else:  # every rate so far passed: higher, up to where the window arrives at once
+            highest = max(q.rate for q in counted)
+            if highest >= self.ceiling * (1 - 1e-9):
+                self.status = "converged"
+                return None
+            rate = min(highest * self.step, self.ceiling)
+        if any(abs(q.rate - rate) <= 1e-9 * rate for q in counted):
+            return None  # nothing new to probe
+        return rate
+
+    def capacity(self, saturation: float = 0.0, seed: int = 0) -> "Capacity":
+        return capacity_of(self.probes, self.target, status=self.status, saturation=saturation, seed=seed)
+
+
 def search_capacity(probe_at: Callable[[float], Probe], start: float, *, target: float = TARGET,
                     resolution: float = 1.10, step: float = 2.0, max_probes: int = 8, floor: float = 0.0,
                     ceiling: float = math.inf, deadline: Callable[[], bool] | None = None,
                     saturation: float = 0.0, seed: int = 0) -> Capacity:
-    """Brackets and bisects the capacity. From ``start`` (the measured saturation throughput, or a prediction
-    below it) the rate is multiplied or divided by ``step`` until the fitted curve has a pass and a fail, then
-    bisected (geometrically) until their ratio is at most ``resolution``. ``floor``: the rate below which
-    requests no longer overlap (no lower rate can do better): failing there, the capacity is censored below
-    it. ``ceiling``: the rate at which the window arrives at once: passing there, censored above. A void
-    probe (the load generator lagged) is repeated once; ``deadline()`` true or ``max_probes`` spent ends the
-    search "undecided" unless it has converged."""
-    probes: list[Probe] = []
-    rate = min(max(start, floor, 1e-6), ceiling)
-    status, voids = "undecided", 0
-    while len(probes) < max_probes and not (deadline and deadline()):
-        p = probe_at(rate)
-        probes.append(p)
-        if p.verdict == "void":
-            voids += 1
-            if voids >= 2:
-                break
-            continue
-        voids = 0
-        lo, hi = bracket(fit(probes), target)
-        if lo > 0 and hi < math.inf:
-            if hi / lo <= resolution * (1 + 1e-9):
-                status = "converged"
-                break
-            rate = math.sqrt(lo * hi)
-        elif lo == 0.0:  # every rate so far failed: lower, down to where requests run alone
-            lowest = min(p.rate for p in probes if p.verdict != "void")
-            if lowest <= floor * (1 + 1e-9):
-                status = "converged"  # fails even unloaded: censored below, found
-                break
-            rate = max(lowest / step, floor)
-        else:  # every rate so far passed: higher, up to where the window arrives at once
-            highest = max(p.rate for p in probes if p.verdict != "void")
-            if highest >= ceiling * (1 - 1e-9):
-                status = "converged"
-                break
-            rate = min(highest * step, ceiling)
-        if any(abs(q.rate - rate) <= 1e-9 * rate for q in probes if q.verdict != "void"):
-            break  # nothing new to probe
-    return capacity_of(probes, target, status=status, saturation=saturation, seed=seed)
+    """One arm's search (``Searcher``) run to its end, or until ``deadline()`` is true ("undecided")."""
+    s = Searcher(start, target=target, resolution=resolution, step=step, max_probes=max_probes, floor=floor,
+                 ceiling=ceiling)
+    while s.rate is not None and not (deadline and deadline()):
+        s.record(probe_at(s.rate))
+    return s.capacity(saturation, seed)
 
 
 # ---- comparisons and the decision ------------------------------------------------------------------------
@@ -582,6 +606,44 @@ class Judgement:
     @property
     def kept(self) -> bool:
         return self.chosen == self.baseline
+
+    def lines(self) -> list[str]:
+        """The judgement as a person reads it: per arm its capacity with its interval, saturation throughput, the
+        simulator's figures and every probe; each comparison with its interval, verdict and guards; the
+        out-of-sample check; the verdict."""
+        out = [f"judge ({self.seconds:.0f} s): {self.verdict}"]
+        for vid, a in self.arms.items():
+            cap = Capacity.from_json(a["capacity"]) if a.get("capacity") else None
+            sim = a.get("predicted")
+            err = f", error {abs(sim - cap.estimate) / cap.estimate:.0%}" if sim and cap and cap.estimate > 0 \
+                and not cap.censored else ""
+            out.append(f"  {a['name'][:40]}: capacity {cap.describe() if cap else '-'} from {cap.requests if cap else 0} "
+                       f"requests in {len(cap.probes) if cap else 0} probes; saturation {a.get('saturation', 0.0):.3f} "
+                       f"req/s" + (f"; predicted {sim:.3f} req/s by the simulator{err}" if sim else ""))
+            obs = a.get("observed_rate")
+            if obs:
+                head = f"{cap.estimate / obs:.2f}" if cap and cap.estimate > 0 else "-"
+                out.append(f"    at the traffic's rate {obs:.3f} req/s (headroom {head}x): simulated goodput " + ", ".join(
+                    f"{a.get(f'goodput_{k}x', 0.0):.2f} req/s (attainment {a.get(f'attainment_{k}x', 0.0):.2f}) at {k}x"
+                    for k in ("1", "1.5", "2")))
+            if a.get("capacity_gamma") is not None:
+                out.append(f"    robustness: gamma arrivals of CV {a.get('interarrival_cv', 0.0):.2f}, simulated "
+                           f"capacity {a['capacity_gamma']:.3f} req/s")
+            for p in (cap.probes if cap else []):
+                out.append(f"    probe {p.line()}, {p.warmup} warm-up, window #{p.window}")
+        for c in self.comparisons:
+            g = ", ".join(f"{k} {v:.2f}x" if isinstance(v, float) and not math.isnan(v) else f"{k} {v}"
+                          for k, v in c.guards.items() if not (isinstance(v, float) and math.isnan(v)))
+            out.append(f"  {c.name[:40]} / static-best: {c.line()}: {c.verdict}, p {c.p_value:.3f} "
+                       f"({'adopted' if c.adopted else 'not adopted'})" + (f"; guards: {g}" if g else "")
+                       + "".join(f"; {r}" for r in c.reasons))
+        if self.confirmation:
+            out.append(f"  out of sample: {self.confirmation.line()}")
+        if not math.isnan(self.simulator_error):
+            out.append(f"  simulator's capacity error against the replays: {self.simulator_error:.0%} "
+                       f"(target within 10%)")
+        out += [f"  note: {n}" for n in self.notes]
+        return out
 
     def headline(self) -> str:
         """The line every report prints: the ratio with its interval, the verdict, the capacities."""

@@ -27,7 +27,8 @@ from ops.traces import percentile
 
 # the SLO rule where none is given: multiples of a configuration's unloaded latency on the workload
 TTFT_FACTOR, TPOT_FACTOR = 5.0, 3.0
-RULE = f"TTFT <= {TTFT_FACTOR:g}x and TPOT <= {TPOT_FACTOR:g}x the unloaded p90s"
+RULE = (f"TTFT <= {TTFT_FACTOR:g}x the unloaded TTFT for the prompt's length and TPOT <= {TPOT_FACTOR:g}x the "
+        "unloaded p90")
 
 
 @dataclass(frozen=True)
@@ -89,9 +90,48 @@ def unloaded_latency(engine: LLMEngine, prompts: list[list[int]], output: int, n
     return percentile(ttft, .9), percentile(tpot, .9)
 
 
-def derive_slo(unloaded: tuple[float, float]) -> SLO:
-    """The stated rule: TTFT within TTFT_FACTOR times, and TPOT within TPOT_FACTOR times, the unloaded p90s."""
-    return SLO(ttft_s=TTFT_FACTOR * unloaded[0], tpot_s=TPOT_FACTOR * unloaded[1])
+def unloaded_points(engine: LLMEngine, prompts: list[list[int]], output: int, n: int = 4,
+                    tries: int = 2) -> list[tuple[int, float, float]]:
+    """(prompt tokens, TTFT, TPOT) of ``n`` requests each run alone, spread over the slice's prompt lengths, its
+    longest among them; each the fastest of ``tries`` runs (a moment of contention on a shared machine does not
+    loosen an SLO derived from them)."""
+    engine.generate([prompts[0][:16]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up, untimed
+    out = []
+    for p in spread_by_length(prompts, n):
+        best = (float("inf"), float("inf"))
+        for _ in range(max(1, tries)):
+            engine.block_manager.reset_prefix_cache()
+            t0 = time.perf_counter()
+            engine.add_request(p, SamplingParams(max_tokens=output, ignore_eos=True))
+            first = None
+            while engine.has_unfinished():
+                for o in engine.step():
+                    if first is None and o.token_ids:
+                        first = time.perf_counter()
+            end = time.perf_counter()
+            best = (min(best[0], first - t0), min(best[1], (end - first) / max(1, output - 1)))
+        out.append((len(p), best[0], best[1]))
+    return out
+
+
+def derive_slo(unloaded) -> SLO:
+    """The stated rule, from (TTFT p90, TPOT p90) or from ``unloaded_points``: TPOT within TPOT_FACTOR times the
+    unloaded p90 (judged for outputs of 8 tokens or more); TTFT within TTFT_FACTOR times the unloaded TTFT of a
+    prompt of its length: a line a + b x tokens through the points (least squares, b >= 0) raised until every
+    measured request lies on or below it, so each of them meets the target alone with the factor to spare.
+    Prompts of one length (within 1.5x) give a flat target."""
+    if isinstance(unloaded, tuple):
+        return SLO(ttft_s=TTFT_FACTOR * unloaded[0], tpot_s=TPOT_FACTOR * unloaded[1])
+    lengths = [float(x[0]) for x in unloaded]
+    ttfts = [x[1] for x in unloaded]
+    tpot = percentile([x[2] for x in unloaded], .9)
+    slope = 0.0
+    if len(set(lengths)) > 1 and max(lengths) >= 1.5 * min(lengths):
+        ml, mt = sum(lengths) / len(lengths), sum(ttfts) / len(ttfts)
+        var = sum((x - ml) ** 2 for x in lengths)
+        slope = max(0.0, sum((x - ml) * (y - mt) for x, y in zip(lengths, ttfts)) / var) if var else 0.0
+    base = max(y - slope * x for x, y in zip(lengths, ttfts))
+    return SLO(ttft_s=TTFT_FACTOR * base, tpot_s=TPOT_FACTOR * tpot, ttft_per_token_s=TTFT_FACTOR * slope)
 
 
 def candidates(device: str, hidden_size: int) -> list[VariantSpec]:

@@ -23,7 +23,7 @@ from ops.bench import BenchResult, fast_tier
 from ops.cost_model import (ROOFLINE, Calibration, CostModelPlan, calibrate, mape, plan, predict, predicted_capacity,
                              shapes_from_fast, simulate, spearman)
 from ops.hardware import HardwareProfile, probe
-from ops.optimize import Choice, choose
+from ops.optimize import Choice
 from ops.tune_report import TuneReport
 from ops.worker import FAST, SLOW, SearchConfig, Workbench, bench_from, reference_from, static_best_of, work
 
@@ -217,26 +217,20 @@ class Search:
         kind = "fp8" if fp8_gemm_supported(torch.device(self.cfg.device)) else "int8"
         return quantized_variant(self.baseline, kind, self.cfg.device, name=f"static-best + {kind} weights")
 
-    def gate_precision(self) -> dict | None:
-        """The quality and contamination gates for the precision candidate, where the slow tier measured it at
-        least as good as static-best (otherwise it cannot be chosen and its gate would decide nothing). The
-        verdict goes on the board; None when nothing was gated."""
-        quant = self.precision_candidate()
-        got = {v.variant_id: r.bench for r, v in self.results(SLOW)}
-        q, base = got.get(quant.variant_id) if quant else None, got.get(self.baseline.variant_id)
-        if q is None or base is None or q.get("capacity", 0.0) < base.get("capacity", 0.0) and \
-                q["output_tok_s"] <= base["output_tok_s"]:
-            return None
+    def gate(self, variant: VariantSpec) -> dict:
+        """The quality and contamination gates (checks/gates.py) for ``variant`` against static-best on the slow
+        tier's engine: the one place a search gates a choice. On synthetic weights (near-tied logits) the report's
+        figures are the numerical error only, not judged. The verdict goes on the board."""
         from checks.gates import gate_variant
 
-        report = gate_variant(self.bench.engine(SLOW, self.baseline), quant).to_json()
+        report = gate_variant(self.bench.engine(SLOW, self.baseline), variant).to_json()
         if not self.bench.real_text:  # random weights' logits are near ties: their error is reported, not judged
             report["verdict"] = "not judged"
             report["reasons"] = ["synthetic weights: the gates' figures are the numerical error only"] + \
                 report["reasons"]
-        self.board.post("gates", "note", {"search": self.id, "variant_id": quant.variant_id,
+        self.board.post("gates", "note", {"search": self.id, "variant_id": variant.variant_id,
                                           "verdict": report["verdict"], "reasons": report["reasons"]})
-        self.log(f"gates for {quant.name}: {report['verdict']}")
+        self.log(f"gates for {variant.name}: {report['verdict']}")
         return report
 
     def speculation_candidate(self) -> VariantSpec | None:
@@ -354,23 +348,121 @@ class Search:
             k: v for k, v in cost.items() if k != "points"}}, [r.id for r, _ in slow])
         return cost
 
-    def decide(self, excluded: dict[str, str] | None = None) -> tuple[Choice | None, dict]:
-        """Chooses among the slow-tier results; the decision, its reason and its result ids go on the board.
-        ``excluded``: variant id -> why it may not be chosen (a failed gate)."""
+    def judgement(self) -> "Judgement | None":
+        """The search's judgement, once ``judge`` has posted it on the board (by this process or another step)."""
+        from ops.judge import Judgement
+
+        for m in reversed(self.board.messages("note")):
+            if m["body"].get("search") == self.id and "judgement" in m["body"]:
+                return Judgement.from_json(m["body"]["judgement"])
+        return None
+
+    def judge(self, jcfg: "JudgeConfig | None" = None, excluded: dict[str, str] | None = None) -> "Judgement":
+        """The judge (ops/judge.py, measured by ops/paired.py): the slow tier's variants ranked by the simulator
+        (calibrated on each one's own replayed steps, over thousands of the trace's requests), the ``top`` best
+        replayed in lockstep with static-best on fresh windows of the trace, each one's capacity with its interval,
+        the decision (Holm, guards), the out-of-sample confirmation, and the simulator's figures beside the
+        measured ones: goodput at 1x, 1.5x and 2x the traffic's rate and the capacity under gamma arrivals of the
+        traffic's burstiness. Posted on the board; ``excluded``: variant id -> why it may not be chosen."""
+        from ops.paired import ArmRun, JudgeConfig, PairedJudge, Windows, run_judgement
+
+        jcfg = jcfg or (JudgeConfig.for_cpu() if self.cfg.device == "cpu" else JudgeConfig())
         excluded = excluded or {}
-        slow = [(r, v) for r, v in self.results(SLOW) if v.variant_id not in excluded]
+        slow = self.results(SLOW)
+        base = next(((r, v) for r, v in slow if v.variant_id == self.baseline.variant_id), None)
+        if base is None:
+            raise RuntimeError("no slow-tier measurement of static-best: nothing to judge against")
+        notes = [f"{v.name} excluded: {excluded[v.variant_id]}" for _, v in slow if v.variant_id in excluded]
+        layouts = [v for _, v in slow if v.tp * v.dp > 1]
+        if layouts:
+            notes.append("parallel layouts (" + ", ".join(v.name for v in layouts) + ") are measured served, "
+                         "one restart each, and judged on their served replay only: not compared in lockstep")
+        cands = [(r, v) for r, v in slow if v.variant_id != self.baseline.variant_id and v.variant_id not in excluded
+                 and v.tp * v.dp == 1]
+        cands.sort(key=lambda rv: rv[0].bench.get("capacity_predicted", 0.0), reverse=True)
+        picked = cands[:jcfg.top]
+        if len(cands) > len(picked):
+            notes.append("not compared (the simulator predicts less): " + ", ".join(
+                f"{v.name} ({r.bench.get('capacity_predicted', 0.0):.3f} req/s predicted)" for r, v in cands[len(picked):]))
+        arms = [ArmRun(v, predicted=r.bench.get("capacity_predicted", 0.0), saturation=r.bench.get("saturation", 0.0),
+                       samples=list(r.bench.get("step_samples", [])) + list(r.bench.get("saturation_samples", [])))
+                for r, v in [base] + picked]
+        latencies = {v.variant_id: (r.bench.get("ttfts", []), r.bench.get("tpots", [])) for r, v in [base] + picked}
+        windows = Windows(self.bench.stream, skip=len(self.bench.records))
+        pj = PairedJudge(lambda v: self.bench.engine(SLOW, v), self.bench.prompts_for, windows, self.cfg.slo,
+                         self.cfg.max_output, jcfg, log=self.log)
+        self.log(f"judge: static-best against {', '.join(v.name for _, v in picked) or 'no candidate'} in lockstep, "
+                 f"budget {jcfg.seconds:.0f} s")
+        j, caps = run_judgement(pj, arms[0], arms[1:], latencies)
+        j.notes = notes + j.notes
+        for a in arms:  # the simulator's volume beside the measured figures, calibrated on each arm's own steps
+            j.arms[a.variant.variant_id].update(self.simulated_figures(a.variant, a.samples, jcfg.simulated_requests))
+        self.board.post("judge", "note", {"search": self.id, "judgement": j.to_json(), "config": jcfg.to_json()},
+                        [r.id for r, _ in [base] + picked])
+        self.log("judge: " + j.headline())
+        return j
+
+    def observed_rate(self) -> float:
+        """The traffic's own rate as the slow tier replays it (req/s): the slice's rate over the time scale."""
+        from ops.bench import own_rate
+
+        scale = self.cfg.time_scale
+        return own_rate(self.bench.records) / scale if scale > 0 else math.inf
+
+    def simulated_figures(self, v: VariantSpec, samples: list, n: int) -> dict:
+        """The simulator's capacity, goodput and attainment at 1x, 1.5x and 2x the traffic's observed rate, and
+        the capacity with gamma arrivals of the traffic's fitted burstiness and its length distribution (the
+        robustness arm), over ``n`` requests, calibrated on ``samples`` (the variant's measured steps)."""
+        from ops.bench import own_rate
+        from ops.cost_model import synthetic_requests
+        from ops.traces import profile
+        from ops.worker import calibration_from
+
+        model, hw = self.model_spec, self.hardware
+        cal = calibration_from(model, hw, samples)
+        if cal is None:
+            return {}
+        recs = self.bench.sim_records(n)
+        sim = {k: x for k, x in self.cfg.sim.items() if k != "time_scale"}
+        out = {"simulated_requests": len(recs),
+               "capacity_simulated": predicted_capacity(model, hw, recs, v, cal, **self.cfg.sim)}
+        observed = self.observed_rate()
+        if math.isfinite(observed) and observed > 0:
+            for k in (1.0, 1.5, 2.0):
+                p = simulate(model, hw, recs, v, cal, time_scale=own_rate(recs) / (k * observed), **sim)
+                out[f"goodput_{k:g}x"] = p.goodput
+                out[f"attainment_{k:g}x"] = p.attainment
+            out["observed_rate"] = observed
+        gamma = synthetic_requests(profile(recs), n=len(recs), seed=1)
+        out["interarrival_cv"] = profile(recs).interarrival_cv
+        out["capacity_gamma"] = predicted_capacity(model, hw, gamma, v, cal, **self.cfg.sim)
+        return out
+
+    def decide(self, excluded: dict[str, str] | None = None, jcfg=None) -> tuple[Choice | None, dict]:
+        """The decision, from the judgement (``judge``, run now unless a step before posted it); the decision, its
+        reason and the result ids behind it go on the board. ``excluded``: variant id -> why it may not be
+        chosen (a failed gate)."""
+        excluded = excluded or {}
+        slow = self.results(SLOW)
         base = next(((r, v) for r, v in slow if v.variant_id == self.baseline.variant_id), None)
         if base is None:
             return None, {"reason": "no slow-tier measurement of the baseline; nothing chosen", "refs": [],
-                          "baseline": None, "chosen": None, "message_id": None}
-        cands = [(v, bench_from(r.bench)) for r, v in slow if v.variant_id != self.baseline.variant_id]
-        choice = choose(cands, (self.baseline, bench_from(base[0].bench)))
-        ids = {v.variant_id: r.id for r, v in slow}
-        refs = sorted({ids[self.baseline.variant_id], ids[choice.variant.variant_id]})
-        reason = choice.reason + "".join(f"; {vid} excluded: {why}" for vid, why in excluded.items())
-        decision = {"search": self.id, "reason": reason, "refs": refs, "variant_id": choice.variant.variant_id}
+                          "baseline": None, "chosen": None, "message_id": None, "judgement": None}
+        j = self.judgement()
+        if j is None:
+            j = self.judge(jcfg, excluded)
+        if j.chosen in excluded:  # chosen, then refused by a gate: nothing else was adopted in its place
+            j.reason = f"kept static-best: {by_name(slow, j.chosen)} was chosen ({j.reason}) but {excluded[j.chosen]}"
+            j.chosen = j.baseline
+        by_id = {v.variant_id: (r, v) for r, v in slow}
+        chosen_r, chosen_v = by_id.get(j.chosen, base)
+        refs = sorted({base[0].id, chosen_r.id} | {by_id[c.variant_id][0].id for c in j.comparisons
+                                                   if c.variant_id in by_id})
+        choice = Choice(chosen_v, bench_from(chosen_r.bench), bench_from(base[0].bench), j.reason)
+        decision = {"search": self.id, "reason": j.reason, "refs": refs, "variant_id": chosen_v.variant_id,
+                    "verdict": j.verdict}
         decision["message_id"] = self.board.post("tuner", "decision", decision, refs)
-        decision.update(baseline=base[0].bench, chosen=choice.result.to_json())
+        decision.update(baseline=base[0].bench, chosen=choice.result.to_json(), judgement=j.to_json())
         return choice, decision
 
     def rows(self) -> list[dict]:
@@ -383,7 +475,7 @@ class Search:
             r = results.get(e["id"])
             if r:
                 row.update(result_id=r.id, output_tok_s=r.bench["output_tok_s"], spread=r.bench["spread"],
-                           capacity=r.bench.get("capacity", 0.0) if e["tier"] == SLOW else fast_score(r.bench)[0],
+                           capacity=r.bench.get("capacity_predicted", 0.0) if e["tier"] == SLOW else fast_score(r.bench)[0],
                            capacity_spread=r.bench.get("capacity_spread", 0.0) if e["tier"] == SLOW else 0.0,
                            attainment=r.bench.get("attainment", 0.0) if e["tier"] == SLOW else fast_score(r.bench)[1])
                 spec = json.loads(e["variant"])
@@ -400,10 +492,15 @@ class Search:
         return sum(1 for m in self.board.messages("invalid_reply") if m["body"].get("search") == self.id)
 
 
+def by_name(results: list, variant_id: str) -> str:
+    return next((v.name for _, v in results if v.variant_id == variant_id), variant_id)
+
+
 def tune(cfg: SearchConfig, board_path: str | Path, agents: list[Agent] | None = None, budget: Budget = Budget(),
          slow_top: int = 2, per_agent: int = 1, hardware: HardwareProfile | None = None,
          baseline: VariantSpec | None = None, gate: bool = False, search: str | None = None,
-         log: Callable[[str], None] = _quiet, speculation: bool = True, precision: bool = True) -> TuneReport:
+         log: Callable[[str], None] = _quiet, speculation: bool = True, precision: bool = True,
+         jcfg=None) -> TuneReport:
     """Agents propose in rounds (``per_agent`` each, so that a small budget still hears every agent) and the
     fast tier measures until the budget's fast share is spent or nobody proposes anything new; then the slow tier measures the baseline and the best, and the
     decision is recorded. With ``speculation``, static-best with prompt-lookup speculation joins the slow tier
@@ -446,20 +543,23 @@ def tune(cfg: SearchConfig, board_path: str | Path, agents: list[Agent] | None =
         s.measure(SLOW)  # the speculation policy's second setting, chosen from the first one's acceptance
     log(f"slow tier: {len(s.results(SLOW))} measured")
     cost = s.cost_model_error(cal)
-    # on real weights the precision candidate is always gated; on synthetic ones only when gating was asked for
-    precision_gate = s.gate_precision() if precision and (gate or s.bench.real_text) else None
-    excluded = ({precision_gate["candidate_variant"]: "failed the quality gate (" + "; ".join(precision_gate["reasons"])
-                 + ")"} if precision_gate and precision_gate["verdict"] == "fail" else {})
-    choice, decision = s.decide(excluded)
-    chosen = choice.variant if choice else s.baseline
-    quality = precision_gate if precision_gate and chosen.variant_id == precision_gate["candidate_variant"] else None
-    if gate and chosen.variant_id != s.baseline.variant_id and quality is None:
-        from checks.gates import gate_variant
+    # the choice is gated after the judge chose it and it held out of sample; a precision form always on real
+    # weights, anything else with ``gate``; a failed gate keeps static-best. The judge gets what is left of the
+    # search's time (at least a minute: a decision needs its probes)
+    from ops.paired import JudgeConfig
 
-        report = gate_variant(s.bench.engine(SLOW, s.baseline), chosen)
-        quality = report.to_json()
-        s.board.post("gates", "note", {"search": s.id, "variant_id": chosen.variant_id,
-                                       "verdict": report.verdict, "reasons": report.reasons})
+    jcfg = jcfg or (JudgeConfig.for_cpu() if cfg.device == "cpu" else JudgeConfig())
+    jcfg = replace(jcfg, seconds=min(jcfg.seconds, max(60.0, deadline - time.time())))
+    choice, decision = s.decide(jcfg=jcfg)
+    chosen = choice.variant if choice else s.baseline
+    quality = None
+    if chosen.variant_id != s.baseline.variant_id and (gate or (chosen.weight_dtype != "auto" and s.bench.real_text)):
+        quality = s.gate(chosen)
+        if quality["verdict"] == "fail":
+            why = "failed the quality gate (" + "; ".join(quality["reasons"]) + ")"
+            choice, decision = s.decide({chosen.variant_id: why}, jcfg=jcfg)
+            decision["reason"] += f"; {chosen.variant_id} excluded: {why}"
+            chosen = choice.variant if choice else s.baseline
     report = TuneReport(search=s.id, board=str(board_path), config=s.cfg.to_json(), baseline=s.baseline.to_json(),
                         chosen=chosen.to_json(), decision=decision, rows=s.rows(), cost_model=cost,
                         invalid_replies=s.invalid_replies(), wall_s=time.time() - t0, budget=asdict(budget),

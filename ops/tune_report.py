@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ops.optimize import capacity_line
-from ops.worker import SLOW, bench_from
+from ops.worker import SLOW
 
 
 @dataclass
@@ -33,7 +32,8 @@ class TuneReport:
                  f"SLO: TTFT <= {1e3 * self.config['slo_ttft_s']:.0f} ms, TPOT <= {1e3 * self.config['slo_tpot_s']:.0f} "
                  f"ms for 90% of requests ({self.config.get('slo_source', 'given')})",
                  f"{'id':>3} {'tier':4} {'proposer':14} {'variant':34} {'tok/s':>8} {'spread':>7} {'capacity':>9} "
-                 f"{'spread':>7} {'attain':>6} {'result':>6}  status   (fast tier: the cost model's implied capacity)"]
+                 f"{'spread':>7} {'attain':>6} {'result':>6}  status   (capacity: the simulator's prediction; the judge's "
+                 "measured capacities follow)"]
         for r in self.rows:
             lines.append(f"{r['experiment']:>3} {r['tier']:4} {r['proposer'][:14]:14} {r['name'][:34]:34} "
                          f"{r.get('output_tok_s', float('nan')):8.1f} {r.get('spread', float('nan')):7.2f} "
@@ -43,7 +43,7 @@ class TuneReport:
                          and "capacity" in r), None)
         for r in self.rows:
             if r.get("weight_dtype", "auto") != "auto" and r["tier"] == SLOW and "capacity" in r and base_row:
-                lines.append(f"    precision: {r['name']}: capacity {r['capacity']:.3f} vs static-best "
+                lines.append(f"    precision: {r['name']}: capacity {r['capacity']:.3f} (predicted) vs static-best "
                              f"{base_row['capacity']:.3f} req/s, output {r['output_tok_s']:.1f} vs "
                              f"{base_row['output_tok_s']:.1f} tok/s ({r['output_tok_s'] / base_row['output_tok_s']:.2f}x)")
         for r in self.rows:
@@ -66,8 +66,14 @@ class TuneReport:
                   f"decision: {self.decision['reason']}",
                   f"  rests on results {self.decision['refs']} (board message {self.decision['message_id']})"]
         b, c = self.decision["baseline"], self.decision["chosen"]
-        if c:
-            lines.append(capacity_line(bench_from(c), bench_from(b)))
+        j = self.decision.get("judgement")
+        if j:
+            from ops.judge import Judgement
+
+            judged = Judgement.from_json(j)
+            lines += judged.lines()
+            lines.append(judged.headline())
+        if c and b:
             lines.append(f"  output tok/s {c['output_tok_s']:.2f} / {b['output_tok_s']:.2f} = "
                          f"{c['output_tok_s'] / b['output_tok_s']:.2f}x (spreads {c['spread']:.2f}, {b['spread']:.2f}); "
                          f"SLO attainment at the traffic's own rate {c['attainment']:.2f} / {b['attainment']:.2f}")

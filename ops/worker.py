@@ -50,10 +50,13 @@ class SearchConfig:
     slow_layers: int | None = None  # None: the whole model
     fast_repeats: int = 3
     slow_repeats: int = 3
-    capacity_probes: int = 6  # rates the slow tier's capacity search may replay the slice at (0: no search)
+    # rates a quick capacity search of each slow-tier variant may replay the slice at (0: none; the decision's
+    # capacities are the judge's own, ops/paired.py)
+    capacity_probes: int = 0
     num_kv_blocks: int = 512
     slo_ttft_s: float | None = None  # None: derived from static-best's unloaded latency (Search.start)
     slo_tpot_s: float | None = None
+    slo_ttft_per_token_s: float = 0.0  # the TTFT target's growth per prompt token (derived SLOs)
     slo_source: str = "given"  # or how it was derived
     lenient: bool = False
     # devices a parallel layout may span (GPUs; on a CPU, process groups sharing its cores). Above 1 the search
@@ -73,7 +76,12 @@ class SearchConfig:
     def sim(self) -> dict:
         """Keyword arguments that make the cost model's simulation replay what the slow tier replays."""
         return {"time_scale": self.time_scale, "max_input": self.max_input, "max_output": self.max_output,
-                "num_kv_blocks": self.num_kv_blocks, "slo_ttft_s": self.slo_ttft_s, "slo_tpot_s": self.slo_tpot_s}
+                "num_kv_blocks": self.num_kv_blocks, "slo_ttft_s": self.slo_ttft_s, "slo_tpot_s": self.slo_tpot_s,
+                "slo_ttft_per_token_s": self.slo_ttft_per_token_s}
+
+    @property
+    def slo(self) -> SLO:
+        return SLO(self.slo_ttft_s, self.slo_tpot_s, self.slo_ttft_per_token_s)
 
 
 def static_best_of(cfg: SearchConfig) -> VariantSpec:
@@ -101,7 +109,9 @@ class Workbench:
     reference: tuple | None = None
 
     def __post_init__(self) -> None:
-        self.records = load_trace(self.cfg.trace, lenient=self.cfg.lenient)[: self.cfg.requests]
+        # the whole trace: the slow tier replays its first ``requests``; the judge's windows follow (ops/paired.py)
+        self.stream = load_trace(self.cfg.trace, lenient=self.cfg.lenient)
+        self.records = self.stream[: self.cfg.requests]
         if not self.records:
             raise ValueError(f"trace {self.cfg.trace} has no requests")
         self.traffic = profile(self.records)
@@ -114,11 +124,13 @@ class Workbench:
         ``baseline`` (default: static-best), which then holds for every experiment this workbench measures."""
         c = self.cfg
         if c.slo_ttft_s is None or c.slo_tpot_s is None:
-            from ops.static_best import RULE, derive_slo, unloaded_latency
+            from ops.static_best import RULE, derive_slo, unloaded_points
 
             eng = self.engine(SLOW, baseline or static_best_of(c))
-            slo = derive_slo(unloaded_latency(eng, self.prompts(eng.model_config.vocab_size), c.max_output))
+            slo = derive_slo(unloaded_points(eng, self.prompts(eng.model_config.vocab_size), c.max_output))
+            given = c.slo_ttft_s is not None
             self.cfg = dataclasses.replace(c, slo_ttft_s=c.slo_ttft_s or slo.ttft_s, slo_tpot_s=c.slo_tpot_s or slo.tpot_s,
+                                           slo_ttft_per_token_s=0.0 if given else slo.ttft_per_token_s,
                                            slo_source=f"derived: {RULE} of static-best on this slice")
         return self.cfg
 
@@ -155,6 +167,17 @@ class Workbench:
                                                corpus=corpus_for(self.cfg.trace) if tok else None)
         return self._prompts
 
+    def prompts_for(self, records: list[TraceRecord], seed: int) -> list[list[int]]:
+        """Token ids for another window of the trace, as ``prompts`` makes them for the slice (real text where
+        the model has a tokenizer); ``seed`` keeps windows apart."""
+        source = resolve(self.cfg.model)
+        vocab = load_config(source).vocab_size
+        tok = self._loaded.get("tokenizer")
+        if tok is None and self.real_text:
+            tok = self._loaded["tokenizer"] = Tokenizer(source.tokenizer_path)
+        return synthesize_prompts(records, vocab, max_input=self.cfg.max_input, tokenizer=tok, seed=seed,
+                                  corpus=corpus_for(self.cfg.trace) if tok else None)
+
     def spec_for(self, tier: str):
         key = ("spec", tier)
         if key not in self._loaded:
@@ -171,7 +194,7 @@ class Workbench:
             vocab = load_config(resolve(c.model)).vocab_size
             return served_tier(self.engine_config(SLOW, variant), self.records, self.prompts(vocab),
                                f"{c.trace}[:{len(self.records)}]", repeats=c.slow_repeats, time_scale=c.time_scale,
-                               max_output=c.max_output, slo=SLO(c.slo_ttft_s, c.slo_tpot_s),
+                               max_output=c.max_output, slo=c.slo,
                                capacity_guess=self.capacity_guess(variant) if c.capacity_probes > 0 else None,
                                capacity_probes=c.capacity_probes).to_json()
         eng = self.engine(tier, variant)
@@ -195,10 +218,28 @@ class Workbench:
             return out
         res = slow_tier(eng, self.records, self.prompts(eng.model_config.vocab_size),
                         f"{c.trace}[:{len(self.records)}]", repeats=c.slow_repeats, time_scale=c.time_scale,
-                        max_output=c.max_output, slo=SLO(c.slo_ttft_s, c.slo_tpot_s),
+                        max_output=c.max_output, slo=c.slo,
                         capacity_guess=self.capacity_guess(variant) if c.capacity_probes > 0 else None,
-                        capacity_probes=c.capacity_probes)
+                        capacity_probes=c.capacity_probes, saturation_of=True)
+        # calibrated on its own steps, from a few sequences (the slice's own rate) to full batches (at once)
+        res.capacity_predicted = self.simulated_capacity(variant, res.step_samples + res.saturation_samples)
         return res.to_json()
+
+    def sim_records(self, n: int = 1000) -> list[TraceRecord]:
+        """The requests the simulator replays: ``n`` of the trace's search part from the slice's start (the
+        held-out part stays unseen: ops/paired.Windows)."""
+        from ops.paired import Windows
+
+        lo, hi = Windows(self.stream).bounds("search")
+        return self.stream[lo:min(hi, lo + n)] or self.records
+
+    def simulated_capacity(self, variant: VariantSpec, samples: list, n: int = 1000) -> float:
+        """The simulator's capacity of ``variant`` over ``n`` requests of the search part, calibrated on its own
+        measured steps (``samples``: [new tokens, KV tokens, sequences, attended pairs, seconds] per step)."""
+        cal = calibration_from(self.spec_for(SLOW), self.hardware, samples)
+        if cal is None:
+            return 0.0
+        return predicted_capacity(self.spec_for(SLOW), self.hardware, self.sim_records(n), variant, cal, **self.cfg.sim)
 
     def capacity_guess(self, variant: VariantSpec) -> float:
         """Where the slow tier's capacity search starts: the calibrated cost model's prediction once the full
@@ -287,6 +328,17 @@ def _summary(r: dict) -> str:
         return (f"capacity {cap:.3f} req/s (bracket {r.get('capacity_spread', 0.0):.3f}), "
                 f"{r.get('output_tok_s', 0.0):.1f} tok/s, attainment {r.get('attainment', 0.0):.2f}")
     return f"{r.get('output_tok_s', 0.0):.1f} decode tok/s"
+
+
+def calibration_from(model, hw, samples: list) -> Calibration | None:
+    """The cost model fitted to a replay's own steps (sums over four steps: an engine that runs a step ahead
+    spends one step's time in the call before), or None with too few of them."""
+    from ops.cost_model import StepShape
+
+    shapes = [(StepShape(int(a), int(b), int(c), int(d)), t) for a, b, c, d, t in samples if t > 0]
+    if len(shapes) < 8:
+        return None
+    return calibrate(model, hw, shapes, window=4)
 
 
 def bench_from(d: dict) -> BenchResult:

@@ -1,0 +1,255 @@
+"""The judge's measurements: static-best and candidates replayed in lockstep on the same disjoint windows of the
+traffic, the simulator's volume beside them, and the out-of-sample confirmation (the rules are ops/judge.py's).
+
+The traffic a search tunes on is split in two parts by arrival order: the **search part** (its first
+``SearchConfig.requests`` requests are the slow tier's slice; the judge's windows follow them) and the
+**held-out part** (its last third), which the search never replays: the confirmation and the live
+verification after a swap draw their windows from there. A part too short for the windows asked of it is
+replayed again from its start (its arrivals shifted), and the judgement says so.
+
+Each rate probe takes the next window of the search part; every arm probes the same window at its own rate in
+the same round (A B C, A B C, ...), so the arms see the same requests and arrivals and any drift of the machine
+falls on all of them alike. Within one round the window is as long as the longest probe needs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine.sampling_params import SamplingParams
+from engine.trace_record import TraceRecord
+from engine.variant import VariantSpec
+from ops import judge
+from ops.bench import SLO, own_rate, probe, saturation
+
+
+@dataclass(frozen=True)
+class JudgeConfig:
+    """How much the judge replays. The defaults suit a GPU; ``for_cpu`` the 2-core development machine."""
+
+    first_look: int = 40  # counted requests at a probe's first look (then 2x, 4x, ... up to ``cap``)
+    cap: int = 320  # most counted requests of one probe
+    steady: float = 10.0  # a probe's counted requests span at least this many unloaded service times
+    warmup: float = 2.0  # requests arriving within this many unloaded service times are not counted
+    resolution: float = 1.10  # the bracket the search bisects to
+    max_probes: int = 6  # per arm
+    saturation_requests: int = 32  # the window replayed at once for the saturation throughput
+    confirm_requests: int = 80  # counted requests of each arm in the held-out confirmation
+    seconds: float = 600.0  # the whole judgement's budget (searches, confirmation); probes end at it
+    top: int = 2  # candidates compared with static-best (the simulator's best predicted)
+    simulated_requests: int = 2000  # requests of the search part the simulator replays per variant
+    allow_trade: bool = False  # latency at the traffic's own rate may be traded for capacity (named in the report)
+
+    @classmethod
+    def for_cpu(cls, **kw) -> "JudgeConfig":
+        return cls(**{**dict(first_look=20, cap=60, steady=8.0, saturation_requests=16, confirm_requests=24,
+                             seconds=150.0, top=1, simulated_requests=1000), **kw})
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Windows:
+    """Disjoint windows of a trace's search and held-out parts (see the module's docstring)."""
+
+    records: list[TraceRecord]
+    skip: int = 0  # the slow tier's slice at the start of the search part
+    held_fraction: float = 1 / 3
+    cursor: dict = field(default_factory=dict)
+    wrapped: set = field(default_factory=set)
+
+    def bounds(self, part: str) -> tuple[int, int]:
+        n = len(self.records)
+        split = max(1, min(n - 1, round(n * (1 - self.held_fraction)))) if n > 1 else n
+        return (min(self.skip, max(0, split - 1)), split) if part == "search" else (split, n)
+
+    def take(self, part: str, n: int) -> tuple[int, list[TraceRecord]]:
+        """The next ``n`` requests of ``part`` (arrival times kept; replayed from the part's start, shifted, when
+        it runs out), and the index of the first."""
+        lo, hi = self.bounds(part)
+        if hi <= lo:
+            lo, hi = 0, len(self.records)
+        at = self.cursor.get(part, lo)
+        out: list[TraceRecord] = []
+        first = at
+        shift = 0.0
+        while len(out) < n:
+            if at >= hi:
+                self.wrapped.add(part)
+                span = self.records[hi - 1].arrival_s - self.records[lo].arrival_s
+                gap = span / max(1, hi - lo - 1) if hi - lo > 1 else 1.0
+                shift += span + gap
+                at = lo
+            r = self.records[at]
+            out.append(dataclasses.replace(r, arrival_s=r.arrival_s + shift) if shift else r)
+            at += 1
+        self.cursor[part] = at
+        return first, out
+
+
+@dataclass
+class ArmRun:
+    """One variant as the judge runs it: how to make its engine active, and what has been measured of it."""
+
+    variant: VariantSpec
+    predicted: float = 0.0  # simulator's capacity, req/s (0: none)
+    saturation: float = 0.0
+    samples: list = field(default_factory=list)  # step samples of every replay, for the simulator's calibration
+
+
+def _service_time(slo: SLO, prompt: int, output: int) -> float:
+    """An unloaded request's service time, from the SLO it was derived with (an upper bound: the SLO's targets
+    are multiples of static-best's unloaded latency)."""
+    from ops.static_best import TPOT_FACTOR, TTFT_FACTOR
+
+    return slo.ttft_limit(prompt) / TTFT_FACTOR + max(0, output - 1) * slo.tpot_s / TPOT_FACTOR
+
+
+class PairedJudge:
+    """Measures arms in lockstep with one engine that hot-swaps between them (``activate``), and decides.
+
+    ``prompts_for(records, seed)``: token ids for a window's requests (real text where the model has a tokenizer).
+    ``activate(variant)``: the engine with ``variant`` active (weights are not reloaded)."""
+
+    def __init__(self, activate: Callable[[VariantSpec], object], prompts_for: Callable[[list, int], list],
+                 windows: Windows, slo: SLO, max_output: int | None, cfg: JudgeConfig,
+                 log: Callable[[str], None] = lambda m: None):
+        self.activate, self.prompts_for, self.windows = activate, prompts_for, windows
+        self.slo, self.max_output, self.cfg, self.log = slo, max_output, cfg, log
+        self._prompts: dict = {}
+        self.deadline = math.inf
+        self._active: str | None = None
+
+    def _engine(self, v: VariantSpec):
+        eng = self.activate(v)
+        if self._active != v.variant_id:  # a swapped-in form's first steps are not timed
+            eng.generate([[100 + i for i in range(8)]], SamplingParams(max_tokens=2, ignore_eos=True))
+            self._active = v.variant_id
+        return eng
+
+    def _window(self, part: str, n: int) -> tuple[int, list, list]:
+        idx, recs = self.windows.take(part, n)
+        key = (part, idx, n)
+        if key not in self._prompts:
+            self._prompts[key] = self.prompts_for(recs, idx)
+        return idx, recs, self._prompts[key]
+
+    def _plan(self, rate: float, typical: float) -> tuple[int, list[int]]:
+        """(warm-up requests, looks) of a probe at ``rate``: the warm-up spans ``warmup`` service times, the
+        first look ``steady`` of them (at least ``first_look`` requests), the last the cap."""
+        c = self.cfg
+        warm = max(2, math.ceil(rate * c.warmup * typical))
+        first = min(c.cap, max(c.first_look, math.ceil(rate * c.steady * typical)))
+        return warm, judge.looks(first, c.cap)
+
+    def typical_service(self, records: list[TraceRecord]) -> float:
+        out = [r.output_tokens if self.max_output is None else min(r.output_tokens, self.max_output) for r in records]
+        pr = sorted(r.input_tokens for r in records)[len(records) // 2]
+        return _service_time(self.slo, pr, sorted(out)[len(out) // 2])
+
+    def measure_saturation(self, arms: list[ArmRun]) -> int:
+        """Every arm's saturation throughput on one window (the same requests at once)."""
+        idx, recs, prompts = self._window("search", self.cfg.saturation_requests)
+        for a in arms:
+            a.saturation, samples = saturation(self._engine(a.variant), recs, prompts, self.max_output, self.slo)
+            a.samples += samples
+            self.log(f"judge: {a.variant.name}: saturation {a.saturation:.3f} req/s ({len(recs)} requests at once)")
+        return idx
+
+    def search(self, arms: list[ArmRun], sim_error: float = math.nan) -> dict[str, judge.Capacity]:
+        """Each arm's capacity: the judge's search (``judge.searcher``) for every arm, probed round by round on
+        shared windows. An arm starts at its saturation throughput, or below it at the simulator's prediction
+        with a first step of twice the simulator's measured error (at least 15%) instead of doubling."""
+        typical = self.typical_service(self.windows.take("search", 0)[1] or self.windows.records[:32])
+        searches: dict[str, judge.Searcher] = {}
+        for a in arms:
+            sat = a.saturation or 1.0
+            start, step = sat, 2.0
+            if a.predicted > 0:  # start just below the prediction, bracket it by the simulator's typical error
+                start = min(sat, 0.95 * a.predicted)
+                err = sim_error if not math.isnan(sim_error) else 0.075
+                step = max(1.15, 1 + 2 * err)
+            floor = sat / (5 * max(1, a.variant.max_num_seqs))  # requests rarely overlap below this
+            searches[a.variant.variant_id] = judge.Searcher(start, step=step, floor=floor, ceiling=4 * sat,
+                                                            resolution=self.cfg.resolution,
+                                                            max_probes=self.cfg.max_probes)
+        by_id = {a.variant.variant_id: a for a in arms}
+        while time.perf_counter() < self.deadline:
+            pending = {vid: s.rate for vid, s in searches.items() if s.rate is not None}
+            if not pending:
+                break
+            plans = {vid: self._plan(rate, typical) for vid, rate in pending.items()}
+            need = max(w + plan[-1] for w, plan in plans.values())
+            idx, recs, prompts = self._window("search", need)
+            for vid, rate in pending.items():
+                if time.perf_counter() >= self.deadline:
+                    break
+                warm, plan = plans[vid]
+                n = warm + plan[-1]
+                p, samples = probe(self._engine(by_id[vid].variant), recs[:n], prompts[:n], rate, self.slo, warm,
+                                   plan, self.max_output, window=idx, deadline=self.deadline)
+                p.arm = vid
+                by_id[vid].samples += samples
+                self.log(f"judge: {by_id[vid].variant.name}: probe {p.line()}, {p.seconds:.0f} s")
+                searches[vid].record(p)
+        return {vid: s.capacity(by_id[vid].saturation) for vid, s in searches.items()}
+
+    def confirm(self, base: ArmRun, cand: ArmRun, caps: dict[str, judge.Capacity]) -> judge.Confirmation:
+        """The choice and static-best on a window of the held-out part, at a rate between their capacities."""
+        n = self.cfg.confirm_requests
+        rate = judge.confirm_rate(caps[cand.variant.variant_id], caps[base.variant.variant_id])
+        typical = self.typical_service(self.windows.take("held", 0)[1] or self.windows.records[-32:])
+        warm = max(2, math.ceil(rate * self.cfg.warmup * typical))
+        idx, recs, prompts = self._window("held", warm + n)
+        arms = {"base": base, "cand": cand}
+
+        def replay(which: str, r: float) -> judge.Probe:
+            a = arms[which]
+            p, samples = probe(self._engine(a.variant), recs, prompts, r, self.slo, warm, [n], self.max_output,
+                               window=idx, deadline=max(self.deadline, time.perf_counter() + 120))
+            a.samples += samples
+            p.arm = a.variant.variant_id
+            self.log(f"judge: held-out {a.variant.name}: {p.line()}")
+            return p
+        return judge.confirm(replay, caps[cand.variant.variant_id], caps[base.variant.variant_id])
+
+
+def run_judgement(pj: PairedJudge, base: ArmRun, cands: list[ArmRun], latencies: dict[str, tuple[list, list]],
+                  sim_error_prior: float = math.nan) -> tuple[judge.Judgement, dict[str, judge.Capacity]]:
+    """Saturation, the lockstep search, the decision (``judge.decide``) and, when it chose a candidate, the
+    out-of-sample confirmation, which refuses a choice that does not hold. ``latencies``: variant id ->
+    (TTFT, TPOT) per request of its replay at the traffic's own rate (the same requests for every arm)."""
+    t0 = time.perf_counter()
+    pj.deadline = t0 + pj.cfg.seconds
+    arms = [base] + cands
+    if not all(a.saturation > 0 for a in arms):  # the slow tier measures it on the slice, the same for every arm
+        pj.measure_saturation(arms)
+    caps = pj.search(arms, sim_error_prior)
+
+    def arm(a: ArmRun) -> judge.Arm:
+        ttft, tpot = latencies.get(a.variant.variant_id, ([], []))
+        return judge.Arm(a.variant.variant_id, a.variant.name, caps[a.variant.variant_id], a.saturation, ttft, tpot,
+                         a.predicted)
+    j = judge.decide(arm(base), [arm(c) for c in cands], allow_trade=pj.cfg.allow_trade)
+    errs = [abs(a.predicted - caps[a.variant.variant_id].estimate) / caps[a.variant.variant_id].estimate
+            for a in arms if a.predicted > 0 and not caps[a.variant.variant_id].censored
+            and caps[a.variant.variant_id].estimate > 0]
+    j.simulator_error = max(errs) if errs else math.nan
+    if not j.kept:
+        chosen = next(c for c in cands if c.variant.variant_id == j.chosen)
+        conf = pj.confirm(base, chosen, caps)
+        j.confirmation = conf
+        if not conf.holds:
+            j.notes.append(f"{chosen.variant.name} did not hold on the held-out window: {conf.line()}")
+            j.reason = f"kept static-best: {chosen.variant.name} was better on the search's windows " \
+                       f"({j.comparison(j.chosen).line()}) but did not hold on a window it did not see"
+            j.chosen = j.baseline
+    if pj.windows.wrapped:
+        j.notes.append("the trace was too short for disjoint windows: its "
+                       + " and ".join(sorted(pj.windows.wrapped)) + " part was replayed again (arrivals shifted)")
+    j.seconds = time.perf_counter() - t0
+    return j, caps
