@@ -54,7 +54,7 @@ def _table(rows: list[dict]) -> dg.MetadataValue:
         schema=dg.TableSchema(columns=[dg.TableColumn(c, types[c]) for c in cols]))
 
 
-def _plots(context, artifacts: ArtifactStore, search, results: list, cost: dict) -> dict:
+def _plots(context, artifacts: ArtifactStore, search, results: list, cost: dict, judged=None) -> dict:
     """The slow tier's figures as PNGs: written to the artifacts (beside the build) and embedded in the
     asset's metadata as images; returns the metadata entries (the CLI prints the paths)."""
     from ops.plots import attainment_vs_rate, predicted_vs_measured, throughput_vs_tpot
@@ -62,7 +62,10 @@ def _plots(context, artifacts: ArtifactStore, search, results: list, cost: dict)
     pngs = {
         "throughput vs TPOT": throughput_vs_tpot([(v.name, r.output_tok_s, 1e3 * r.tpot_p50) for v, r in results],
                                                  1e3 * search.cfg.slo_tpot_s),
-        "SLO attainment vs rate": attainment_vs_rate([(v.name, r.rate_probes) for v, r in results]),
+        "SLO attainment vs rate": attainment_vs_rate([
+            (v.name, [[p.rate, p.attainment] for p in (judged.capacity(v.variant_id).probes
+                                                        if judged and judged.capacity(v.variant_id) else [])
+                      if p.verdict != "void"]) for v, r in results]),
         "cost model vs measured": predicted_vs_measured([(p["name"], p["calibrated"], p["measured"])
                                                          for p in cost.get("points", [])]),
     }
@@ -210,7 +213,9 @@ def fast_bench_results(context: dg.AssetExecutionContext, variant_candidates: li
 
 @dg.asset(partitions_def=DEPLOYMENTS, group_name="measure", kinds={"pytorch"},
           description="Slow tier: the trace slice replayed through the full model for the baseline and the best "
-                      "fast-tier variants.",
+                      "fast-tier variants; then the judge: static-best and the simulator's best candidates replayed "
+                      "in lockstep on fresh windows of the trace, capacities with 95% intervals, the verdict and "
+                      "its out-of-sample confirmation.",
           op_tags={"polyinf/tier": "slow", **GPU_OP_TAGS})
 def slow_bench_results(context: dg.AssetExecutionContext, fast_bench_results: list, hardware_profile,
                        source: VariantSource, runner: EngineRunner, traffic: TrafficSource,
@@ -223,28 +228,70 @@ def slow_bench_results(context: dg.AssetExecutionContext, fast_bench_results: li
     extra = [v.name for v in chosen[source.slow_top + 1:]]
     context.log.info(f"slow tier: {len(chosen)} variants queued (static-best, the fast tier's best"
                      f"{''.join(', ' + n for n in extra)}), the full "
-                     f"model; SLO TTFT <= {1e3 * search.cfg.slo_ttft_s:.0f} ms, TPOT <= "
-                     f"{1e3 * search.cfg.slo_tpot_s:.0f} ms ({search.cfg.slo_source})")
+                     f"model; SLO {search.cfg.slo.describe()} ({search.cfg.slo_source})")
     stats = search.measure(SLOW)
     context.log.info(f"slow tier: {stats.evaluated} measured, {stats.failed} failed in {stats.seconds:.0f} s")
     results = search.benches(SLOW, chosen)
     cost = search.cost_model_error(search.known_calibration() or search.calibration())
+    # the judge: static-best and the simulator's best candidates replayed in lockstep on fresh windows of the
+    # trace, each capacity with its interval, the decision and its out-of-sample confirmation (ops/paired.py)
+    judged = search.judgement() or search.judge(source.judge_config(runner.device))
+    for line in judged.lines():
+        context.log.info(line)
+
+    def cap_cell(v) -> dict:
+        c = judged.capacity(v.variant_id)
+        comp = judged.comparison(v.variant_id)
+        if c is None:
+            return {"capacity req/s": None, "capacity low": None, "capacity high": None, "judged": "not compared"}
+        return {"capacity req/s": round(c.estimate, 3), "capacity low": round(c.low, 3),
+                "capacity high": None if c.high == float("inf") else round(c.high, 3),
+                "judged": (c.censored and f"censored {c.censored}") or (comp.verdict if comp else "baseline"),
+                "probes": len(c.probes), "requests": c.requests}
     context.add_output_metadata({
-        "SLO": f"TTFT <= {1e3 * search.cfg.slo_ttft_s:.0f} ms, TPOT <= {1e3 * search.cfg.slo_tpot_s:.0f} ms for 90% "
-               f"of requests ({search.cfg.slo_source})",
-        "results": _table([{"variant": v.name, "capacity req/s": round(r.capacity, 3),
-                               "capacity spread": round(r.capacity_spread, 3), "attainment": round(r.attainment, 2),
-                               "output tok/s": round(r.output_tok_s, 1), "spread": round(r.spread, 1),
-                               "TTFT p50/p99 ms": f"{1e3 * r.ttft_p50:.0f}/{1e3 * r.ttft_p99:.0f}",
-                               "TPOT p50/p99 ms": f"{1e3 * r.tpot_p50:.1f}/{1e3 * r.tpot_p99:.1f}",
-                               "speculation accepted": (f"{r.spec_acceptance:.0%}, {r.spec_accepted_length:.2f} tokens "
-                                                        "per draft" if r.spec_accepted_length else "-")}
-                              for v, r in results]),
-        **_plots(context, artifacts, search, results, cost),
+        "SLO": f"{search.cfg.slo.describe()} ({search.cfg.slo_source})",
+        "results": _table([{"variant": v.name, **cap_cell(v),
+                            "predicted req/s": round(r.capacity_predicted, 3),
+                            "saturation req/s": round(r.saturation, 3), "attainment": round(r.attainment, 2),
+                            "output tok/s": round(r.output_tok_s, 1), "spread": round(r.spread, 1),
+                            "TTFT p50/p99 ms": f"{1e3 * r.ttft_p50:.0f}/{1e3 * r.ttft_p99:.0f}",
+                            "TPOT p50/p99 ms": f"{1e3 * r.tpot_p50:.1f}/{1e3 * r.tpot_p99:.1f}",
+                            "speculation accepted": (f"{r.spec_acceptance:.0%}, {r.spec_accepted_length:.2f} tokens "
+                                                     "per draft" if r.spec_accepted_length else "-")}
+                           for v, r in results]),
+        "judgement": dg.MetadataValue.md("```\n" + "\n".join(judged.lines()) + "\n```"),
+        **judgement_metadata(judged),
+        **_plots(context, artifacts, search, results, cost, judged),
         "cost model MAPE": dg.MetadataValue.float(float(cost["mape_calibrated"])),
         "Spearman fast vs slow": dg.MetadataValue.float(float(cost["spearman_fast_tier"])),
     })
     return results
+
+
+def judgement_metadata(j) -> dict:
+    """The judgement's figures as numeric metadata, which the Dagster UI plots across runs: the capacity ratio
+    and its bounds (of the choice, or of the closest candidate when static-best was kept), each arm's capacity
+    and bounds, static-best's, the out-of-sample difference, the simulator's error, and the verdict."""
+    import math
+
+    def num(x) -> dg.MetadataValue:
+        return dg.MetadataValue.float(float(x) if x is not None and math.isfinite(x) else float("nan"))
+    out = {"verdict": dg.MetadataValue.text(j.verdict), "chosen": dg.MetadataValue.text(j.chosen),
+           "kept static-best": dg.MetadataValue.bool(j.kept)}
+    shown = j.comparison(j.chosen) if not j.kept else max(j.comparisons, key=lambda c: c.low, default=None)
+    if shown is not None:
+        out.update({"capacity ratio": num(shown.ratio), "capacity ratio low": num(shown.low),
+                    "capacity ratio high": num(shown.high)})
+    for vid, role in ((j.baseline, "static-best"), (shown.variant_id if shown else None, "candidate")):
+        c = j.capacity(vid) if vid else None
+        if c is not None:
+            out.update({f"{role} capacity": num(c.estimate), f"{role} capacity low": num(c.low),
+                        f"{role} capacity high": num(c.high), f"{role} saturation": num(c.saturation)})
+    if j.confirmation:
+        out.update({"held-out attainment difference": num(j.confirmation.diff),
+                    "held-out difference low": num(j.confirmation.low)})
+    out["simulator capacity error"] = num(j.simulator_error)
+    return out
 
 
 @dg.asset(partitions_def=DEPLOYMENTS, group_name="ship", kinds={"json"},
@@ -252,26 +299,30 @@ def slow_bench_results(context: dg.AssetExecutionContext, fast_bench_results: li
 def engine_build(context: dg.AssetExecutionContext, slow_bench_results: list, traffic_profile, model_spec,
                  hardware_profile, artifacts: ArtifactStore, source: VariantSource, runner: EngineRunner,
                  traffic: TrafficSource):
-    from ops.optimize import EngineBuild, capacity_line, choose
+    from ops.judge import Judgement
+    from ops.optimize import EngineBuild
 
     runner = for_deployment(context, runner)
 
     search = source.search(context, runner, traffic, hardware_profile)  # the measured profile, not a new probe
-    decided, decision = search.decide()  # the decision, its reason and its result ids, on the board
-    choice = decided or choose(slow_bench_results[1:], slow_bench_results[0])
+    choice, decision = search.decide(jcfg=source.judge_config(runner.device))  # the judge's, one place
+    if choice is None:
+        raise dg.Failure(decision["reason"])
+    judged = Judgement.from_json(decision["judgement"])
     build = EngineBuild(variant=choice.variant, source_hash=choice.variant.variant_id,
                         bench=choice.result.to_json(), baseline_bench=choice.baseline.to_json(), reason=choice.reason,
                         traffic_profile=traffic_profile.to_json(), model_weights_hash=model_spec.weights_hash,
+                        judgement=decision["judgement"],
                         provenance={"run_id": context.run.run_id, "variant_source": "agents on the board",
                                     "board": masked(source.board), "search": search.id,
                                     "decision_message": decision.get("message_id"),
-                                    "slo_source": search.cfg.slo_source,
+                                    "slo_source": search.cfg.slo_source, "slo": search.cfg.slo.describe(),
                                     "result_ids": decision.get("refs", [])})
     path = artifacts.put(f"builds/{build.source_hash}.json", json.dumps(build.to_json(), indent=2))
     context.log.info(f"decision: {choice.reason}")
-    context.log.info(capacity_line(choice.result, choice.baseline))
+    context.log.info(judged.headline())
     context.add_output_metadata({"chosen variant": choice.variant.variant_id, "name": choice.variant.name,
-                                 "capacity": capacity_line(choice.result, choice.baseline),
+                                 "capacity": judged.headline(), **judgement_metadata(judged),
                                  "why": dg.MetadataValue.md(choice.reason), "artifact": path})
     return build
 
@@ -331,23 +382,30 @@ def engine_build_gates(context: dg.AssetCheckExecutionContext, engine_build,
 @dg.asset(partitions_def=DEPLOYMENTS, group_name="ship", kinds={"fastapi"},
           description="The build hot-swapped into the serving endpoint, watched, and rolled back on regression.")
 def deployed_endpoint(context: dg.AssetExecutionContext, engine_build, runner: EngineRunner, endpoint: Endpoint,
-                      artifacts: ArtifactStore):
+                      artifacts: ArtifactStore, traffic: TrafficSource):
     import time
     from pathlib import Path
 
-    from ops.deploy import deploy
+    from ops.bench import SLO, own_rate
+    from ops.deploy import LiveWindows, deploy
     from ops.drift import DeploymentRecord, capture_position, hardware_identity
-    from ops.replay import synthesize_prompts
+    from ops.judge import Judgement
+    from ops.paired import live_windows
 
     runner, endpoint = for_deployment(context, runner, endpoint)
     url, token = endpoint.connect(runner, capture_dir=str(Path(artifacts.root) / "capture"))
-    records = [type("R", (), {"input_tokens": 16 + 4 * i, "prefix_block_hashes": (), "block_tokens": 0})()
-               for i in range(endpoint.watch_requests)]
-    probes = synthesize_prompts(records, 1000, seed=7)
-    spread = engine_build.bench.get("spread", 0.0) / max(1.0, engine_build.bench.get("output_tok_s", 1.0)) * \
-        engine_build.bench.get("tpot_p50", 0.0)
-    dep = deploy(url, token, endpoint.served_model_name, engine_build.variant, probes,
-                 max_tokens=endpoint.watch_max_tokens, tolerance=endpoint.tolerance, spread=spread)
+    # verified on the decision's own metric: SLO attainment of two windows of the traffic's held-out part at the
+    # traffic's own rate, one before the swap and one after it, beside what the simulator predicted there
+    base = engine_build.baseline_bench
+    slo = SLO(base["slo_ttft_s"], base["slo_tpot_s"], base.get("slo_ttft_per_token_s", 0.0))
+    before, after = live_windows(traffic.trace_file(), runner.model, traffic.max_requests, endpoint.watch_requests,
+                                 traffic.max_input, traffic.lenient)
+    rate = own_rate(traffic.records()) / traffic.time_scale if traffic.time_scale > 0 else own_rate(before[0])
+    arms = Judgement.from_json(engine_build.judgement).arms if engine_build.judgement else {}
+    pred = [arms.get(vid, {}).get("attainment_1x", float("nan"))
+            for vid in (base["variant_id"], engine_build.variant.variant_id)]
+    live = LiveWindows(before, after, rate, slo, traffic.max_output, predicted_before=pred[0], predicted_after=pred[1])
+    dep = deploy(url, token, endpoint.served_model_name, engine_build.variant, live)
     if dep.status in ("deployed", "kept"):  # what the drift sensors compare live traffic, model and hardware against
         capture_dir = endpoint.capture_dir or str(Path(artifacts.root) / "capture")
         record = DeploymentRecord(endpoint=url, variant_id=dep.build_id, traffic_profile=engine_build.traffic_profile,

@@ -68,10 +68,10 @@ class TrafficSource(dg.ConfigurableResource):
     capture_dir: str = ""  # an endpoint's capture directory, read instead of ``trace``
     capture_from: int = 0  # capture positions [capture_from, capture_until) (see ops.drift.read_capture)
     capture_until: int | None = None  # None: up to the newest record
-    max_requests: int = 16  # a trace file's first records; a capture's newest
-    max_input: int = 128  # clip prompt lengths to what the machine can replay in time
-    max_output: int = 16
-    time_scale: float = 0.02
+    max_requests: int = 16  # a trace file's first records; a capture's newest (the slow tier's slice)
+    max_input: int = 64  # clip prompt lengths to what the machine can replay in time
+    max_output: int = 8
+    time_scale: float = 1.0  # the trace's own arrival times: its rate is the traffic's observed rate
     lenient: bool = False  # count and skip malformed rows instead of failing on the first
 
     def records(self) -> list:
@@ -98,14 +98,16 @@ class TrafficSource(dg.ConfigurableResource):
                 "capture positions": f"[{self.capture_from}, {until})", "window": window}
 
     def trace_file(self) -> str:
-        """A trace file holding what ``records()`` returns, for the benchmark workers (which load a file by
-        path): the trace itself, or the capture slice written beside the capture, named by its content."""
+        """A trace file for the benchmark workers (which load a file by path): the trace itself, or the capture's
+        range written beside the capture, named by its content, in arrival order: the slow tier replays its first
+        ``max_requests``, the judge's windows and its held-out part come from the rest (ops/paired.py)."""
         if not self.capture_dir:
             return self.trace
         import hashlib
         import json
 
-        text = "".join(json.dumps(r.to_json(), separators=(",", ":")) + "\n" for r in self.records())
+        recs = list(self.capture().records)  # in arrival order: the slow tier replays the first, the judge the rest
+        text = "".join(json.dumps(r.to_json(), separators=(",", ":")) + "\n" for r in recs)
         path = Path(self.capture_dir) / "slices" / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.jsonl"
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -136,6 +138,25 @@ class VariantSource(dg.ConfigurableResource):
     llm_base_url: str = ""
     llm_model: str = "polyinf"
     llm_api_key: str = ""  # env_secret("OPENAI_API_KEY")
+    # the judge (ops/paired.JudgeConfig): its time budget (0: the device's default, 150 s on a CPU, 600 s on a
+    # GPU), the candidates it replays against static-best, and whether latency at the traffic's own rate may be
+    # traded for capacity (the report then names the trade)
+    judge_seconds: float = 0.0
+    judge_top: int = 0  # 0: the device's default (1 on a CPU, 2 on a GPU)
+    allow_latency_trade: bool = False
+
+    def judge_config(self, device: str):
+        from ops.paired import JudgeConfig
+
+        base = JudgeConfig.for_cpu() if device == "cpu" else JudgeConfig()
+        kw = {"allow_trade": self.allow_latency_trade}
+        if self.judge_seconds > 0:
+            kw["seconds"] = self.judge_seconds
+        if self.judge_top > 0:
+            kw["top"] = self.judge_top
+        import dataclasses
+
+        return dataclasses.replace(base, **kw)
 
     def board_url(self) -> str:
         """What the board is opened with: ``board`` with ``board_password`` put into a Postgres URL (the URL
@@ -234,9 +255,8 @@ class Endpoint(dg.ConfigurableResource):
     # where the deployed build is recorded for the sensors; empty: deployments/current.json under the artifacts' root
     deployment_record: str = ""
     served_model_name: str = "polyinf"
-    watch_requests: int = 8
-    watch_max_tokens: int = 8
-    tolerance: float = 0.25
+    # requests in each of the two windows of held-out traffic a deployment is verified on (before and after)
+    watch_requests: int = 24
 
     def connect(self, runner: EngineRunner, capture_dir: str | None = None) -> tuple[str, str]:
         if self.url:

@@ -249,14 +249,13 @@ def probe(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[int]
     status = r["status"][warmup:]
     if decided:
         n, verdict = decided[-1]
-    else:  # the deadline came first: the longest prefix of known requests, undecided
-        n = 0
-        while n < len(status) and status[n] is not None:
-            n += 1
-        verdict = "undecided"
+    else:  # the deadline came first: undecided, with what is known
+        n, verdict = len(status), "undecided"
+    # the first n counted requests (all known at a look; at a futility stop or the deadline, the known ones)
+    outcomes = [int(s) for s in status[:n] if s is not None]
     span = r["wall"]
     p = Probe(rate=rate, achieved=r["done"] / span if span > 0 else 0.0,
-              outcomes=[int(bool(s)) for s in status[:n]], warmup=warmup, window=window,
+              outcomes=outcomes, warmup=warmup, window=window,
               lag_s=max(r["lag"], default=0.0), verdict=verdict, seconds=time.perf_counter() - t)
     return p, r["samples"]
 

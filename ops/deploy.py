@@ -1,8 +1,8 @@
 """Deploying a build to a running `polyinf serve` through its admin API, watching it, rolling back.
 
-Embedded mode starts the server on loopback. After the hot swap, live metrics are watched for a
-window while probe traffic runs; if the time per output token regresses beyond the allowed
-margin against the window measured before the swap, the deployment is rolled back and says so.
+Embedded mode starts the server on loopback. Before the hot swap a window of the deployment's traffic
+is replayed against it, after the swap another: if SLO attainment (the metric the decision rested on)
+is significantly worse after than before, the deployment is rolled back and says so.
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -85,64 +84,74 @@ class Deployment:
         return asdict(self)
 
 
-def _histogram(text: str, name: str) -> tuple[float, float]:
-    s = c = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "_sum"):
-            s += float(line.rsplit(" ", 1)[1])
-        elif line.startswith(name + "_count"):
-            c += float(line.rsplit(" ", 1)[1])
-    return s, c
+@dataclass
+class LiveWindows:
+    """The traffic a deployment is verified on: two disjoint windows of the deployment's traffic (the judge's
+    held-out part), replayed over HTTP with their arrival pattern at ``rate`` req/s, the first before the swap
+    and the second after it; each request meets ``slo`` or not (the decision's own metric)."""
+
+    before: tuple[list, list[list[int]]]  # (TraceRecords, prompts)
+    after: tuple[list, list[list[int]]]
+    rate: float
+    slo: object  # ops.bench.SLO
+    max_output: int | None = None
+    max_lag_s: float = 0.05  # a window whose load generator lagged more than this is void, not a verdict
+    predicted_before: float = float("nan")  # the simulator's attainment of the serving and of the new form there
+    predicted_after: float = float("nan")
 
 
-def _window(url: str, model: str, probes: list[list[int]], max_tokens: int, concurrency: int) -> dict:
-    """Runs probe traffic and returns the mean inter-token latency and TTFT it produced, from /metrics."""
-    before = httpx.get(url + "/metrics", timeout=10).text
+def _live_window(url: str, model: str, records: list, prompts: list[list[int]], rate: float, slo,
+                 max_output: int | None) -> tuple[list[bool], float, int]:
+    """(met the SLO per request, the load generator's worst send lag, requests failed)."""
+    import asyncio
 
-    def one(p):
-        r = httpx.post(url + "/v1/completions", timeout=300, json={"model": model, "prompt": p, "max_tokens": max_tokens,
-                                                                   "temperature": 0, "ignore_eos": True})
-        r.raise_for_status()
+    from ops.bench import own_rate
+    from ops.replay import replay_async
 
-    t = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        list(pool.map(one, probes))
-    wall = time.perf_counter() - t
-    after = httpx.get(url + "/metrics", timeout=10).text
-    (s0, c0), (s1, c1) = _histogram(before, "vllm:inter_token_latency_seconds"), \
-        _histogram(after, "vllm:inter_token_latency_seconds")
-    (t0, n0), (t1, n1) = _histogram(before, "vllm:time_to_first_token_seconds"), \
-        _histogram(after, "vllm:time_to_first_token_seconds")
-    return {"itl_mean_s": (s1 - s0) / max(1.0, c1 - c0), "ttft_mean_s": (t1 - t0) / max(1.0, n1 - n0),
-            "requests": len(probes), "wall_s": wall}
+    scale = own_rate(records) / rate if rate > 0 else 0.0
+    rep = asyncio.run(replay_async(records, prompts, url + "/v1", model, time_scale=scale, max_output=max_output,
+                                   timeout=600))
+    met = [r.ok and slo.met(r.ttft, (r.e2e - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else None,
+                            r.input_tokens, r.output_tokens) for r in rep.results]
+    return met, max((r.lag for r in rep.results), default=0.0), rep.failed
 
 
-def deploy(url: str, token: str, model: str, variant: VariantSpec, probes: list[list[int]], max_tokens: int = 8,
-           concurrency: int = 4, tolerance: float = 0.25, spread: float = 0.0) -> Deployment:
-    """Hot-swaps ``variant`` in, watches a window of probe traffic, rolls back on regression.
-
-    Regression: mean inter-token latency after > before x (1 + tolerance) + spread (seconds).
-    """
+def deploy(url: str, token: str, model: str, variant: VariantSpec, live: LiveWindows) -> Deployment:
+    """Hot-swaps ``variant`` in and verifies it on the decision's own metric: SLO attainment of the traffic's
+    windows before and after the swap, compared with Newcombe's interval (ops/judge.verify_live); significantly
+    worse rolls back. A window whose load generator lagged is void and the swap stays (said so)."""
     auth = {"Authorization": f"Bearer {token}"}
     current = httpx.get(url + "/admin/variant", headers=auth, timeout=10).json()["active"]["variant_id"]
     if current == variant.variant_id:
         return Deployment(url, current, None, time.time(), "kept",
                           f"the endpoint already serves {current} ({variant.name}): nothing deployed")
-    live_before = _window(url, model, probes, max_tokens, concurrency)
+    return _deploy_judged(url, auth, model, variant, current, live)
+
+
+def _deploy_judged(url: str, auth: dict, model: str, variant: VariantSpec, current: str,
+                   live: LiveWindows) -> Deployment:
+    from ops.judge import verify_live
+
+    before, lag_b, failed_b = _live_window(url, model, *live.before, live.rate, live.slo, live.max_output)
     r = httpx.post(url + "/admin/variant", headers=auth, json=variant.to_json(), timeout=600)
     if r.status_code != 200:
         return Deployment(url, current, current, time.time(), "refused",
                           f"the server refused the variant: {r.json().get('error', {}).get('message', r.text)}",
-                          live_before)
-    live_after = _window(url, model, probes, max_tokens, concurrency)
-    limit = live_before["itl_mean_s"] * (1 + tolerance) + spread
-    if live_after["itl_mean_s"] > limit:
+                          {"attainment": sum(before) / max(1, len(before)), "requests": len(before)})
+    after, lag_a, failed_a = _live_window(url, model, *live.after, live.rate, live.slo, live.max_output)
+    check = verify_live(before, after, live.predicted_before, live.predicted_after)
+    figures = ({"attainment": sum(before) / max(1, len(before)), "requests": len(before), "lag_s": lag_b,
+                "failed": failed_b, "predicted": live.predicted_before},
+               {"attainment": sum(after) / max(1, len(after)), "requests": len(after), "lag_s": lag_a,
+                "failed": failed_a, "predicted": live.predicted_after, "check": check.to_json()})
+    at = f" at {live.rate:.3f} req/s"
+    if max(lag_b, lag_a) > live.max_lag_s:
+        return Deployment(url, variant.variant_id, current, time.time(), "deployed",
+                          f"{check.line()}{at}; void: the load generator lagged {1e3 * max(lag_b, lag_a):.0f} ms behind "
+                          "its schedule, so the windows say nothing about the engine (kept the swap)", *figures)
+    if check.worse:
         httpx.post(url + "/admin/rollback", headers=auth, timeout=600).raise_for_status()
         return Deployment(url, current, variant.variant_id, time.time(), "rolled back",
-                          f"live inter-token latency regressed: {1e3 * live_after['itl_mean_s']:.1f} ms after vs "
-                          f"{1e3 * live_before['itl_mean_s']:.1f} ms before (limit {1e3 * limit:.1f} ms); "
-                          f"rolled back to {current}", live_before, live_after)
+                          f"{check.line()}{at}: significantly worse; rolled back to {current}", *figures)
     return Deployment(url, variant.variant_id, current, time.time(), "deployed",
-                      f"live inter-token latency {1e3 * live_after['itl_mean_s']:.1f} ms vs "
-                      f"{1e3 * live_before['itl_mean_s']:.1f} ms before (limit {1e3 * limit:.1f} ms)",
-                      live_before, live_after)
+                      f"{check.line()}{at}: not significantly worse", *figures)

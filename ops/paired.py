@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -37,6 +38,7 @@ class JudgeConfig:
     resolution: float = 1.10  # the bracket the search bisects to
     max_probes: int = 6  # per arm
     saturation_requests: int = 32  # the window replayed at once for the saturation throughput
+    saturation_rounds: int = 3  # paired rounds of it (the guard needs every round lower to refuse)
     confirm_requests: int = 80  # counted requests of each arm in the held-out confirmation
     seconds: float = 600.0  # the whole judgement's budget (searches, confirmation); probes end at it
     top: int = 2  # candidates compared with static-best (the simulator's best predicted)
@@ -45,7 +47,7 @@ class JudgeConfig:
 
     @classmethod
     def for_cpu(cls, **kw) -> "JudgeConfig":
-        return cls(**{**dict(first_look=20, cap=60, steady=8.0, saturation_requests=16, confirm_requests=24,
+        return cls(**{**dict(first_look=20, cap=60, steady=8.0, saturation_requests=16, confirm_requests=40,
                              seconds=150.0, top=1, simulated_requests=1000), **kw})
 
     def to_json(self) -> dict:
@@ -99,6 +101,7 @@ class ArmRun:
     predicted: float = 0.0  # simulator's capacity, req/s (0: none)
     saturation: float = 0.0
     samples: list = field(default_factory=list)  # step samples of every replay, for the simulator's calibration
+    rounds: list = field(default_factory=list)  # saturation throughput per paired round
 
 
 def _service_time(slo: SLO, prompt: int, output: int) -> float:
@@ -152,12 +155,18 @@ class PairedJudge:
         return _service_time(self.slo, pr, sorted(out)[len(out) // 2])
 
     def measure_saturation(self, arms: list[ArmRun]) -> int:
-        """Every arm's saturation throughput on one window (the same requests at once)."""
+        """Every arm's saturation throughput: one window's requests at once, in ``saturation_rounds`` paired
+        rounds (the arms' order alternated), the median kept and every round's figure for the guard."""
         idx, recs, prompts = self._window("search", self.cfg.saturation_requests)
+        for k in range(max(1, self.cfg.saturation_rounds)):
+            for a in (arms if k % 2 == 0 else arms[::-1]):
+                sat, samples = saturation(self._engine(a.variant), recs, prompts, self.max_output, self.slo)
+                a.rounds.append(sat)
+                a.samples += samples
         for a in arms:
-            a.saturation, samples = saturation(self._engine(a.variant), recs, prompts, self.max_output, self.slo)
-            a.samples += samples
-            self.log(f"judge: {a.variant.name}: saturation {a.saturation:.3f} req/s ({len(recs)} requests at once)")
+            a.saturation = statistics.median(a.rounds)
+            self.log(f"judge: {a.variant.name}: saturation {a.saturation:.3f} req/s ({len(recs)} requests at once; "
+                     "rounds " + ", ".join(f"{x:.2f}" for x in a.rounds) + ")")
         return idx
 
     def search(self, arms: list[ArmRun], sim_error: float = math.nan) -> dict[str, judge.Capacity]:
@@ -199,18 +208,21 @@ class PairedJudge:
         return {vid: s.capacity(by_id[vid].saturation) for vid, s in searches.items()}
 
     def confirm(self, base: ArmRun, cand: ArmRun, caps: dict[str, judge.Capacity]) -> judge.Confirmation:
-        """The choice and static-best on a window of the held-out part, at a rate between their capacities."""
+        """The choice and static-best on windows of the held-out part (``judge.confirm``): at each rate a fresh
+        window, replayed by both."""
         n = self.cfg.confirm_requests
-        rate = judge.confirm_rate(caps[cand.variant.variant_id], caps[base.variant.variant_id])
         typical = self.typical_service(self.windows.take("held", 0)[1] or self.windows.records[-32:])
-        warm = max(2, math.ceil(rate * self.cfg.warmup * typical))
-        idx, recs, prompts = self._window("held", warm + n)
         arms = {"base": base, "cand": cand}
+        current: dict = {}
 
         def replay(which: str, r: float) -> judge.Probe:
+            if current.get("rate") != r:  # a new rate: a new window, for both arms
+                warm = max(2, math.ceil(r * self.cfg.warmup * typical))
+                current.update(rate=r, warm=warm, window=self._window("held", warm + n))
+            idx, recs, prompts = current["window"]
             a = arms[which]
-            p, samples = probe(self._engine(a.variant), recs, prompts, r, self.slo, warm, [n], self.max_output,
-                               window=idx, deadline=max(self.deadline, time.perf_counter() + 120))
+            p, samples = probe(self._engine(a.variant), recs, prompts, r, self.slo, current["warm"], [n],
+                               self.max_output, window=idx, deadline=max(self.deadline, time.perf_counter() + 120))
             a.samples += samples
             p.arm = a.variant.variant_id
             self.log(f"judge: held-out {a.variant.name}: {p.line()}")
@@ -226,14 +238,13 @@ def run_judgement(pj: PairedJudge, base: ArmRun, cands: list[ArmRun], latencies:
     t0 = time.perf_counter()
     pj.deadline = t0 + pj.cfg.seconds
     arms = [base] + cands
-    if not all(a.saturation > 0 for a in arms):  # the slow tier measures it on the slice, the same for every arm
-        pj.measure_saturation(arms)
+    pj.measure_saturation(arms)
     caps = pj.search(arms, sim_error_prior)
 
     def arm(a: ArmRun) -> judge.Arm:
         ttft, tpot = latencies.get(a.variant.variant_id, ([], []))
         return judge.Arm(a.variant.variant_id, a.variant.name, caps[a.variant.variant_id], a.saturation, ttft, tpot,
-                         a.predicted)
+                         a.predicted, list(a.rounds))
     j = judge.decide(arm(base), [arm(c) for c in cands], allow_trade=pj.cfg.allow_trade)
     errs = [abs(a.predicted - caps[a.variant.variant_id].estimate) / caps[a.variant.variant_id].estimate
             for a in arms if a.predicted > 0 and not caps[a.variant.variant_id].censored
@@ -244,12 +255,40 @@ def run_judgement(pj: PairedJudge, base: ArmRun, cands: list[ArmRun], latencies:
         conf = pj.confirm(base, chosen, caps)
         j.confirmation = conf
         if not conf.holds:
-            j.notes.append(f"{chosen.variant.name} did not hold on the held-out window: {conf.line()}")
+            j.notes.append(f"{chosen.variant.name} did not hold on held-out traffic")
             j.reason = f"kept static-best: {chosen.variant.name} was better on the search's windows " \
-                       f"({j.comparison(j.chosen).line()}) but did not hold on a window it did not see"
+                       f"({j.comparison(j.chosen).line()}) but did not hold on traffic the search did not see"
             j.chosen = j.baseline
+            j.verdict = "no detectable difference"
     if pj.windows.wrapped:
         j.notes.append("the trace was too short for disjoint windows: its "
                        + " and ".join(sorted(pj.windows.wrapped)) + " part was replayed again (arrivals shifted)")
     j.seconds = time.perf_counter() - t0
     return j, caps
+
+
+def live_windows(trace: str, model: str, skip: int, n: int, max_input: int | None, lenient: bool = False,
+                 seed: int = 7) -> tuple[tuple[list, list], tuple[list, list]]:
+    """Two disjoint windows of ``n`` requests from the end of the trace's held-out part (the confirmation takes
+    its start), with their prompts (real text where the model has a tokenizer): the live traffic a deployment is
+    verified on before and after its swap (ops/deploy.LiveWindows)."""
+    from engine import resolve
+    from engine.loader import load_config
+    from engine.tokenizer import Tokenizer
+    from ops.corpus import corpus_for
+    from ops.replay import synthesize_prompts
+    from ops.traces import load_trace
+
+    records = load_trace(trace, lenient=lenient)
+    w = Windows(records, skip=skip)
+    lo, hi = w.bounds("held")
+    w.cursor["held"] = max(lo, hi - 2 * n)
+    source = resolve(model)
+    tok = Tokenizer(source.tokenizer_path) if source.tokenizer_path and source.kind != "synthetic" else None
+    vocab = load_config(source).vocab_size
+    out = []
+    for k in range(2):
+        idx, recs = w.take("held", n)
+        out.append((recs, synthesize_prompts(recs, vocab, max_input=max_input, tokenizer=tok, seed=seed + idx,
+                                             corpus=corpus_for(trace) if tok else None)))
+    return out[0], out[1]

@@ -31,6 +31,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     error: str = ""
     text: str = ""
+    lag: float = 0.0  # seconds the load generator sent it after its scheduled time
 
 
 @dataclass
@@ -155,14 +156,19 @@ async def replay_async(records: list[TraceRecord], prompts: list[list[int]], bas
     start = time.perf_counter()
 
     async def fire(r: TraceRecord, p: list[int]) -> RequestResult:
-        delay = (r.arrival_s - t0) * time_scale - (time.perf_counter() - start)
+        due = (r.arrival_s - t0) * time_scale
+        delay = due - (time.perf_counter() - start)
         if delay > 0:
             await asyncio.sleep(delay)
         out = r.output_tokens if max_output is None else min(r.output_tokens, max_output)
+        lag = max(0.0, time.perf_counter() - start - due)
         if sem is None:
-            return await _one(client, model, p, max(1, out))
-        async with sem:
-            return await _one(client, model, p, max(1, out))
+            res = await _one(client, model, p, max(1, out))
+        else:
+            async with sem:
+                res = await _one(client, model, p, max(1, out))
+        res.lag = lag
+        return res
 
     results = await asyncio.gather(*(fire(r, p) for r, p in zip(records, prompts)))
     duration = time.perf_counter() - start

@@ -384,7 +384,7 @@ class Search:
         if len(cands) > len(picked):
             notes.append("not compared (the simulator predicts less): " + ", ".join(
                 f"{v.name} ({r.bench.get('capacity_predicted', 0.0):.3f} req/s predicted)" for r, v in cands[len(picked):]))
-        arms = [ArmRun(v, predicted=r.bench.get("capacity_predicted", 0.0), saturation=r.bench.get("saturation", 0.0),
+        arms = [ArmRun(v, predicted=r.bench.get("capacity_predicted", 0.0),
                        samples=list(r.bench.get("step_samples", [])) + list(r.bench.get("saturation_samples", [])))
                 for r, v in [base] + picked]
         latencies = {v.variant_id: (r.bench.get("ttfts", []), r.bench.get("tpots", [])) for r, v in [base] + picked}

@@ -77,11 +77,12 @@ class Services:
                                                 s3_prefix=f"{self.s3_prefix}/io")}
 
 
-def resources(model: str = "smollm2", trace: str | None = None, requests: int = 16, max_input: int = 128,
-              max_output: int = 16, time_scale: float = 0.02, candidates: int = 4, device: str = "cpu",
+def resources(model: str = "smollm2", trace: str | None = None, requests: int = 16, max_input: int = 64,
+              max_output: int = 8, time_scale: float = 1.0, candidates: int = 4, device: str = "cpu",
               dtype: str = "float32", fast_layers: int = 4, artifacts: str = ".polyinf/artifacts",
               endpoint_url: str = "", llm_base_url: str = "", llm_model: str = "polyinf",
-              speculation: bool = False, precision: bool = True, services: Services = Services()) -> dict:
+              speculation: bool = False, precision: bool = True, services: Services = Services(),
+              judge_seconds: float = 0.0, judge_top: int = 0, allow_latency_trade: bool = False) -> dict:
     """Every resource the graph uses. Secrets (the endpoint's admin token, the LLM key, the board's password,
     S3 credentials) come from the environment through dg.EnvVar; the trace defaults to $POLYINF_TRACE, else
     the shipped Azure slice. ``services``: the shared services, off by default (one machine)."""
@@ -95,7 +96,8 @@ def resources(model: str = "smollm2", trace: str | None = None, requests: int = 
                                 board_password=env_secret("POLYINF_BOARD_PASSWORD"),
                                 llm_base_url=llm_base_url, llm_model=llm_model,
                                 llm_api_key=env_secret("OPENAI_API_KEY"), speculation=speculation,
-                                precision=precision),
+                                precision=precision, judge_seconds=judge_seconds, judge_top=judge_top,
+                                allow_latency_trade=allow_latency_trade),
         "artifacts": ArtifactStore(root=artifacts, s3_bucket=services.s3_bucket, s3_prefix=services.s3_prefix,
                                    s3_endpoint_url=services.s3_endpoint_url, s3_region=services.s3_region,
                                    aws_access_key_id=env_secret("AWS_ACCESS_KEY_ID"),
@@ -129,7 +131,8 @@ def run_optimize(model: str, trace: str, requests: int, max_input: int, max_outp
                  candidates: int, device: str = "cpu", dtype: str = "float32", fast_layers: int = 4,
                  artifacts: str = ".polyinf/artifacts", endpoint_url: str = "", admin_token: str = "",
                  llm_base_url: str = "", llm_model: str = "polyinf", log_level: str = "DEBUG",
-                 dagster_home: str | None = None, speculation: bool = False, precision: bool = True):
+                 dagster_home: str | None = None, speculation: bool = False, precision: bool = True,
+                 judge_seconds: float = 0.0, judge_top: int = 0, allow_latency_trade: bool = False):
     """Materializes the whole graph in-process for one deployment partition; returns the Dagster result.
     ``log_level``: the console's event log (the CLI's default is INFO: the steps, not every input loaded).
     The run is recorded in a persistent Dagster instance: ``dagster_home``, else $DAGSTER_HOME, else
@@ -138,7 +141,8 @@ def run_optimize(model: str, trace: str, requests: int, max_input: int, max_outp
     if admin_token:
         os.environ["POLYINF_ADMIN_TOKEN"] = admin_token  # resources read it through dg.EnvVar
     res = resources(model, trace, requests, max_input, max_output, time_scale, candidates, device, dtype, fast_layers,
-                    artifacts, endpoint_url, llm_base_url, llm_model, speculation, precision)
+                    artifacts, endpoint_url, llm_base_url, llm_model, speculation, precision,
+                    judge_seconds=judge_seconds, judge_top=judge_top, allow_latency_trade=allow_latency_trade)
     res.pop("drift")  # the sensors' configuration; no asset uses it
     definitions = [*dg.load_assets_from_modules([pipeline]), *dg.load_asset_checks_from_modules([pipeline])]
     home = Path(dagster_home_for(artifacts, dagster_home))

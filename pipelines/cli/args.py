@@ -154,10 +154,23 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
     """The model, trace slice and tiers a search (optimize, tune) measures."""
     p.add_argument("--model", default="smollm2")
     p.add_argument("--trace", required=True, help="the traffic to tune for (Azure CSV, Mooncake JSONL, capture)")
-    p.add_argument("--requests", type=positive, default=16, help="requests from the start of the trace")
-    p.add_argument("--max-input", type=positive, default=128, help="clip prompt lengths (a CPU-sized slice)")
-    p.add_argument("--max-output", type=positive, default=16, help="clip output lengths")
-    p.add_argument("--time-scale", type=scale, default=0.02, help="compress the trace's arrival times")
+    p.add_argument("--requests", type=positive, default=16,
+                   help="requests from the start of the trace the slow tier replays at its own rate (the judge's "
+                        "windows follow them; the trace's last third is held out for confirmation)")
+    p.add_argument("--max-input", type=positive, default=64, help="clip prompt lengths (a CPU-sized slice)")
+    p.add_argument("--max-output", type=positive, default=8, help="clip output lengths")
+    p.add_argument("--time-scale", type=scale, default=1.0,
+                   help="multiply the trace's arrival times (1: as recorded; the slice's rate over it is the "
+                        "traffic's observed rate)")
+    p.add_argument("--judge-seconds", type=seconds, default=None,
+                   help="the judge's budget: lockstep capacity searches and the held-out confirmation (default: "
+                        "150 s on a CPU, 600 s on a GPU)")
+    p.add_argument("--judge-top", type=positive, default=None,
+                   help="candidates the judge replays against static-best, the simulator's best (default: 1 on a "
+                        "CPU, 2 on a GPU; Holm's correction over them)")
+    p.add_argument("--allow-latency-trade", action="store_true",
+                   help="adopt a capacity gain even where p50/p99 TTFT or TPOT at the traffic's own rate is worse by "
+                        "more than 5% (the report names the trade)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--fast-layers", type=positive, default=4, help="layers of the fast tier's engine")

@@ -20,7 +20,9 @@ def cmd_optimize(args: argparse.Namespace) -> int:
                               args.candidates, args.device, args.dtype, args.fast_layers, args.artifacts,
                               args.endpoint_url, args.admin_token or "", args.llm_base_url, args.llm_model,
                               log_level="DEBUG" if args.verbose else "INFO", dagster_home=args.dagster_home,
-                              speculation=args.speculation, precision=args.precision)
+                              speculation=args.speculation, precision=args.precision,
+                              judge_seconds=args.judge_seconds or 0.0, judge_top=args.judge_top or 0,
+                              allow_latency_trade=args.allow_latency_trade)
         if not result.success:
             failed = [e.message for e in result.all_events if e.is_failure][:3]
             print("polyinf: error: the optimization run failed: " + " | ".join(failed), file=sys.stderr)
@@ -35,28 +37,31 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 
 
 def print_optimize_report(result) -> None:
-    """Every measured variant against static-best, the SLO, the decision and why, the gates, the deployment and
-    where the board, the build and the plots are, from a run's outputs."""
-    from ops.optimize import capacity_line, decision_table
-    from ops.worker import bench_from
+    """Every measured variant against static-best, the SLO, the judgement (each capacity with its interval and
+    every probe, the comparison, the out-of-sample check), the decision and why, the gates, the deployment and
+    its live verification, and where the board, the build and the plots are, from a run's outputs."""
+    from ops.judge import Judgement
+    from ops.optimize import decision_table
 
     build = result.output_for_node("engine_build")
     dep = result.output_for_node("deployed_endpoint")
     fast, slow = result.output_for_node("fast_bench_results"), result.output_for_node("slow_bench_results")
     checks = {e.asset_check_key.name: e for e in result.get_asset_check_evaluations()}
-    base, best = build.baseline_bench, build.bench
     static_best = slow[0][0]
+    judged = Judgement.from_json(build.judgement)
     kept = build.variant.variant_id == static_best.variant_id
     gate = checks.get("engine_build_gates")
     verdict = gate.metadata.get("verdict").value if gate and gate.metadata.get("verdict") else None
-    print(f"SLO: TTFT <= {1e3 * base['slo_ttft_s']:.0f} ms and TPOT <= {1e3 * base['slo_tpot_s']:.0f} ms for 90% of "
-          f"requests ({build.provenance.get('slo_source', 'given')})")
-    print(decision_table(static_best, list(fast) + list(slow), build.variant.variant_id, verdict))
+    print(f"SLO: {build.provenance.get('slo', '')} ({build.provenance.get('slo_source', 'given')})")
+    print(decision_table(static_best, list(fast) + list(slow), build.variant.variant_id, verdict, judged))
     print()
-    print(capacity_line(bench_from(best), bench_from(base)))
+    for line in judged.lines():
+        print(line)
+    print()
+    print(judged.headline())
     print(f"decision: {build.reason}")
     if kept:
-        print("kept static-best, nothing deployed: no variant was measurably better, so nothing was gated")
+        print(f"kept static-best, nothing deployed ({judged.verdict})")
     else:
         print(f"chosen: {build.variant.name} ({build.variant.variant_id}): {build.variant.changes_from(static_best)}")
     prov = build.provenance
@@ -79,7 +84,7 @@ def print_optimize_report(result) -> None:
 def cmd_tune(args: argparse.Namespace) -> int:
     import os
 
-    from assets.resources import EngineRunner, TrafficSource, search_config
+    from assets.resources import EngineRunner, TrafficSource, VariantSource, search_config
     from engine.errors import ConfigError
     from ops.llm_agent import LLMAgent
     from ops.board import Board
@@ -106,10 +111,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     # the log lines, and on a terminal a live line below them: stage, experiments per tier, best, time left
     progress = SearchProgress(args.budget_seconds)
+    jcfg = VariantSource(judge_seconds=args.judge_seconds or 0.0, judge_top=args.judge_top or 0,
+                         allow_latency_trade=args.allow_latency_trade).judge_config(args.device)
     with progress:
         report = tune(cfg, args.board, default_agents(llm), Budget(args.budget, args.budget_seconds),
                       slow_top=args.slow_top, gate=args.gate, log=progress if not args.quiet else (lambda m: None),
-                      speculation=args.speculation, precision=args.precision)
+                      speculation=args.speculation, precision=args.precision, jcfg=jcfg)
     board.close()
     print(report.text())
     if args.json:

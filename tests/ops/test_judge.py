@@ -46,7 +46,8 @@ def _probe(attain, rate, plan, rng, warmup=0):
         stop = sequential_stop(status, plan)
         if stop is not None:
             n, verdict = stop
-            return Probe(rate=rate, outcomes=[int(s) for s in status[:n]], verdict=verdict, warmup=warmup)
+            return Probe(rate=rate, outcomes=[int(s) for s in status[:n] if s is not None], verdict=verdict,
+                         warmup=warmup)
 
 
 @pytest.mark.parametrize("p, expected", [(0.995, "pass"), (0.6, "fail"), (0.9, "undecided")])
@@ -66,7 +67,7 @@ def test_the_sequential_probe_extends_until_decided(p, expected):
 
 def test_futility_stops_a_probe_that_cannot_pass_its_next_look():
     # 7 misses: even 13 of 20 fails the first look (3 would not: 17 of 20 is undecided)
-    assert sequential_stop([True] * 3 + [False] * 7 + [None], [20, 40]) == (10, "fail")
+    assert sequential_stop([True] * 3 + [False] * 7 + [None], [20, 40]) == (20, "fail")
     assert sequential_stop([False] * 3 + [None], [20, 40]) is None
     assert sequential_stop([True] * 10 + [None], [20, 40]) is None
 
@@ -195,6 +196,11 @@ def test_a_choice_that_holds_out_of_sample_and_one_that_does_not():
     assert 2.0 < held.rate < 3.0 and held.holds and held.low > 0 and "holds" in held.line()
     tuned_to_noise = confirm(replay({"base": 2.0, "cand": 2.0}), cand, base)
     assert not tuned_to_noise.holds
+    # held-out traffic lighter than the search's (both capacities 40% higher there): the rate moves up until the
+    # two part, and the gain holds
+    lighter = confirm(replay({"base": 2.8, "cand": 4.2}), cand, base)
+    assert lighter.holds and len(lighter.steps) >= 2 and lighter.rate > held.rate
+    assert lighter.steps[0][1] >= 0.9 and lighter.steps[0][2] >= 0.9 and "first " in lighter.line()
 
 
 def test_live_verification_rolls_back_a_significantly_worse_variant():

@@ -102,26 +102,39 @@ SLOW_NORM = KernelChoice("rms_norm", "norm_two_pass", (("BLOCK_D", 8),))
 
 @pytest.mark.slow
 def test_a_regressing_deployment_is_rolled_back():
+    """Verified on the decision's own metric: SLO attainment of a window of traffic before and one after."""
     from ops.deploy import ServerProcess, deploy
 
     server = ServerProcess(["--model", str(TINY), "--synthetic", "--num-kv-blocks", "256"], "tiny")
     try:
         auth = {"Authorization": f"Bearer {server.token}"}
         before = httpx.get(server.url + "/admin/variant", headers=auth).json()["active"]
-        probes = [[1, 2, 3, 4 + i] * 3 for i in range(6)]
         slow = VariantSpec(**{k: before[k] for k in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                                                      "enable_prefix_caching")},
                            kernels={"rms_norm": "generated:slow_norm.rms_norm"},
                            kernel_params={"rms_norm": dict(SLOW_NORM.tiles)},
                            generated_source={"slow_norm": SLOW_NORM.source()})
-        dep = deploy(server.url, server.token, "tiny", slow, probes, max_tokens=8, concurrency=2)
-        assert dep.status == "rolled back" and "regressed" in dep.reason
+        # on the decision's own metric: SLO attainment of two windows of traffic, before and after the swap
+        from engine.trace_record import TraceRecord
+        from ops.bench import SLO
+        from ops.deploy import LiveWindows
+
+        def window(k):
+            recs = [TraceRecord(arrival_s=0.25 * i, input_tokens=12, output_tokens=8, source="t") for i in range(16)]
+            return recs, [[1 + (i + k + j) % 200 for j in range(12)] for i in range(16)]
+        slo = SLO(ttft_s=1.0, tpot_s=0.05)
+        dep = deploy(server.url, server.token, "tiny", slow,
+                     live=LiveWindows(window(0), window(1), rate=4.0, slo=slo, max_output=8, max_lag_s=1.0))
+        assert dep.status == "rolled back" and "significantly worse" in dep.reason, dep.reason
+        assert dep.live_before["attainment"] >= 0.9 and dep.live_after["attainment"] < 0.5
+        assert dep.live_after["check"]["high"] < 0 and "live SLO attainment" in dep.reason
         assert httpx.get(server.url + "/admin/variant", headers=auth).json()["active"]["variant_id"] == \
             before["variant_id"]
         fine = VariantSpec(**{**{k: before[k] for k in ("block_size", "enable_prefix_caching")},
                               "max_num_seqs": before["max_num_seqs"], "max_num_batched_tokens": 256})
-        dep = deploy(server.url, server.token, "tiny", fine, probes, max_tokens=8, concurrency=2, tolerance=1.0)
-        assert dep.status == "deployed", dep.reason
+        dep = deploy(server.url, server.token, "tiny", fine,
+                     live=LiveWindows(window(2), window(3), rate=4.0, slo=slo, max_output=8, max_lag_s=1.0))
+        assert dep.status == "deployed" and "not significantly worse" in dep.reason, dep.reason
         assert httpx.get(server.url + "/admin/variant", headers=auth).json()["active"]["variant_id"] == \
             fine.variant_id
     finally:
