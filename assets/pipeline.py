@@ -275,7 +275,7 @@ def judgement_metadata(j) -> dict:
     import math
 
     def num(x) -> dg.MetadataValue:
-        return dg.MetadataValue.float(float(x) if x is not None and math.isfinite(x) else float("nan"))
+        return dg.MetadataValue.float(float(x))
     out = {"verdict": dg.MetadataValue.text(j.verdict), "chosen": dg.MetadataValue.text(j.chosen),
            "kept static-best": dg.MetadataValue.bool(j.kept)}
     shown = j.comparison(j.chosen) if not j.kept else max(j.comparisons, key=lambda c: c.low, default=None)
@@ -291,7 +291,8 @@ def judgement_metadata(j) -> dict:
         out.update({"held-out attainment difference": num(j.confirmation.diff),
                     "held-out difference low": num(j.confirmation.low)})
     out["simulator capacity error"] = num(j.simulator_error)
-    return out
+    # a figure that was not measured (no bound, no candidate) is left out, never shown as nan
+    return {k: v for k, v in out.items() if not isinstance(v.value, float) or math.isfinite(v.value)}
 
 
 @dg.asset(partitions_def=DEPLOYMENTS, group_name="ship", kinds={"json"},

@@ -16,6 +16,7 @@ import torch
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.trace_record import TraceRecord
+from ops.capacity import capacity_search
 from ops.traces import percentile
 
 
@@ -233,7 +234,7 @@ def probe(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[int]
     (``sequential_stop`` at the looks of ``plan``) or at ``deadline``. Returns (the Probe, the replay's step
     samples). In process the load generator is the engine loop itself: its send lag is at most the step in
     progress, which a server's request would wait for too, so a probe here is never void."""
-    from ops.judge import Probe, sequential_stop
+    from ops.capacity import Probe, sequential_stop
 
     engine.block_manager.reset_prefix_cache()
     scale = own_rate(records) / rate if rate > 0 else 0.0
@@ -292,41 +293,6 @@ def attainment_at(engine: LLMEngine, records: list[TraceRecord], prompts: list[l
         if worst < target:
             break
     return worst
-
-
-def capacity_search(attain, guess: float, target: float = 0.9, resolution: float = 1.25,
-                    max_probes: int = 6, min_rate: float = 0.0,
-                    max_rate: float = float("inf")) -> tuple[float, float, list[list[float]]]:
-    """The highest rate whose attainment (``attain(rate)``) reaches ``target``: from ``guess`` it doubles or
-    halves until a passing and a failing rate bracket it, then bisects (geometrically) until the bracket is
-    within ``resolution``. Returns (capacity, the bracket's width, [rate, attainment] per probe); capacity 0
-    when even the lowest rate probed fails. Below ``min_rate`` (where requests no longer overlap, so a lower
-    rate cannot help and only makes the replay longer) it does not probe; above ``max_rate`` (where the whole
-    slice arrives at once, so a higher rate replays the same) it probes ``max_rate`` once, and if that passes
-    the capacity is a lower bound set by the slice's size (spread infinite), not a measure of the engine."""
-    passed, failed, probes = 0.0, float("inf"), []
-    rate = min(max(guess, min_rate, 1e-3), max_rate)
-    for _ in range(max_probes):
-        if probes and (rate < min_rate or rate <= passed):
-            break
-        a = attain(rate)
-        probes.append([rate, a])
-        if a >= target:
-            passed = max(passed, rate)
-        else:
-            failed = min(failed, rate)
-        if failed < float("inf") and passed > 0 and failed / passed <= resolution:
-            break
-        if failed == float("inf"):
-            rate = min(passed * 2, max_rate)
-        elif passed == 0:
-            rate = failed / 2
-        else:
-            rate = (passed * failed) ** 0.5
-    # without a failing rate the capacity is a lower bound (its spread infinite); without a passing one, 0 up
-    # to the lowest rate tried
-    width = failed - passed if passed > 0 else failed
-    return passed, width, probes
 
 
 def slow_tier(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[int]], trace_id: str,

@@ -29,7 +29,8 @@ from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
 from engine.trace_record import TraceRecord
 from engine.variant import VariantSpec
-from ops.bench import SLO, capacity_search, own_rate
+from ops.bench import SLO, own_rate
+from ops.capacity import capacity_search
 from ops.hardware import HardwareProfile
 from ops.model_spec import ModelSpec
 from ops.traces import TrafficProfile, percentile

@@ -23,8 +23,9 @@ from typing import Callable
 from engine.sampling_params import SamplingParams
 from engine.trace_record import TraceRecord
 from engine.variant import VariantSpec
-from ops import judge
+from ops import capacity, judge
 from ops.bench import SLO, own_rate, probe, saturation
+from ops.traces import Windows
 
 
 @dataclass(frozen=True)
@@ -52,45 +53,6 @@ class JudgeConfig:
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
-
-
-@dataclass
-class Windows:
-    """Disjoint windows of a trace's search and held-out parts (see the module's docstring)."""
-
-    records: list[TraceRecord]
-    skip: int = 0  # the slow tier's slice at the start of the search part
-    held_fraction: float = 1 / 3
-    cursor: dict = field(default_factory=dict)
-    wrapped: set = field(default_factory=set)
-
-    def bounds(self, part: str) -> tuple[int, int]:
-        n = len(self.records)
-        split = max(1, min(n - 1, round(n * (1 - self.held_fraction)))) if n > 1 else n
-        return (min(self.skip, max(0, split - 1)), split) if part == "search" else (split, n)
-
-    def take(self, part: str, n: int) -> tuple[int, list[TraceRecord]]:
-        """The next ``n`` requests of ``part`` (arrival times kept; replayed from the part's start, shifted, when
-        it runs out), and the index of the first."""
-        lo, hi = self.bounds(part)
-        if hi <= lo:
-            lo, hi = 0, len(self.records)
-        at = self.cursor.get(part, lo)
-        out: list[TraceRecord] = []
-        first = at
-        shift = 0.0
-        while len(out) < n:
-            if at >= hi:
-                self.wrapped.add(part)
-                span = self.records[hi - 1].arrival_s - self.records[lo].arrival_s
-                gap = span / max(1, hi - lo - 1) if hi - lo > 1 else 1.0
-                shift += span + gap
-                at = lo
-            r = self.records[at]
-            out.append(dataclasses.replace(r, arrival_s=r.arrival_s + shift) if shift else r)
-            at += 1
-        self.cursor[part] = at
-        return first, out
 
 
 @dataclass
@@ -147,7 +109,7 @@ class PairedJudge:
         c = self.cfg
         warm = max(2, math.ceil(rate * c.warmup * typical))
         first = min(c.cap, max(c.first_look, math.ceil(rate * c.steady * typical)))
-        return warm, judge.looks(first, c.cap)
+        return warm, capacity.looks(first, c.cap)
 
     def typical_service(self, records: list[TraceRecord]) -> float:
         out = [r.output_tokens if self.max_output is None else min(r.output_tokens, self.max_output) for r in records]
@@ -169,12 +131,12 @@ class PairedJudge:
                      "rounds " + ", ".join(f"{x:.2f}" for x in a.rounds) + ")")
         return idx
 
-    def search(self, arms: list[ArmRun], sim_error: float = math.nan) -> dict[str, judge.Capacity]:
-        """Each arm's capacity: the judge's search (``judge.searcher``) for every arm, probed round by round on
+    def search(self, arms: list[ArmRun], sim_error: float = math.nan) -> dict[str, capacity.Capacity]:
+        """Each arm's capacity: the judge's search (``capacity.Searcher``) for every arm, probed round by round on
         shared windows. An arm starts at its saturation throughput, or below it at the simulator's prediction
         with a first step of twice the simulator's measured error (at least 15%) instead of doubling."""
         typical = self.typical_service(self.windows.take("search", 0)[1] or self.windows.records[:32])
-        searches: dict[str, judge.Searcher] = {}
+        searches: dict[str, capacity.Searcher] = {}
         for a in arms:
             sat = a.saturation or 1.0
             start, step = sat, 2.0
@@ -183,7 +145,7 @@ class PairedJudge:
                 err = sim_error if not math.isnan(sim_error) else 0.075
                 step = max(1.15, 1 + 2 * err)
             floor = sat / (5 * max(1, a.variant.max_num_seqs))  # requests rarely overlap below this
-            searches[a.variant.variant_id] = judge.Searcher(start, step=step, floor=floor, ceiling=4 * sat,
+            searches[a.variant.variant_id] = capacity.Searcher(start, step=step, floor=floor, ceiling=4 * sat,
                                                             resolution=self.cfg.resolution,
                                                             max_probes=self.cfg.max_probes)
         by_id = {a.variant.variant_id: a for a in arms}
@@ -207,7 +169,7 @@ class PairedJudge:
                 searches[vid].record(p)
         return {vid: s.capacity(by_id[vid].saturation) for vid, s in searches.items()}
 
-    def confirm(self, base: ArmRun, cand: ArmRun, caps: dict[str, judge.Capacity]) -> judge.Confirmation:
+    def confirm(self, base: ArmRun, cand: ArmRun, caps: dict[str, capacity.Capacity]) -> judge.Confirmation:
         """The choice and static-best on windows of the held-out part (``judge.confirm``): at each rate a fresh
         window, replayed by both."""
         n = self.cfg.confirm_requests
@@ -215,7 +177,7 @@ class PairedJudge:
         arms = {"base": base, "cand": cand}
         current: dict = {}
 
-        def replay(which: str, r: float) -> judge.Probe:
+        def replay(which: str, r: float) -> capacity.Probe:
             if current.get("rate") != r:  # a new rate: a new window, for both arms
                 warm = max(2, math.ceil(r * self.cfg.warmup * typical))
                 current.update(rate=r, warm=warm, window=self._window("held", warm + n))
@@ -231,7 +193,7 @@ class PairedJudge:
 
 
 def run_judgement(pj: PairedJudge, base: ArmRun, cands: list[ArmRun], latencies: dict[str, tuple[list, list]],
-                  sim_error_prior: float = math.nan) -> tuple[judge.Judgement, dict[str, judge.Capacity]]:
+                  sim_error_prior: float = math.nan) -> tuple[judge.Judgement, dict[str, capacity.Capacity]]:
     """Saturation, the lockstep search, the decision (``judge.decide``) and, when it chose a candidate, the
     out-of-sample confirmation, which refuses a choice that does not hold. ``latencies``: variant id ->
     (TTFT, TPOT) per request of its replay at the traffic's own rate (the same requests for every arm)."""
@@ -292,3 +254,78 @@ def live_windows(trace: str, model: str, skip: int, n: int, max_input: int | Non
         out.append((recs, synthesize_prompts(recs, vocab, max_input=max_input, tokenizer=tok, seed=seed + idx,
                                              corpus=corpus_for(trace) if tok else None)))
     return out[0], out[1]
+
+
+def judge_search(search, jcfg: JudgeConfig | None = None, excluded: dict[str, str] | None = None) -> judge.Judgement:
+    """The judge of a search (``search``: ops.tune.Search): the slow tier's variants ranked by the simulator
+    (calibrated on each one's own replayed steps, over thousands of the trace's requests), the ``top`` best
+    replayed in lockstep with static-best on fresh windows of the trace, each one's capacity with its interval,
+    the decision (Holm, guards), the out-of-sample confirmation, and the simulator's figures beside the
+    measured ones: goodput at 1x, 1.5x and 2x the traffic's rate and the capacity under gamma arrivals of the
+    traffic's burstiness. Posted on the board; ``excluded``: variant id -> why it may not be chosen."""
+    from ops.worker import SLOW
+
+    jcfg = jcfg or (JudgeConfig.for_cpu() if search.cfg.device == "cpu" else JudgeConfig())
+    excluded = excluded or {}
+    slow = search.results(SLOW)
+    base = next(((r, v) for r, v in slow if v.variant_id == search.baseline.variant_id), None)
+    if base is None:
+        raise RuntimeError("no slow-tier measurement of static-best: nothing to judge against")
+    notes = [f"{v.name} excluded: {excluded[v.variant_id]}" for _, v in slow if v.variant_id in excluded]
+    layouts = [v for _, v in slow if v.tp * v.dp > 1]
+    if layouts:
+        notes.append("parallel layouts (" + ", ".join(v.name for v in layouts) + ") are measured served, "
+                     "one restart each, and judged on their served replay only: not compared in lockstep")
+    cands = [(r, v) for r, v in slow if v.variant_id != search.baseline.variant_id and v.variant_id not in excluded
+             and v.tp * v.dp == 1]
+    cands.sort(key=lambda rv: rv[0].bench.get("capacity_predicted", 0.0), reverse=True)
+    picked = cands[:jcfg.top]
+    if len(cands) > len(picked):
+        notes.append("not compared (the simulator predicts less): " + ", ".join(
+            f"{v.name} ({r.bench.get('capacity_predicted', 0.0):.3f} req/s predicted)" for r, v in cands[len(picked):]))
+    arms = [ArmRun(v, predicted=r.bench.get("capacity_predicted", 0.0),
+                   samples=list(r.bench.get("step_samples", [])) + list(r.bench.get("saturation_samples", [])))
+            for r, v in [base] + picked]
+    latencies = {v.variant_id: (r.bench.get("ttfts", []), r.bench.get("tpots", [])) for r, v in [base] + picked}
+    windows = Windows(search.bench.stream, skip=len(search.bench.records))
+    pj = PairedJudge(lambda v: search.bench.engine(SLOW, v), search.bench.prompts_for, windows, search.cfg.slo,
+                     search.cfg.max_output, jcfg, log=search.log)
+    search.log(f"judge: static-best against {', '.join(v.name for _, v in picked) or 'no candidate'} in lockstep, "
+               f"budget {jcfg.seconds:.0f} s")
+    j, caps = run_judgement(pj, arms[0], arms[1:], latencies)
+    j.notes = notes + j.notes
+    for a in arms:  # the simulator's volume beside the measured figures, calibrated on each arm's own steps
+        j.arms[a.variant.variant_id].update(simulated_figures(search, a.variant, a.samples, jcfg.simulated_requests))
+    search.board.post("judge", "note", {"search": search.id, "judgement": j.to_json(), "config": jcfg.to_json()},
+                      [r.id for r, _ in [base] + picked])
+    search.log("judge: " + j.headline())
+    return j
+
+
+def simulated_figures(search, v: VariantSpec, samples: list, n: int) -> dict:
+    """The simulator's capacity, goodput and attainment at 1x, 1.5x and 2x the traffic's observed rate, and
+    the capacity with gamma arrivals of the traffic's fitted burstiness and its length distribution (the
+    robustness arm), over ``n`` requests, calibrated on ``samples`` (the variant's measured steps)."""
+    from ops.cost_model import predicted_capacity, simulate, synthetic_requests
+    from ops.traces import profile
+    from ops.worker import calibration_from
+
+    model, hw = search.model_spec, search.hardware
+    cal = calibration_from(model, hw, samples)
+    if cal is None:
+        return {}
+    recs = search.bench.sim_records(n)
+    sim = {k: x for k, x in search.cfg.sim.items() if k != "time_scale"}
+    out = {"simulated_requests": len(recs),
+           "capacity_simulated": predicted_capacity(model, hw, recs, v, cal, **search.cfg.sim)}
+    observed = own_rate(search.bench.records) / search.cfg.time_scale if search.cfg.time_scale > 0 else math.inf
+    if math.isfinite(observed) and observed > 0:
+        for k in (1.0, 1.5, 2.0):
+            p = simulate(model, hw, recs, v, cal, time_scale=own_rate(recs) / (k * observed), **sim)
+            out[f"goodput_{k:g}x"] = p.goodput
+            out[f"attainment_{k:g}x"] = p.attainment
+        out["observed_rate"] = observed
+    gamma = synthetic_requests(profile(recs), n=len(recs), seed=1)
+    out["interarrival_cv"] = profile(recs).interarrival_cv
+    out["capacity_gamma"] = predicted_capacity(model, hw, gamma, v, cal, **search.cfg.sim)
+    return out

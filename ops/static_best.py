@@ -22,7 +22,8 @@ from engine.loader import ModelSource
 from engine.sampling_params import SamplingParams
 from engine.trace_record import TraceRecord
 from engine.variant import VariantSpec
-from ops.bench import SLO, attainment_at, capacity_search, hardware_label
+from ops.bench import SLO, attainment_at, hardware_label
+from ops.capacity import capacity_search
 from ops.traces import percentile
 
 # the SLO rule where none is given: multiples of a configuration's unloaded latency on the workload

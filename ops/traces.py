@@ -8,7 +8,7 @@ import json
 import math
 import random
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator
@@ -248,3 +248,45 @@ def profile(records: list[TraceRecord], nominal_tpot_s: float = 0.05) -> Traffic
         estimated_concurrency=rate * (sum(e2e) / len(e2e)),
         sources=tuple(sorted({r.source for r in recs})),
     )
+
+
+@dataclass
+class Windows:
+    """Disjoint windows of a trace's two parts, by arrival order: the **search part** (a search's slow-tier
+    slice, ``skip`` requests, then the judge's windows) and the **held-out part** (the last third), which a
+    search never replays (ops/paired.py). A part too short for the windows asked of it is replayed again from
+    its start, its arrivals shifted (``wrapped`` names it)."""
+
+    records: list[TraceRecord]
+    skip: int = 0  # the slow tier's slice at the start of the search part
+    held_fraction: float = 1 / 3
+    cursor: dict = field(default_factory=dict)
+    wrapped: set = field(default_factory=set)
+
+    def bounds(self, part: str) -> tuple[int, int]:
+        n = len(self.records)
+        split = max(1, min(n - 1, round(n * (1 - self.held_fraction)))) if n > 1 else n
+        return (min(self.skip, max(0, split - 1)), split) if part == "search" else (split, n)
+
+    def take(self, part: str, n: int) -> tuple[int, list[TraceRecord]]:
+        """The next ``n`` requests of ``part`` (arrival times kept; replayed from the part's start, shifted, when
+        it runs out), and the index of the first."""
+        lo, hi = self.bounds(part)
+        if hi <= lo:
+            lo, hi = 0, len(self.records)
+        at = self.cursor.get(part, lo)
+        out: list[TraceRecord] = []
+        first = at
+        shift = 0.0
+        while len(out) < n:
+            if at >= hi:
+                self.wrapped.add(part)
+                span = self.records[hi - 1].arrival_s - self.records[lo].arrival_s
+                gap = span / max(1, hi - lo - 1) if hi - lo > 1 else 1.0
+                shift += span + gap
+                at = lo
+            r = self.records[at]
+            out.append(dataclasses.replace(r, arrival_s=r.arrival_s + shift) if shift else r)
+            at += 1
+        self.cursor[part] = at
+        return first, out

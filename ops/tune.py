@@ -13,7 +13,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from engine.variant import VariantSpec
 from ops.agents import (Agent, CostModelSeeder, KernelChoices, KernelTemplates, LocalSearch, SearchState, TrafficRules,
@@ -26,6 +26,10 @@ from ops.hardware import HardwareProfile, probe
 from ops.optimize import Choice
 from ops.tune_report import TuneReport
 from ops.worker import FAST, SLOW, SearchConfig, Workbench, bench_from, reference_from, static_best_of, work
+
+if TYPE_CHECKING:
+    from ops.judge import Judgement
+    from ops.paired import JudgeConfig
 
 
 @dataclass(frozen=True)
@@ -350,7 +354,7 @@ class Search:
 
     def judgement(self) -> "Judgement | None":
         """The search's judgement, once ``judge`` has posted it on the board (by this process or another step)."""
-        from ops.judge import Judgement
+        from ops.judge import Judgement  # noqa: F811 (at run time)
 
         for m in reversed(self.board.messages("note")):
             if m["body"].get("search") == self.id and "judgement" in m["body"]:
@@ -358,85 +362,10 @@ class Search:
         return None
 
     def judge(self, jcfg: "JudgeConfig | None" = None, excluded: dict[str, str] | None = None) -> "Judgement":
-        """The judge (ops/judge.py, measured by ops/paired.py): the slow tier's variants ranked by the simulator
-        (calibrated on each one's own replayed steps, over thousands of the trace's requests), the ``top`` best
-        replayed in lockstep with static-best on fresh windows of the trace, each one's capacity with its interval,
-        the decision (Holm, guards), the out-of-sample confirmation, and the simulator's figures beside the
-        measured ones: goodput at 1x, 1.5x and 2x the traffic's rate and the capacity under gamma arrivals of the
-        traffic's burstiness. Posted on the board; ``excluded``: variant id -> why it may not be chosen."""
-        from ops.paired import ArmRun, JudgeConfig, PairedJudge, Windows, run_judgement
+        """The judge, run on this search's slow tier (``ops.paired.judge_search``); posted on the board."""
+        from ops.paired import judge_search
 
-        jcfg = jcfg or (JudgeConfig.for_cpu() if self.cfg.device == "cpu" else JudgeConfig())
-        excluded = excluded or {}
-        slow = self.results(SLOW)
-        base = next(((r, v) for r, v in slow if v.variant_id == self.baseline.variant_id), None)
-        if base is None:
-            raise RuntimeError("no slow-tier measurement of static-best: nothing to judge against")
-        notes = [f"{v.name} excluded: {excluded[v.variant_id]}" for _, v in slow if v.variant_id in excluded]
-        layouts = [v for _, v in slow if v.tp * v.dp > 1]
-        if layouts:
-            notes.append("parallel layouts (" + ", ".join(v.name for v in layouts) + ") are measured served, "
-                         "one restart each, and judged on their served replay only: not compared in lockstep")
-        cands = [(r, v) for r, v in slow if v.variant_id != self.baseline.variant_id and v.variant_id not in excluded
-                 and v.tp * v.dp == 1]
-        cands.sort(key=lambda rv: rv[0].bench.get("capacity_predicted", 0.0), reverse=True)
-        picked = cands[:jcfg.top]
-        if len(cands) > len(picked):
-            notes.append("not compared (the simulator predicts less): " + ", ".join(
-                f"{v.name} ({r.bench.get('capacity_predicted', 0.0):.3f} req/s predicted)" for r, v in cands[len(picked):]))
-        arms = [ArmRun(v, predicted=r.bench.get("capacity_predicted", 0.0),
-                       samples=list(r.bench.get("step_samples", [])) + list(r.bench.get("saturation_samples", [])))
-                for r, v in [base] + picked]
-        latencies = {v.variant_id: (r.bench.get("ttfts", []), r.bench.get("tpots", [])) for r, v in [base] + picked}
-        windows = Windows(self.bench.stream, skip=len(self.bench.records))
-        pj = PairedJudge(lambda v: self.bench.engine(SLOW, v), self.bench.prompts_for, windows, self.cfg.slo,
-                         self.cfg.max_output, jcfg, log=self.log)
-        self.log(f"judge: static-best against {', '.join(v.name for _, v in picked) or 'no candidate'} in lockstep, "
-                 f"budget {jcfg.seconds:.0f} s")
-        j, caps = run_judgement(pj, arms[0], arms[1:], latencies)
-        j.notes = notes + j.notes
-        for a in arms:  # the simulator's volume beside the measured figures, calibrated on each arm's own steps
-            j.arms[a.variant.variant_id].update(self.simulated_figures(a.variant, a.samples, jcfg.simulated_requests))
-        self.board.post("judge", "note", {"search": self.id, "judgement": j.to_json(), "config": jcfg.to_json()},
-                        [r.id for r, _ in [base] + picked])
-        self.log("judge: " + j.headline())
-        return j
-
-    def observed_rate(self) -> float:
-        """The traffic's own rate as the slow tier replays it (req/s): the slice's rate over the time scale."""
-        from ops.bench import own_rate
-
-        scale = self.cfg.time_scale
-        return own_rate(self.bench.records) / scale if scale > 0 else math.inf
-
-    def simulated_figures(self, v: VariantSpec, samples: list, n: int) -> dict:
-        """The simulator's capacity, goodput and attainment at 1x, 1.5x and 2x the traffic's observed rate, and
-        the capacity with gamma arrivals of the traffic's fitted burstiness and its length distribution (the
-        robustness arm), over ``n`` requests, calibrated on ``samples`` (the variant's measured steps)."""
-        from ops.bench import own_rate
-        from ops.cost_model import synthetic_requests
-        from ops.traces import profile
-        from ops.worker import calibration_from
-
-        model, hw = self.model_spec, self.hardware
-        cal = calibration_from(model, hw, samples)
-        if cal is None:
-            return {}
-        recs = self.bench.sim_records(n)
-        sim = {k: x for k, x in self.cfg.sim.items() if k != "time_scale"}
-        out = {"simulated_requests": len(recs),
-               "capacity_simulated": predicted_capacity(model, hw, recs, v, cal, **self.cfg.sim)}
-        observed = self.observed_rate()
-        if math.isfinite(observed) and observed > 0:
-            for k in (1.0, 1.5, 2.0):
-                p = simulate(model, hw, recs, v, cal, time_scale=own_rate(recs) / (k * observed), **sim)
-                out[f"goodput_{k:g}x"] = p.goodput
-                out[f"attainment_{k:g}x"] = p.attainment
-            out["observed_rate"] = observed
-        gamma = synthetic_requests(profile(recs), n=len(recs), seed=1)
-        out["interarrival_cv"] = profile(recs).interarrival_cv
-        out["capacity_gamma"] = predicted_capacity(model, hw, gamma, v, cal, **self.cfg.sim)
-        return out
+        return judge_search(self, jcfg, excluded)
 
     def decide(self, excluded: dict[str, str] | None = None, jcfg=None) -> tuple[Choice | None, dict]:
         """The decision, from the judgement (``judge``, run now unless a step before posted it); the decision, its

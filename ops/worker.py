@@ -227,8 +227,8 @@ class Workbench:
 
     def sim_records(self, n: int = 1000) -> list[TraceRecord]:
         """The requests the simulator replays: ``n`` of the trace's search part from the slice's start (the
-        held-out part stays unseen: ops/paired.Windows)."""
-        from ops.paired import Windows
+        held-out part stays unseen: ops/traces.Windows)."""
+        from ops.traces import Windows
 
         lo, hi = Windows(self.stream).bounds("search")
         return self.stream[lo:min(hi, lo + n)] or self.records

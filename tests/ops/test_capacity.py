@@ -11,7 +11,8 @@ import pytest
 from engine import EngineConfig, LLMEngine, VariantSpec
 from engine.loader import ModelSource
 from engine.trace_record import TraceRecord
-from ops.bench import SLO, attainment_at, capacity_search, own_rate, slow_tier
+from ops.bench import SLO, attainment_at, own_rate, slow_tier
+from ops.capacity import capacity_search
 from ops.cost_model import predicted_capacity, simulate
 from ops.hardware import HardwareProfile
 from ops.model_spec import ModelSpec

@@ -7,8 +7,9 @@ import random
 
 import pytest
 
-from ops.judge import (Arm, Capacity, Probe, capacity_of, compare, confirm, decide, fit, holm, looks, newcombe,
-                       outcome, search_capacity, sequential_stop, verify_live, wilson)
+from ops.capacity import (Capacity, Probe, capacity_of, fit, looks, newcombe, outcome, search_capacity, sequential_stop,
+                          wilson)
+from ops.judge import Arm, compare, confirm, decide, holm, verify_live
 
 
 def test_wilson_and_newcombe_match_published_values():

@@ -89,7 +89,10 @@ def test_materialize_the_whole_graph(tmp_path, capsys):
         out = capsys.readouterr().out
         assert out.startswith("SLO: TTFT <= ") and "derived" in out.splitlines()[0]
         assert sum(v.name[:32] in out for v in candidates) == len(candidates)  # every measured variant
-        assert "capacity at SLO, chosen / static-best: " in out and f"decision: {build.reason}" in out
+        assert "capacity at SLO" in out and f"decision: {build.reason}" in out and "nan" not in out
+        judged = build.judgement
+        assert judged["verdict"] in ("better", "worse", "no detectable difference", "censored")
+        assert judged["verdict"] in out
         assert ("kept static-best, nothing deployed" in out) == (build.variant.variant_id == slow[0][0].variant_id)
         assert out.count("plot, ") == 3 and "build: " in out
     finally:
