@@ -1,14 +1,13 @@
-"""Capacity at the SLO of static-best against one change to it, measured in alternation (A B A B ...) on the
-slow tier, so that a gain a search reported can be checked apart from the search that found it.
-
-Each round measures both forms with the same slice, prompts and SLO (derived from static-best's unloaded
-latency unless given); every rate probe replays the slice --repeats times and passes only if all replays
-pass. The table gives each round's capacities with their brackets and the ratio's range from both brackets;
-a range that holds 1 is no gain.
+"""Capacity at the SLO of static-best against one change to it, judged as the loop judges a choice: both forms
+measured on the slow tier, then replayed in lockstep on fresh windows of the trace by one engine that hot-swaps
+between them (saturation in paired rounds, each one's capacity searched with sequential probes to a bracket
+with its interval), the decision rule (ratio interval, latency guard) and, when the change wins, its
+confirmation on held-out windows. A gain a search reported can so be checked apart from the search that found
+it.
 
     .venv/bin/python bench/capacity_ab.py --change '{"max_num_seqs": 4}'                 # SmolLM2 on the CPU
     PYTHONPATH=$PWD python3 bench/capacity_ab.py --model llama-3.1-8b --device cuda --dtype bfloat16 \\
-        --trace bench/data/mooncake_conv_400.jsonl --requests 32 --max-input 2048 --max-output 128 \\
+        --trace bench/data/mooncake_conversation_trace.jsonl --requests 64 --max-input 2048 --max-output 128 \\
         --num-kv-blocks 8192 --change '{"block_size": 32}'                                # a GPU host
 """
 from __future__ import annotations
@@ -16,17 +15,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ops.hardware import probe  # noqa: E402
-from ops.optimize import capacity_ratio, range_holds_one  # noqa: E402
-from ops.worker import SLOW, SearchConfig, Workbench, bench_from, static_best_of  # noqa: E402
+from ops.paired import ArmRun, JudgeConfig, PairedJudge, run_judgement  # noqa: E402
+from ops.traces import Windows  # noqa: E402
+from ops.worker import SLOW, SearchConfig, Workbench, static_best_of  # noqa: E402
 
 
 def main() -> int:
@@ -35,18 +33,19 @@ def main() -> int:
     ap.add_argument("--trace", default=str(ROOT / "traces" / "AzureLLMInferenceTrace_conv.csv"))
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=16, help="requests of the slow tier's slice (the judge's "
+                    "windows follow them in the trace)")
     ap.add_argument("--max-input", type=int, default=128)
     ap.add_argument("--max-output", type=int, default=16)
     ap.add_argument("--time-scale", type=float, default=1.0)
     ap.add_argument("--num-kv-blocks", type=int, default=1024)
     ap.add_argument("--change", required=True, help="JSON object of VariantSpec fields to change in static-best")
-    ap.add_argument("--rounds", type=int, default=2, help="A/B pairs measured")
-    ap.add_argument("--repeats", type=int, default=2, help="replays per rate probe (all must pass)")
-    ap.add_argument("--probes", type=int, default=8, help="rate probes per capacity search")
+    ap.add_argument("--judge-seconds", type=float, help="the judge's budget (default: 150 on a CPU, 600 on a GPU)")
+    ap.add_argument("--first-look", type=int, help="counted requests at a probe's first look")
+    ap.add_argument("--cap", type=int, help="most counted requests of one probe")
     ap.add_argument("--slo-ttft-ms", type=float)
     ap.add_argument("--slo-tpot-ms", type=float)
-    ap.add_argument("--out", type=Path, help="a JSON file for the measurements")
+    ap.add_argument("--out", type=Path, help="a JSON file for the judgement")
     args = ap.parse_args()
     try:
         change = json.loads(args.change)
@@ -56,8 +55,7 @@ def main() -> int:
         ap.error(f"--change: {e}")
     cfg = SearchConfig(model=args.model, trace=args.trace, device=args.device, dtype=args.dtype,
                        requests=args.requests, max_input=args.max_input, max_output=args.max_output,
-                       time_scale=args.time_scale, slow_repeats=args.repeats, capacity_probes=args.probes,
-                       num_kv_blocks=args.num_kv_blocks,
+                       time_scale=args.time_scale, num_kv_blocks=args.num_kv_blocks,
                        slo_ttft_s=args.slo_ttft_ms / 1e3 if args.slo_ttft_ms else None,
                        slo_tpot_s=args.slo_tpot_ms / 1e3 if args.slo_tpot_ms else None)
     a = static_best_of(cfg)
@@ -69,30 +67,25 @@ def main() -> int:
     cfg = bench.with_slo(a)
     print(f"A: {a.name} ({a.variant_id}); B: {b.name} ({b.variant_id}): {b.changes_from(a)}")
     print(f"SLO: TTFT <= {1e3 * cfg.slo_ttft_s:.0f} ms, TPOT <= {1e3 * cfg.slo_tpot_s:.0f} ms ({cfg.slo_source}); "
-          f"{args.requests} requests of {args.trace}, each rate replayed {args.repeats}x", flush=True)
-    rows, t0 = [], time.time()
-    for k in range(args.rounds):
-        got = {}
-        for label, v in (("A", a), ("B", b)):
-            got[label] = bench_from(bench.evaluate(v, SLOW))
-            r = got[label]
-            print(f"round {k + 1} {label}: capacity {r.capacity:.3f} req/s (bracket {r.capacity_spread:.3f}), "
-                  f"{r.output_tok_s:.1f} tok/s, attainment at the slice's rate {r.attainment:.2f}, probes "
-                  f"{[[round(x, 3), round(y, 2)] for x, y in r.rate_probes]}", flush=True)
-        ratio, low, high = capacity_ratio(got["B"], got["A"])
-        rows.append({"round": k + 1, "A": got["A"].to_json(), "B": got["B"].to_json(), "ratio": ratio, "low": low,
-                     "high": high})
-    print("\n| round | A capacity (bracket) | B capacity (bracket) | B / A | range |\n|---|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['round']} | {row['A']['capacity']:.3f} ({row['A']['capacity_spread']:.3f}) | "
-              f"{row['B']['capacity']:.3f} ({row['B']['capacity_spread']:.3f}) | {row['ratio']:.2f}x | "
-              f"{row['low']:.2f}-{row['high']:.2f}x{' (holds 1: no gain)' if range_holds_one(row['low'], row['high']) else ''} |")
-    caps = {s: [row[s]["capacity"] for row in rows] for s in ("A", "B")}
-    if all(caps["A"]):
-        print(f"median B / A over {len(rows)} rounds: {statistics.median(caps['B']) / statistics.median(caps['A']):.2f}x;"
-              f" A's capacities {caps['A']}, B's {caps['B']}; {time.time() - t0:.0f} s")
+          f"slow tier on {args.requests} requests of {args.trace}", flush=True)
+    measured = {v.variant_id: bench.evaluate(v, SLOW) for v in (a, b)}
+    kw = {k: v for k, v in (("seconds", args.judge_seconds), ("first_look", args.first_look), ("cap", args.cap))
+          if v is not None}
+    jcfg = JudgeConfig.for_cpu(**kw) if cfg.device == "cpu" else JudgeConfig(**kw)
+    arms = [ArmRun(v, predicted=measured[v.variant_id].get("capacity_predicted", 0.0),
+                   samples=list(measured[v.variant_id].get("step_samples", []))) for v in (a, b)]
+    latencies = {k: (d.get("ttfts", []), d.get("tpots", [])) for k, d in measured.items()}
+    pj = PairedJudge(lambda v: bench.engine(SLOW, v), bench.prompts_for,
+                     Windows(bench.stream, skip=len(bench.records)), cfg.slo, cfg.max_output, jcfg,
+                     log=lambda m: print(m, flush=True))
+    j, _ = run_judgement(pj, arms[0], arms[1:], latencies)
+    print()
+    for line in j.lines():
+        print(line)
+    print(f"\nB / A: {j.headline()}")
     if args.out:
-        args.out.write_text(json.dumps({"slo": [cfg.slo_ttft_s, cfg.slo_tpot_s], "rows": rows}, indent=1))
+        args.out.write_text(json.dumps({"slo": [cfg.slo_ttft_s, cfg.slo_tpot_s], "judgement": j.to_json(),
+                                        "config": jcfg.to_json()}, indent=1))
     return 0
 
 

@@ -116,6 +116,13 @@ def _live_window(url: str, model: str, records: list, prompts: list[list[int]], 
     return met, max((r.lag for r in rep.results), default=0.0), rep.failed
 
 
+def _warm(url: str, model: str, prompt: list[int]) -> None:
+    """One request that is not counted, so that a window does not time a form's first steps (the judge's replays
+    skip them the same way)."""
+    httpx.post(url + "/v1/completions", json={"model": model, "prompt": prompt[:32] or [1], "max_tokens": 2,
+                                              "temperature": 0.0, "ignore_eos": True}, timeout=600)
+
+
 def deploy(url: str, token: str, model: str, variant: VariantSpec, live: LiveWindows) -> Deployment:
     """Hot-swaps ``variant`` in and verifies it on the decision's own metric: SLO attainment of the traffic's
     windows before and after the swap, compared with Newcombe's interval (ops/judge.verify_live); significantly
@@ -132,12 +139,14 @@ def _deploy_judged(url: str, auth: dict, model: str, variant: VariantSpec, curre
                    live: LiveWindows) -> Deployment:
     from ops.judge import verify_live
 
+    _warm(url, model, live.before[1][0] if live.before[1] else [1])
     before, lag_b, failed_b = _live_window(url, model, *live.before, live.rate, live.slo, live.max_output)
     r = httpx.post(url + "/admin/variant", headers=auth, json=variant.to_json(), timeout=600)
     if r.status_code != 200:
         return Deployment(url, current, current, time.time(), "refused",
                           f"the server refused the variant: {r.json().get('error', {}).get('message', r.text)}",
                           {"attainment": sum(before) / max(1, len(before)), "requests": len(before)})
+    _warm(url, model, live.after[1][0] if live.after[1] else [1])
     after, lag_a, failed_a = _live_window(url, model, *live.after, live.rate, live.slo, live.max_output)
     check = verify_live(before, after, live.predicted_before, live.predicted_after)
     figures = ({"attainment": sum(before) / max(1, len(before)), "requests": len(before), "lag_s": lag_b,

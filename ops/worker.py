@@ -324,9 +324,12 @@ def work(board: Board, search: str, bench: Workbench, tier: str | None = None, m
 def _summary(r: dict) -> str:
     """One experiment's figures in a progress line."""
     if r.get("tier") == SLOW:
-        cap = r.get("capacity", 0.0)
-        return (f"capacity {cap:.3f} req/s (bracket {r.get('capacity_spread', 0.0):.3f}), "
-                f"{r.get('output_tok_s', 0.0):.1f} tok/s, attainment {r.get('attainment', 0.0):.2f}")
+        if r.get("rate_probes"):  # a capacity searched on the slice itself (capacity_probes > 0)
+            head = f"capacity {r.get('capacity', 0.0):.3f} req/s (bracket {r.get('capacity_spread', 0.0):.3f})"
+        else:  # the judge measures capacity; the slow tier gives the simulator its calibration
+            head = f"simulated capacity {r.get('capacity_predicted', 0.0):.3f} req/s"
+        return (f"{head}, {r.get('output_tok_s', 0.0):.1f} tok/s, attainment {r.get('attainment', 0.0):.2f} "
+                "at the slice's rate")
     return f"{r.get('output_tok_s', 0.0):.1f} decode tok/s"
 
 
