@@ -199,6 +199,7 @@ class Capacity:
     high: float  # math.inf when nothing failed
     censored: str = ""  # "" | "below" (failed at every rate probed) | "above" (passed at every rate)
     status: str = "converged"  # "converged" | "undecided" (budget or probes ran out before a 10% bracket)
+    #                            | "unmeasured" (no request counted: no estimate, no bound)
     probes: list[Probe] = field(default_factory=list)
     saturation: float = 0.0  # req/s completed with every request of a window at once
 
@@ -207,6 +208,8 @@ class Capacity:
         return sum(p.n for p in self.probes)
 
     def describe(self) -> str:
+        if self.status == "unmeasured":
+            return "not measured (the budget ended before a request of it was counted)"
         if self.censored == "below":
             lowest = min((p for p in self.probes if p.verdict != "void" and p.n), key=lambda p: p.rate, default=None)
             at = f" (attained {lowest.attainment:.2f}, {lowest.interval[0]:.2f}-{lowest.interval[1]:.2f}, " \
@@ -276,8 +279,8 @@ def capacity_of(probes: list[Probe], target: float = TARGET, replicates: int = 1
     est = crossing(curve, target)
     lo, hi = bracket(curve, target)
     censored = "below" if curve and lo == 0.0 else "above" if curve and hi == math.inf else ""
-    if not curve:
-        return Capacity(0.0, 0.0, math.inf, "below", "undecided", list(probes), saturation)
+    if not curve:  # no counted request: nothing is known, not even a bound
+        return Capacity(0.0, 0.0, math.inf, "", "unmeasured", list(probes), saturation)
     rng = random.Random(seed)
     reps = sorted(_replicate(probes, rng, target) for _ in range(replicates))
     low, high = _quantile(reps, 0.025), _quantile(reps, 0.975)

@@ -62,11 +62,20 @@ class Comparison:
     def to_json(self) -> dict:
         d = asdict(self)
         d["high"] = None if self.high == math.inf else self.high
+        d["ratio"] = self.ratio if self.ratio is not None and math.isfinite(self.ratio) else None
         return d
 
     def line(self) -> str:
+        if not self.measured:
+            return "no ratio (an arm was not measured)"
+        if self.high == math.inf and self.low == 0.0:
+            return "no ratio (both capacities are bounds on the same side)"
         hi = "inf" if self.high == math.inf else f"{self.high:.2f}"
         return f"{self.ratio:.2f}x (95% {self.low:.2f}-{hi}x)"
+
+    @property
+    def measured(self) -> bool:
+        return self.ratio is not None and math.isfinite(self.ratio) and self.ratio > 0
 
 
 def ratio_interval(cand: Capacity, base: Capacity, replicates: int = 2000, seed: int = 1,
@@ -126,9 +135,15 @@ def compare(cand: Arm, base: Arm, allow_trade: bool = False) -> Comparison:
     """The candidate against the baseline: the capacity ratio's interval and verdict, then the guards (each
     measured on the same requests): saturation throughput not lower by more than 5%, p50/p99 TTFT and TPOT at
     the traffic's own rate not significantly worse by more than 5% (waived, and named, with ``allow_trade``)."""
-    ratio, low, high, p = ratio_interval(cand.capacity, base.capacity)
+    unmeasured = [a.name for a in (cand, base) if a.capacity.status == "unmeasured"]
+    if unmeasured:  # no request of an arm was counted: no ratio, no verdict either way
+        ratio, low, high, p = math.nan, 0.0, math.inf, 1.0
+    else:
+        ratio, low, high, p = ratio_interval(cand.capacity, base.capacity)
     c, b = cand.capacity.censored, base.capacity.censored
-    if c and c == b:
+    if unmeasured:
+        verdict = "no detectable difference"
+    elif c and c == b:
         verdict = "censored"
     elif low > MIN_GAIN:
         verdict = "better"
@@ -137,6 +152,8 @@ def compare(cand: Arm, base: Arm, allow_trade: bool = False) -> Comparison:
     else:
         verdict = "no detectable difference"
     reasons, guards = [], {}
+    if unmeasured:
+        reasons.append(" and ".join(unmeasured) + " not measured: the judge's budget ended first")
     if verdict == "censored":
         reasons.append(f"both capacities are censored {c} the rates probed: "
                        f"{cand.capacity.describe()} and {base.capacity.describe()}")
@@ -270,7 +287,8 @@ class Judgement:
 
     @classmethod
     def from_json(cls, d: dict) -> "Judgement":
-        comps = [Comparison(**{**c, "high": math.inf if c.get("high") is None else c["high"]})
+        comps = [Comparison(**{**c, "high": math.inf if c.get("high") is None else c["high"],
+                               "ratio": math.nan if c.get("ratio") is None else c["ratio"]})
                  for c in d.get("comparisons", [])]
         conf = Confirmation.from_json(d["confirmation"]) if d.get("confirmation") else None
         err = d.get("simulator_error")

@@ -156,13 +156,16 @@ class PairedJudge:
             plans = {vid: self._plan(rate, typical) for vid, rate in pending.items()}
             need = max(w + plan[-1] for w, plan in plans.values())
             idx, recs, prompts = self._window("search", need)
-            for vid, rate in pending.items():
-                if time.perf_counter() >= self.deadline:
+            for k, (vid, rate) in enumerate(pending.items()):
+                now = time.perf_counter()
+                if now >= self.deadline:
                     break
                 warm, plan = plans[vid]
                 n = warm + plan[-1]
+                # each arm of the round gets its share of the time left: one arm cannot spend another's
+                share = now + (self.deadline - now) / (len(pending) - k)
                 p, samples = probe(self._engine(by_id[vid].variant), recs[:n], prompts[:n], rate, self.slo, warm,
-                                   plan, self.max_output, window=idx, deadline=self.deadline)
+                                   plan, self.max_output, window=idx, deadline=share)
                 p.arm = vid
                 by_id[vid].samples += samples
                 self.log(f"judge: {by_id[vid].variant.name}: probe {p.line()}, {p.seconds:.0f} s")

@@ -183,6 +183,21 @@ def test_censored_capacities_give_a_censored_verdict_never_nan():
     assert c.verdict == "better" and c.high == math.inf and c.low > 1.05
 
 
+def test_an_arm_the_budget_never_reached_is_unmeasured_not_censored():
+    rng = random.Random(12)
+    none = capacity_of([])
+    assert none.status == "unmeasured" and not none.censored and "not measured" in none.describe()
+    base = _arm("base", _capacity(2.0, rng))
+    for j in (decide(base, [_arm("late", none)]), decide(_arm("base", none), [base])):
+        c = j.comparisons[0]
+        assert j.kept and c.verdict == "no detectable difference" and not c.adopted
+        assert "not measured" in c.reasons[0] and "no ratio" in c.line()
+        text = "\n".join(j.lines()) + j.headline()
+        assert "nan" not in text and "0.00x" not in text and "inf" not in text
+        back = type(j).from_json(j.to_json())
+        assert back.comparisons[0].line() == c.line() and back.to_json()["comparisons"][0]["ratio"] is None
+
+
 def test_a_choice_that_holds_out_of_sample_and_one_that_does_not():
     rng = random.Random(6)
     base, cand = _capacity(2.0, rng), _capacity(3.0, rng)
