@@ -49,7 +49,7 @@ class JudgeConfig:
     @classmethod
     def for_cpu(cls, **kw) -> "JudgeConfig":
         return cls(**{**dict(first_look=20, cap=60, steady=8.0, saturation_requests=16, confirm_requests=40,
-                             seconds=150.0, top=1, simulated_requests=1000), **kw})
+                             seconds=120.0, top=1, simulated_requests=1000), **kw})
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
