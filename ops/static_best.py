@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -91,7 +92,7 @@ def unloaded_latency(engine: LLMEngine, prompts: list[list[int]], output: int, n
     return percentile(ttft, .9), percentile(tpot, .9)
 
 
-def unloaded_points(engine: LLMEngine, prompts: list[list[int]], output: int, n: int = 4,
+def unloaded_points(engine: LLMEngine, prompts: list[list[int]], output: int, n: int = 6,
                     tries: int = 2) -> list[tuple[int, float, float]]:
     """(prompt tokens, TTFT, TPOT) of ``n`` requests each run alone, spread over the slice's prompt lengths, its
     longest among them; each the fastest of ``tries`` runs (a moment of contention on a shared machine does not
@@ -118,9 +119,10 @@ def unloaded_points(engine: LLMEngine, prompts: list[list[int]], output: int, n:
 def derive_slo(unloaded) -> SLO:
     """The stated rule, from (TTFT p90, TPOT p90) or from ``unloaded_points``: TPOT within TPOT_FACTOR times the
     unloaded p90 (judged for outputs of 8 tokens or more); TTFT within TTFT_FACTOR times the unloaded TTFT of a
-    prompt of its length: a line a + b x tokens through the points (least squares, b >= 0) raised until every
-    measured request lies on or below it, so each of them meets the target alone with the factor to spare.
-    Prompts of one length (within 1.5x) give a flat target."""
+    prompt of its length: a line a + b x tokens through the points (least squares, b >= 0) at the median of
+    their residuals, so that one request slowed by a moment of contention does not move the SLO (every
+    measured request still meets its target alone: the line is raised where one would not). Prompts of one
+    length (within 1.5x) give a flat target."""
     if isinstance(unloaded, tuple):
         return SLO(ttft_s=TTFT_FACTOR * unloaded[0], tpot_s=TPOT_FACTOR * unloaded[1])
     lengths = [float(x[0]) for x in unloaded]
@@ -131,7 +133,8 @@ def derive_slo(unloaded) -> SLO:
         ml, mt = sum(lengths) / len(lengths), sum(ttfts) / len(ttfts)
         var = sum((x - ml) ** 2 for x in lengths)
         slope = max(0.0, sum((x - ml) * (y - mt) for x, y in zip(lengths, ttfts)) / var) if var else 0.0
-    base = max(y - slope * x for x, y in zip(lengths, ttfts))
+    resid = [y - slope * x for x, y in zip(lengths, ttfts)]
+    base = max(statistics.median(resid), max(resid) / TTFT_FACTOR)
     return SLO(ttft_s=TTFT_FACTOR * base, tpot_s=TPOT_FACTOR * tpot, ttft_per_token_s=TTFT_FACTOR * slope)
 
 

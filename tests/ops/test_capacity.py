@@ -149,3 +149,22 @@ def test_unloaded_latency_samples_the_slice_across_its_prompt_lengths():
     assert len(picked[-1]) == lengths[-1]
     assert len(picked[0]) <= lengths[len(lengths) // 2]  # the short half is represented
     assert spread_by_length(prompts[:3], 4) == sorted(prompts[:3], key=len)
+
+
+def test_a_derived_slo_grows_with_the_prompt_and_ignores_one_slowed_request():
+    from ops.static_best import TPOT_FACTOR, TTFT_FACTOR, derive_slo
+
+    rng = random.Random(5)
+    a, b = 0.02, 0.0004  # unloaded TTFT = a + b x tokens, with a few percent of noise
+    pts = [(n, (a + b * n) * rng.uniform(0.97, 1.03), 0.05 * rng.uniform(0.97, 1.03)) for n in (40, 300, 900, 1700, 2048, 120)]
+    slo = derive_slo(pts)
+    assert abs(slo.ttft_per_token_s / TTFT_FACTOR - b) < 0.1 * b
+    assert abs(slo.ttft_limit(1000) / TTFT_FACTOR - (a + b * 1000)) < 0.05 * (a + b * 1000)
+    assert all(slo.ttft_limit(n) >= t for n, t, _ in pts)  # every request meets its target alone
+    assert 0.95 * TPOT_FACTOR * 0.05 < slo.tpot_s < 1.05 * TPOT_FACTOR * 0.05
+    # one request slowed 40% by contention leaves the target where it was; a far slower one raises it
+    slowed = derive_slo(pts[:-1] + [(120, 1.4 * (a + b * 120), 0.05)])
+    assert abs(slowed.ttft_limit(1000) - slo.ttft_limit(1000)) < 0.05 * slo.ttft_limit(1000)
+    flat = derive_slo([(64, t, 0.06) for t in (0.15, 0.14, 0.15, 0.16, 0.15, 1.5)])
+    assert flat.ttft_per_token_s == 0 and flat.ttft_limit(64) >= 1.5 and flat.ttft_limit(64) < 1.6
+    assert 0.7 < derive_slo([(64, t, 0.06) for t in (0.15, 0.14, 0.15, 0.16, 0.15, 0.2)]).ttft_s < 0.8
