@@ -134,7 +134,8 @@ class PairedJudge:
     def search(self, arms: list[ArmRun], sim_error: float = math.nan) -> dict[str, capacity.Capacity]:
         """Each arm's capacity: the judge's search (``capacity.Searcher``) for every arm, probed round by round on
         shared windows. An arm starts at its saturation throughput, or below it at the simulator's prediction
-        with a first step of twice the simulator's measured error (at least 15%) instead of doubling."""
+        with a first step of twice the simulator's error (given, or a prior of 20%; 15% to 100%) instead of
+        doubling."""
         typical = self.typical_service(self.windows.take("search", 0)[1] or self.windows.records[:32])
         searches: dict[str, capacity.Searcher] = {}
         for a in arms:
@@ -142,8 +143,10 @@ class PairedJudge:
             start, step = sat, 2.0
             if a.predicted > 0:  # start just below the prediction, bracket it by the simulator's typical error
                 start = min(sat, 0.95 * a.predicted)
-                err = sim_error if not math.isnan(sim_error) else 0.075
-                step = max(1.15, 1 + 2 * err)
+                # the simulator's error on this run's traffic is unknown until the replays measure it: a prior
+                # of 20% (a step of 1.4x) brackets in a probe or two where the prediction is that far off
+                err = sim_error if not math.isnan(sim_error) else 0.2
+                step = min(2.0, max(1.15, 1 + 2 * err))
             floor = sat / (5 * max(1, a.variant.max_num_seqs))  # requests rarely overlap below this
             searches[a.variant.variant_id] = capacity.Searcher(start, step=step, floor=floor, ceiling=4 * sat,
                                                             resolution=self.cfg.resolution,
