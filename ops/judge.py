@@ -236,12 +236,13 @@ def confirm(replay: Callable[[str, float], Probe], cand: Capacity, base: Capacit
             target: float = TARGET) -> Confirmation:
     """Replays the baseline ("base") and the choice ("cand") on held-out traffic, first between their capacities.
     A held-out window may be lighter or heavier than the search's: where both meet the target the rate goes up
-    (by the claimed ratio's square root, at least 10%), where both miss it down, where only the choice meets it
-    up a little (the gap widens with load); the choice holds as soon as its attainment is significantly higher
+    (by the claimed ratio, 1.1x to 2x), where both miss it down, where only the choice meets it up a little
+    (the gap widens with load); the choice holds as soon as its attainment is significantly higher
     (Newcombe's interval above 0) and does not hold where the baseline's is significantly higher, where the
-    baseline meets the target and the choice does not, or when ``max_rates`` run out."""
+    baseline meets the target and the choice does not, or when ``max_rates`` or the budget (a replay with no
+    counted request) run out."""
     ratio = max(cand.estimate, 1e-9) / max(base.estimate, 1e-9)
-    step = max(1.1, math.sqrt(max(ratio, 1.0)))
+    step = max(1.1, min(2.0, ratio))
     rate = confirm_rate(cand, base)
     steps = []
     for k in range(max(1, max_rates)):
@@ -251,7 +252,8 @@ def confirm(replay: Callable[[str, float], Probe], cand: Capacity, base: Capacit
         steps.append([rate, b.attainment, c.attainment, d, lo, hi])
         void = c.verdict == "void" or b.verdict == "void"
         holds = lo > 0 and not void
-        done = holds or void or hi < 0 or (b.attainment >= target > c.attainment) or k == max_rates - 1
+        spent = not (b.n and c.n)  # the budget ended before both replayed the window
+        done = holds or void or spent or hi < 0 or (b.attainment >= target > c.attainment) or k == max_rates - 1
         if done:
             return Confirmation(rate, b.window, b, c, d, lo, hi, holds, steps)
         if b.attainment >= target and c.attainment >= target:

@@ -42,6 +42,7 @@ class JudgeConfig:
     saturation_rounds: int = 3  # paired rounds of it (the guard needs every round lower to refuse)
     confirm_requests: int = 80  # counted requests of each arm in the held-out confirmation
     seconds: float = 600.0  # the whole judgement's budget (searches, confirmation); probes end at it
+    confirm_share: float = 0.3  # of ``seconds`` kept for the held-out confirmation (the searches end before it)
     top: int = 2  # candidates compared with static-best (the simulator's best predicted)
     simulated_requests: int = 2000  # requests of the search part the simulator replays per variant
     allow_trade: bool = False  # latency at the traffic's own rate may be traded for capacity (named in the report)
@@ -190,7 +191,7 @@ class PairedJudge:
             idx, recs, prompts = current["window"]
             a = arms[which]
             p, samples = probe(self._engine(a.variant), recs, prompts, r, self.slo, current["warm"], [n],
-                               self.max_output, window=idx, deadline=max(self.deadline, time.perf_counter() + 120))
+                               self.max_output, window=idx, deadline=self.deadline)
             a.samples += samples
             p.arm = a.variant.variant_id
             self.log(f"judge: held-out {a.variant.name}: {p.line()}")
@@ -204,7 +205,7 @@ def run_judgement(pj: PairedJudge, base: ArmRun, cands: list[ArmRun], latencies:
     out-of-sample confirmation, which refuses a choice that does not hold. ``latencies``: variant id ->
     (TTFT, TPOT) per request of its replay at the traffic's own rate (the same requests for every arm)."""
     t0 = time.perf_counter()
-    pj.deadline = t0 + pj.cfg.seconds
+    pj.deadline = t0 + pj.cfg.seconds * (1 - pj.cfg.confirm_share)
     arms = [base] + cands
     pj.measure_saturation(arms)
     caps = pj.search(arms, sim_error_prior)
@@ -220,6 +221,7 @@ def run_judgement(pj: PairedJudge, base: ArmRun, cands: list[ArmRun], latencies:
     j.simulator_error = max(errs) if errs else math.nan
     if not j.kept:
         chosen = next(c for c in cands if c.variant.variant_id == j.chosen)
+        pj.deadline = max(t0 + pj.cfg.seconds, time.perf_counter() + 10)  # the confirmation's share of the budget
         conf = pj.confirm(base, chosen, caps)
         j.confirmation = conf
         if not conf.holds:
