@@ -50,7 +50,7 @@ class JudgeConfig:
     @classmethod
     def for_cpu(cls, **kw) -> "JudgeConfig":
         return cls(**{**dict(first_look=20, cap=60, steady=8.0, saturation_requests=16, confirm_requests=40,
-                             seconds=120.0, top=1, simulated_requests=1000), **kw})
+                             seconds=135.0, confirm_share=0.26, top=1, simulated_requests=1000), **kw})
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -158,6 +158,12 @@ class PairedJudge:
             if not pending:
                 break
             plans = {vid: self._plan(rate, typical) for vid, rate in pending.items()}
+            # a round whose first looks cannot all arrive before the deadline would count nothing: not started
+            first_looks = sum((w + plan[0]) / rate for (w, plan), rate in zip(plans.values(), pending.values()))
+            if time.perf_counter() + first_looks > self.deadline:
+                self.log(f"judge: {self.deadline - time.perf_counter():.0f} s left, too little for another round "
+                         f"of first looks ({first_looks:.0f} s at the rates due)")
+                break
             need = max(w + plan[-1] for w, plan in plans.values())
             idx, recs, prompts = self._window("search", need)
             for k, (vid, rate) in enumerate(pending.items()):
@@ -172,6 +178,10 @@ class PairedJudge:
                                    plan, self.max_output, window=idx, deadline=share)
                 p.arm = vid
                 by_id[vid].samples += samples
+                if not p.n and p.verdict != "void":  # the deadline came before a request was counted
+                    self.log(f"judge: {by_id[vid].variant.name}: probe at {rate:.3f} req/s ended by the budget "
+                             "before a request was counted (not recorded)")
+                    continue
                 self.log(f"judge: {by_id[vid].variant.name}: probe {p.line()}, {p.seconds:.0f} s")
                 searches[vid].record(p)
         return {vid: s.capacity(by_id[vid].saturation) for vid, s in searches.items()}

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.variant import VariantSpec
 from ops.bench import _replay, own_rate
 from ops.capacity import capacity_search
 from ops.cost_model import predicted_capacity
@@ -88,14 +89,36 @@ def test_the_simulators_capacity_against_the_replays(bench, monkeypatch):
     assert 1 / 1.25 < predicted / measured < 1.25, (predicted, measured, probes)
 
 
-def test_each_arm_of_a_round_gets_its_share_of_a_short_budget(bench):
-    base = static_best_of(bench.cfg)
-    other = dataclasses.replace(base, name="static-best, 2 sequences", max_num_seqs=2)
-    # a low rate, long outputs and a first look of 400 requests: a probe that would run for minutes
+def test_each_arm_of_a_round_gets_its_share_of_a_short_budget(monkeypatch):
+    """Probes that would run past any budget (each one runs to the deadline it is given, on a virtual clock):
+    the first arm of a round may not spend the second one's share, and a round whose first looks cannot fit in
+    what is left is not started."""
+    import ops.paired as paired
+    from ops.bench import SLO
+    from ops.capacity import Probe
+    from ops.traces import load_trace
+
+    clock = [100.0]
+    given: list = []
+
+    def endless_probe(engine, records, prompts, rate, slo, warmup, plan, max_output, window=0, deadline=None):
+        given.append((rate, deadline - clock[0]))
+        clock[0] = deadline  # it ran until it was stopped, counting a few requests
+        return Probe(rate=rate, outcomes=[1] * 5, warmup=warmup, window=window, verdict="undecided"), []
+
+    class Engine:
+        def generate(self, *a, **k):
+            return []
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(paired, "probe", endless_probe)
+    base = VariantSpec(name="static-best")
+    other = dataclasses.replace(base, name="other", max_num_seqs=2)
     arms = [ArmRun(base, saturation=3.0), ArmRun(other, saturation=3.0)]
-    pj = _judge(bench, max_output=48, cap=600, first_look=600)
-    pj.deadline = time.perf_counter() + 24  # 12 s each: a few requests even on a loaded machine
+    pj = PairedJudge(lambda v: Engine(), lambda recs, seed: [[1] * 8 for _ in recs], Windows(load_trace(str(TRACE))),
+                     SLO(ttft_s=0.5, tpot_s=0.1), 8, JudgeConfig.for_cpu(first_look=20, cap=60))
+    pj.deadline = clock[0] + 40
     caps = pj.search(arms)
-    assert time.perf_counter() < pj.deadline + 10
-    for a in arms:  # the first arm did not spend the second one's time: both counted requests
-        assert caps[a.variant.variant_id].requests > 0, caps[a.variant.variant_id].describe()
+    assert [round(d, 6) for _, d in given] == [20.0, 20.0]  # half each, not all of it to the first
+    for a in arms:
+        assert caps[a.variant.variant_id].requests == 5
+    assert clock[0] == pj.deadline  # and no round started with nothing left
