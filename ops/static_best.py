@@ -93,15 +93,16 @@ def unloaded_latency(engine: LLMEngine, prompts: list[list[int]], output: int, n
 
 
 def unloaded_points(engine: LLMEngine, prompts: list[list[int]], output: int, n: int = 6,
-                    tries: int = 2) -> list[tuple[int, float, float]]:
+                    tries: int = 3) -> list[tuple[int, float, float]]:
     """(prompt tokens, TTFT, TPOT) of ``n`` requests each run alone, spread over the slice's prompt lengths, its
-    longest among them; each the fastest of ``tries`` runs (a moment of contention on a shared machine does not
-    loosen an SLO derived from them)."""
+    longest among them; each the fastest of ``tries`` runs, taken in ``tries`` passes over all of them (so that
+    a request's runs lie seconds apart, and a moment of contention on a shared machine, which slows whatever
+    runs during it, does not loosen an SLO derived from them)."""
     engine.generate([prompts[0][:16]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up, untimed
-    out = []
-    for p in spread_by_length(prompts, n):
-        best = (float("inf"), float("inf"))
-        for _ in range(max(1, tries)):
+    chosen = spread_by_length(prompts, n)
+    best = [(float("inf"), float("inf")) for _ in chosen]
+    for _ in range(max(1, tries)):
+        for k, p in enumerate(chosen):
             engine.block_manager.reset_prefix_cache()
             t0 = time.perf_counter()
             engine.add_request(p, SamplingParams(max_tokens=output, ignore_eos=True))
@@ -111,9 +112,8 @@ def unloaded_points(engine: LLMEngine, prompts: list[list[int]], output: int, n:
                     if first is None and o.token_ids:
                         first = time.perf_counter()
             end = time.perf_counter()
-            best = (min(best[0], first - t0), min(best[1], (end - first) / max(1, output - 1)))
-        out.append((len(p), best[0], best[1]))
-    return out
+            best[k] = (min(best[k][0], first - t0), min(best[k][1], (end - first) / max(1, output - 1)))
+    return [(len(p), t, d) for p, (t, d) in zip(chosen, best)]
 
 
 def derive_slo(unloaded) -> SLO:
