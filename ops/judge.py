@@ -219,6 +219,9 @@ class Confirmation:
 
     def line(self) -> str:
         before = "".join(f"{r:.3f} req/s: {c:.2f} vs {b:.2f}; " for r, b, c, *_ in self.steps[:-1])
+        if not (self.base.n and self.cand.n):
+            return (f"held-out window (requests from #{self.window}), " + (f"{before}" if before else "")
+                    + "the judge's budget ended before both arms replayed the next rate: not confirmed")
         return (f"held-out window (requests from #{self.window}), " + (f"first {before}then " if before else "")
                 + f"at {self.rate:.3f} req/s: attainment {self.cand.attainment:.2f} ({self.cand.interval[0]:.2f}-"
                 f"{self.cand.interval[1]:.2f}, n {self.cand.n}) vs static-best {self.base.attainment:.2f} "
@@ -245,6 +248,7 @@ def confirm(replay: Callable[[str, float], Probe], cand: Capacity, base: Capacit
     step = max(1.1, min(2.0, ratio))
     rate = confirm_rate(cand, base)
     steps = []
+    light = heavy = 0.0  # the highest rate both met the target at, the lowest both missed it at
     for k in range(max(1, max_rates)):
         b = replay("base", rate)
         c = replay("cand", rate)
@@ -257,8 +261,14 @@ def confirm(replay: Callable[[str, float], Probe], cand: Capacity, base: Capacit
         if done:
             return Confirmation(rate, b.window, b, c, d, lo, hi, holds, steps)
         if b.attainment >= target and c.attainment >= target:
-            rate *= step
+            light = rate
         elif b.attainment < target and c.attainment < target:
+            heavy = rate
+        if light and heavy:  # both passed below and both missed above: between them, not back to either
+            rate = math.sqrt(light * heavy)
+        elif light == rate:
+            rate *= step
+        elif heavy == rate:
             rate /= step
         else:
             rate *= math.sqrt(step)

@@ -49,8 +49,8 @@ class JudgeConfig:
 
     @classmethod
     def for_cpu(cls, **kw) -> "JudgeConfig":
-        return cls(**{**dict(first_look=20, cap=60, steady=8.0, saturation_requests=16, confirm_requests=40,
-                             seconds=135.0, confirm_share=0.26, top=1, simulated_requests=1000), **kw})
+        return cls(**{**dict(first_look=20, cap=60, steady=8.0, saturation_requests=16, confirm_requests=32,
+                             seconds=140.0, confirm_share=0.3, top=1, simulated_requests=1000), **kw})
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

@@ -217,6 +217,13 @@ def test_a_choice_that_holds_out_of_sample_and_one_that_does_not():
     lighter = confirm(replay({"base": 2.8, "cand": 4.2}), cand, base)
     assert lighter.holds and len(lighter.steps) >= 2 and lighter.rate > held.rate
     assert lighter.steps[0][1] >= 0.9 and lighter.steps[0][2] >= 0.9 and "first " in lighter.line()
+    # both meet the target at the first rate and both miss it at the next: the third lies between the two
+    between = confirm(replay({"base": 2.7, "cand": 3.0}), cand, base)
+    r1, r2, r3 = (st[0] for st in between.steps)
+    assert r2 > r1 and r1 < r3 < r2 and abs(r3 - (r1 * r2) ** 0.5) < 1e-9 and between.holds
+    # a budget that ends before both arms replay the window: not confirmed, and said so
+    spent = confirm(lambda arm, rate: Probe(rate=rate, outcomes=[]), cand, base)
+    assert not spent.holds and "budget ended" in spent.line() and "nan" not in spent.line()
 
 
 def test_live_verification_rolls_back_a_significantly_worse_variant():
