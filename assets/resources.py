@@ -138,7 +138,7 @@ class VariantSource(dg.ConfigurableResource):
     llm_base_url: str = ""
     llm_model: str = "polyinf"
     llm_api_key: str = ""  # env_secret("OPENAI_API_KEY")
-    # the judge (ops/paired.JudgeConfig): its time budget (0: the device's default, 135 s on a CPU, 600 s on a
+    # the judge (ops/paired.JudgeConfig): its time budget (0: the device's default, 140 s on a CPU, 600 s on a
     # GPU), the candidates it replays against static-best, and whether latency at the traffic's own rate may be
     # traded for capacity (the report then names the trade)
     judge_seconds: float = 0.0

@@ -40,7 +40,7 @@ def main() -> int:
     ap.add_argument("--time-scale", type=float, default=1.0)
     ap.add_argument("--num-kv-blocks", type=int, default=1024)
     ap.add_argument("--change", required=True, help="JSON object of VariantSpec fields to change in static-best")
-    ap.add_argument("--judge-seconds", type=float, help="the judge's budget (default: 135 on a CPU, 600 on a GPU)")
+    ap.add_argument("--judge-seconds", type=float, help="the judge's budget (default: 140 on a CPU, 600 on a GPU)")
     ap.add_argument("--first-look", type=int, help="counted requests at a probe's first look")
     ap.add_argument("--cap", type=int, help="most counted requests of one probe")
     ap.add_argument("--slo-ttft-ms", type=float)

@@ -164,7 +164,7 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
                         "traffic's observed rate)")
     p.add_argument("--judge-seconds", type=seconds, default=None,
                    help="the judge's budget: lockstep capacity searches and the held-out confirmation (default: "
-                        "135 s on a CPU, 600 s on a GPU)")
+                        "140 s on a CPU, 600 s on a GPU)")
     p.add_argument("--judge-top", type=positive, default=None,
                    help="candidates the judge replays against static-best, the simulator's best (default: 1 on a "
                         "CPU, 2 on a GPU; Holm's correction over them)")
