@@ -219,7 +219,7 @@ class Capacity:
             return f"above {self.estimate:.3f} req/s (nothing probed failed)"
         hi = "inf" if self.high == math.inf else f"{self.high:.3f}"
         return f"{self.estimate:.3f} req/s (95% {self.low:.3f}-{hi})" + \
-            (" undecided: the budget ended before a 10% bracket" if self.status == "undecided" else "")
+            (" undecided: the budget or the probe limit ended the search before a 10% bracket" if self.status == "undecided" else "")
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -268,6 +268,23 @@ def _replicate(probes: list[Probe], rng: random.Random, target: float) -> float:
     if hi == math.inf:
         return curve[-1][0]
     return math.exp(rng.uniform(math.log(lo), math.log(hi)))
+
+
+def _replicate_range(probes: list[Probe], rng: random.Random, target: float) -> tuple[float, float]:
+    """One bootstrap replicate of a capacity as the range it can lie in: a point (as ``_replicate``) where the
+    redrawn curve crosses the target, (0, lowest rate] where every redrawn rate failed, [highest rate, inf)
+    where every one passed. A probe that decided nothing (its interval holds the target) is redrawn to either
+    side, so its arm's bound is not taken for a measurement."""
+    curve = fit(_resample(probes, rng))
+    lo, hi = bracket(curve, target)
+    if not curve:
+        return 0.0, math.inf
+    if lo == 0.0:
+        return 0.0, curve[0][0]
+    if hi == math.inf:
+        return curve[-1][0], math.inf
+    x = math.exp(rng.uniform(math.log(lo), math.log(hi)))
+    return x, x
 
 
 def capacity_of(probes: list[Probe], target: float = TARGET, replicates: int = 1000, seed: int = 0,

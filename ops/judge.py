@@ -24,7 +24,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from ops.capacity import TARGET, Capacity, Probe, _quantile, _replicate, newcombe, wilson
+from ops.capacity import TARGET, Capacity, Probe, _quantile, _replicate_range, newcombe, wilson
 
 MIN_GAIN = 1.05  # a capacity ratio whose lower bound does not clear this is no reason to change
 TOLERANCE = 0.05  # saturation throughput and latency may not be worse by more than this
@@ -69,7 +69,7 @@ class Comparison:
         if not self.measured:
             return "no ratio (an arm was not measured)"
         if self.high == math.inf and self.low == 0.0:
-            return "no ratio (both capacities are bounds on the same side)"
+            return "no ratio (its 95% interval runs from 0 to inf: an arm is known only as a bound)"
         hi = "inf" if self.high == math.inf else f"{self.high:.2f}"
         return f"{self.ratio:.2f}x (95% {self.low:.2f}-{hi}x)"
 
@@ -82,17 +82,21 @@ def ratio_interval(cand: Capacity, base: Capacity, replicates: int = 2000, seed:
                    target: float = TARGET) -> tuple[float, float, float, float]:
     """(ratio, low, high, p) of two capacities: the estimates' ratio, its 95% interval from the block
     bootstrap of both arms' probes, and the one-sided p-value of "ratio <= MIN_GAIN". A censored end enters
-    as its bound (below: the lowest rate probed, an upper bound; above: the highest, a lower bound), which
-    errs against a verdict either way."""
+    as the range it leaves open (``_replicate_range``): the lower bound takes each replicate's least ratio, the
+    upper bound its greatest, which errs against a verdict either way (an arm whose one probe decided nothing
+    is not "below" in every replicate)."""
     rng = random.Random(seed)
-    ratios = []
+    least, most = [], []
     for _ in range(replicates):
-        b = _replicate(base.probes, rng, target)
-        c = _replicate(cand.probes, rng, target)
-        ratios.append(c / b if b > 0 else math.inf)
-    ratios.sort()
+        b_lo, b_hi = _replicate_range(base.probes, rng, target)
+        c_lo, c_hi = _replicate_range(cand.probes, rng, target)
+        least.append(c_lo / b_hi if b_hi > 0 else math.inf)
+        most.append(c_hi / b_lo if b_lo > 0 else math.inf)
+    least.sort()
+    most.sort()
+    ratios = least
     est = cand.estimate / base.estimate if base.estimate > 0 else math.inf
-    low, high = _quantile(ratios, 0.025), _quantile(ratios, 0.975)
+    low, high = _quantile(least, 0.025), _quantile(most, 0.975)
     if cand.censored == "above" or base.censored == "below":
         high = math.inf  # the ratio is only bounded below
     if cand.censored == "below" or base.censored == "above":

@@ -37,7 +37,7 @@ class JudgeConfig:
     steady: float = 10.0  # a probe's counted requests span at least this many unloaded service times
     warmup: float = 2.0  # requests arriving within this many unloaded service times are not counted
     resolution: float = 1.10  # the bracket the search bisects to
-    max_probes: int = 6  # per arm
+    max_probes: int = 8  # per arm
     saturation_requests: int = 32  # the window replayed at once for the saturation throughput
     saturation_rounds: int = 3  # paired rounds of it (the guard needs every round lower to refuse)
     confirm_requests: int = 80  # counted requests of each arm in the held-out confirmation
@@ -136,9 +136,15 @@ class PairedJudge:
         """Each arm's capacity: the judge's search (``capacity.Searcher``) for every arm, probed round by round on
         shared windows. An arm starts at its saturation throughput, or below it at the simulator's prediction
         with a first step of twice the simulator's error (given, or a prior of 20%; 15% to 100%) instead of
-        doubling."""
+        doubling; never below the slowest rate whose first looks the budget affords (an arm failing there is
+        censored below it)."""
         typical = self.typical_service(self.windows.take("search", 0)[1] or self.windows.records[:32])
         searches: dict[str, capacity.Searcher] = {}
+        # the slowest rate the budget affords: two first looks per arm (warm-up included) in the time left. A
+        # probe below it would count nothing before the deadline, so the search starts and stops no lower, and
+        # an arm failing there is censored below it instead of left unmeasured
+        left = self.deadline - time.perf_counter()
+        affordable = 2 * len(arms) * (self.cfg.first_look + 2) / left if left > 0 else math.inf
         for a in arms:
             sat = a.saturation or 1.0
             start, step = sat, 2.0
@@ -149,6 +155,11 @@ class PairedJudge:
                 err = sim_error if not math.isnan(sim_error) else 0.2
                 step = min(2.0, max(1.15, 1 + 2 * err))
             floor = sat / (5 * max(1, a.variant.max_num_seqs))  # requests rarely overlap below this
+            if affordable > max(floor, start):
+                self.log(f"judge: {a.variant.name}: the budget affords probes no slower than {affordable:.3f} "
+                         f"req/s (start {start:.3f}, floor {floor:.3f} raised to it)")
+            floor = min(max(floor, affordable), 4 * sat)
+            start = max(start, floor)
             searches[a.variant.variant_id] = capacity.Searcher(start, step=step, floor=floor, ceiling=4 * sat,
                                                             resolution=self.cfg.resolution,
                                                             max_probes=self.cfg.max_probes)

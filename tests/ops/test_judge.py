@@ -183,6 +183,23 @@ def test_censored_capacities_give_a_censored_verdict_never_nan():
     assert c.verdict == "better" and c.high == math.inf and c.low > 1.05
 
 
+
+def test_a_baseline_censored_by_one_undecided_probe_does_not_make_a_gain():
+    """A baseline whose only probe decided nothing (52/60 = 0.87, interval 0.76-0.93, holding the target) is
+    "below" that rate by its point estimate alone: redrawn, it passes as often as not, so the ratio's lower
+    bound cannot rest on that bound. The same baseline failing decisively there does bound the ratio."""
+    rng = random.Random(5)
+    cand = _arm("cand", _capacity(10.0, rng))
+    undecided = Probe(rate=2.0, outcomes=[1] * 52 + [0] * 8, verdict="undecided")
+    base = _arm("base", capacity_of([undecided]))
+    assert base.capacity.censored == "below"
+    c = compare(cand, base)
+    assert c.verdict == "no detectable difference" and c.low < 1.05 and decide(base, [cand]).kept
+    assert "nan" not in c.line()
+    failed = Probe(rate=2.0, outcomes=[1] * 30 + [0] * 30, verdict="fail")
+    c = compare(cand, _arm("base", capacity_of([failed])))
+    assert c.verdict == "better" and c.low > 3
+
 def test_an_arm_the_budget_never_reached_is_unmeasured_not_censored():
     rng = random.Random(12)
     none = capacity_of([])

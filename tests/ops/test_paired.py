@@ -122,3 +122,40 @@ def test_each_arm_of_a_round_gets_its_share_of_a_short_budget(monkeypatch):
     for a in arms:
         assert caps[a.variant.variant_id].requests == 5
     assert clock[0] == pj.deadline  # and no round started with nothing left
+
+
+def test_a_prediction_too_slow_for_the_budget_is_probed_at_the_slowest_affordable_rate(monkeypatch):
+    """A prediction far below what the budget can probe (a first look at it would outlast the budget): the search
+    starts at the slowest rate whose first looks fit, and an arm failing there is censored below that rate,
+    not left unmeasured."""
+    import ops.paired as paired
+    from ops.bench import SLO
+    from ops.capacity import Probe
+    from ops.traces import load_trace
+
+    clock = [100.0]
+    rates: list = []
+
+    def failing_probe(engine, records, prompts, rate, slo, warmup, plan, max_output, window=0, deadline=None):
+        rates.append(rate)
+        clock[0] = min(deadline, clock[0] + (warmup + plan[0]) / rate)
+        return Probe(rate=rate, outcomes=[0] * plan[0], warmup=warmup, window=window, verdict="fail"), []
+
+    class Engine:
+        def generate(self, *a, **k):
+            return []
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(paired, "probe", failing_probe)
+    base = VariantSpec(name="static-best")
+    other = dataclasses.replace(base, name="other")
+    arms = [ArmRun(base, saturation=30.0, predicted=0.05), ArmRun(other, saturation=30.0, predicted=0.08)]
+    pj = PairedJudge(lambda v: Engine(), lambda recs, seed: [[1] * 8 for _ in recs], Windows(load_trace(str(TRACE))),
+                     SLO(ttft_s=0.5, tpot_s=0.1), 8, JudgeConfig.for_cpu(first_look=20, cap=60))
+    pj.deadline = clock[0] + 40
+    caps = pj.search(arms)
+    affordable = 2 * 2 * (20 + 2) / 40
+    assert rates and min(rates) >= affordable * (1 - 1e-9)
+    for a in arms:
+        cap = caps[a.variant.variant_id]
+        assert cap.requests >= 20 and cap.censored == "below"
+        assert cap.estimate == pytest.approx(affordable)
