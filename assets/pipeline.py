@@ -8,7 +8,7 @@ import dagster as dg
 
 from assets.deployments import DEPLOYMENTS, deployment_key, for_deployment, record_file  # noqa: F401 (callers' names)
 from assets.resources import ArtifactStore, Endpoint, EngineRunner, TrafficSource, VariantSource
-from ops.board_store import masked
+from ops.search.board_store import masked
 
 
 # The checks' partitions are a Dagster preview feature that this graph relies on; its warning at import time
@@ -57,7 +57,7 @@ def _table(rows: list[dict]) -> dg.MetadataValue:
 def _plots(context, artifacts: ArtifactStore, search, results: list, cost: dict, judged=None) -> dict:
     """The slow tier's figures as PNGs: written to the artifacts (beside the build) and embedded in the
     asset's metadata as images; returns the metadata entries (the CLI prints the paths)."""
-    from ops.plots import attainment_vs_rate, predicted_vs_measured, throughput_vs_tpot
+    from ops.search.plots import attainment_vs_rate, predicted_vs_measured, throughput_vs_tpot
 
     pngs = {
         "throughput vs TPOT": throughput_vs_tpot([(v.name, r.output_tok_s, 1e3 * r.tpot_p50) for v, r in results],
@@ -104,7 +104,7 @@ def traffic_traces(context: dg.AssetExecutionContext, traffic: TrafficSource) ->
 @dg.asset(partitions_def=DEPLOYMENTS, group_name="traffic", kinds={"python"},
           description="Arrival rate, burstiness, length percentiles and prefix reuse of the traffic.")
 def traffic_profile(context: dg.AssetExecutionContext, traffic_traces: list, traffic: TrafficSource):
-    from ops.traces import profile
+    from ops.traffic.traces import profile
 
     prof = profile(traffic_traces)
     context.add_output_metadata({**{k: dg.MetadataValue.float(float(v)) for k, v in prof.to_json().items()
@@ -118,7 +118,7 @@ def traffic_profile(context: dg.AssetExecutionContext, traffic_traces: list, tra
 def model_spec(context: dg.AssetExecutionContext, runner: EngineRunner):
     runner = for_deployment(context, runner)
     from engine import resolve
-    from ops.model_spec import model_spec as spec_of
+    from ops.measure.model_spec import model_spec as spec_of
 
     spec = spec_of(resolve(runner.model), runner.dtype)
     context.add_output_metadata({k: v for k, v in spec.to_json().items() if isinstance(v, (int, str))})
@@ -129,7 +129,7 @@ def model_spec(context: dg.AssetExecutionContext, runner: EngineRunner):
           description="Measured memory bandwidth, matmul FLOP/s and launch overhead of this machine.")
 def hardware_profile(context: dg.AssetExecutionContext, runner: EngineRunner):
     runner = for_deployment(context, runner)
-    from ops.hardware import probe
+    from ops.measure.hardware import probe
 
     hw = probe(runner.device)
     context.add_output_metadata({"device": hw.device, "memory bandwidth GB/s": hw.memory_bandwidth / 1e9,
@@ -144,8 +144,8 @@ def hardware_profile(context: dg.AssetExecutionContext, runner: EngineRunner):
 def cost_model_plan(context: dg.AssetExecutionContext, model_spec, hardware_profile, traffic_profile,
                     traffic_traces: list, traffic: TrafficSource, runner: EngineRunner):
     runner = for_deployment(context, runner)
-    from engine.variant import VariantSpec
-    from ops.cost_model import plan
+    from engine.config.variant import VariantSpec
+    from ops.predict.cost_model import plan
 
     base = VariantSpec(name="baseline (default)")  # the engine's default configuration: the static baseline
     p = plan(model_spec, hardware_profile, traffic_profile, base, records=traffic_traces[: traffic.max_requests],
@@ -185,7 +185,7 @@ def variant_candidates(context: dg.AssetExecutionContext, cost_model_plan, hardw
 
 def _variant_of(row: dict):
     """The VariantSpec of an experiment row on the board."""
-    from engine.variant import VariantSpec
+    from engine.config.variant import VariantSpec
 
     return VariantSpec.from_json(json.loads(row["variant"]))
 
@@ -197,7 +197,7 @@ def _variant_of(row: dict):
 def fast_bench_results(context: dg.AssetExecutionContext, variant_candidates: list, hardware_profile,
                        source: VariantSource, runner: EngineRunner, traffic: TrafficSource) -> list:
     runner = for_deployment(context, runner)
-    from ops.worker import FAST
+    from ops.search.worker import FAST
 
     search = source.search(context, runner, traffic, hardware_profile)
     context.log.info(f"fast tier: {search.board.pending(search.id, FAST)} variants queued, "
@@ -221,7 +221,7 @@ def slow_bench_results(context: dg.AssetExecutionContext, fast_bench_results: li
                        source: VariantSource, runner: EngineRunner, traffic: TrafficSource,
                        artifacts: ArtifactStore) -> list:
     runner = for_deployment(context, runner)
-    from ops.worker import SLOW
+    from ops.search.worker import SLOW
 
     search = source.search(context, runner, traffic, hardware_profile)
     chosen = search.queue_slow(source.slow_top, source.speculation, source.precision)
@@ -234,7 +234,7 @@ def slow_bench_results(context: dg.AssetExecutionContext, fast_bench_results: li
     results = search.benches(SLOW, chosen)
     cost = search.cost_model_error(search.known_calibration() or search.calibration())
     # the judge: static-best and the simulator's best candidates replayed in lockstep on fresh windows of the
-    # trace, each capacity with its interval, the decision and its out-of-sample confirmation (ops/paired.py)
+    # trace, each capacity with its interval, the decision and its out-of-sample confirmation (ops/judge/paired.py)
     judged = search.judgement() or search.judge(source.judge_config(runner.device))
     for line in judged.lines():
         context.log.info(line)
@@ -300,8 +300,8 @@ def judgement_metadata(j) -> dict:
 def engine_build(context: dg.AssetExecutionContext, slow_bench_results: list, traffic_profile, model_spec,
                  hardware_profile, artifacts: ArtifactStore, source: VariantSource, runner: EngineRunner,
                  traffic: TrafficSource):
-    from ops.judge import Judgement
-    from ops.optimize import EngineBuild
+    from ops.judge.rule import Judgement
+    from ops.search.optimize import EngineBuild
 
     runner = for_deployment(context, runner)
 
@@ -387,11 +387,11 @@ def deployed_endpoint(context: dg.AssetExecutionContext, engine_build, runner: E
     import time
     from pathlib import Path
 
-    from ops.bench import SLO, own_rate
-    from ops.deploy import LiveWindows, deploy
-    from ops.drift import DeploymentRecord, capture_position, hardware_identity
-    from ops.judge import Judgement
-    from ops.paired import live_windows
+    from ops.measure.tiers import SLO, own_rate
+    from ops.release.deploy import LiveWindows, deploy
+    from ops.release.drift import DeploymentRecord, capture_position, hardware_identity
+    from ops.judge.rule import Judgement
+    from ops.judge.paired import live_windows
 
     runner, endpoint = for_deployment(context, runner, endpoint)
     url, token = endpoint.connect(runner, capture_dir=str(Path(artifacts.root) / "capture"))

@@ -45,7 +45,7 @@ class EngineRunner(dg.ConfigurableResource):
                             num_kv_blocks=self.num_kv_blocks, variant=variant, load_tokenizer=layers is None)
 
     def engine(self, layers: int | None = None, variant=None):
-        from engine.llm_engine import LLMEngine, LoadedModel
+        from engine.core.llm_engine import LLMEngine, LoadedModel
 
         key = (self.model, self.device, self.dtype, layers)
         with _LOCK:
@@ -66,7 +66,7 @@ class TrafficSource(dg.ConfigurableResource):
 
     trace: str
     capture_dir: str = ""  # an endpoint's capture directory, read instead of ``trace``
-    capture_from: int = 0  # capture positions [capture_from, capture_until) (see ops.drift.read_capture)
+    capture_from: int = 0  # capture positions [capture_from, capture_until) (see ops.release.drift.read_capture)
     capture_until: int | None = None  # None: up to the newest record
     max_requests: int = 16  # a trace file's first records; a capture's newest (the slow tier's slice)
     max_input: int = 64  # clip prompt lengths to what the machine can replay in time
@@ -77,14 +77,14 @@ class TrafficSource(dg.ConfigurableResource):
     def records(self) -> list:
         """The TraceRecords the run tunes on, arrival-sorted."""
         if not self.capture_dir:
-            from ops.traces import load_trace
+            from ops.traffic.traces import load_trace
 
             return load_trace(self.trace, lenient=self.lenient)[: self.max_requests]
         return list(self.capture().records[-self.max_requests:])
 
     def capture(self):
-        """The ops.drift.CaptureSlice of the configured range of ``capture_dir``."""
-        from ops.drift import read_capture
+        """The ops.release.drift.CaptureSlice of the configured range of ``capture_dir``."""
+        from ops.release.drift import read_capture
 
         return read_capture(self.capture_dir, self.capture_from, self.capture_until, lenient=self.lenient)
 
@@ -100,7 +100,7 @@ class TrafficSource(dg.ConfigurableResource):
     def trace_file(self) -> str:
         """A trace file for the benchmark workers (which load a file by path): the trace itself, or the capture's
         range written beside the capture, named by its content, in arrival order: the slow tier replays its first
-        ``max_requests``, the judge's windows and its held-out part come from the rest (ops/paired.py)."""
+        ``max_requests``, the judge's windows and its held-out part come from the rest (ops/judge/paired.py)."""
         if not self.capture_dir:
             return self.trace
         import hashlib
@@ -146,7 +146,7 @@ class VariantSource(dg.ConfigurableResource):
     allow_latency_trade: bool = False
 
     def judge_config(self, device: str):
-        from ops.paired import JudgeConfig
+        from ops.judge.paired import JudgeConfig
 
         base = JudgeConfig.for_cpu() if device == "cpu" else JudgeConfig()
         kw = {"allow_trade": self.allow_latency_trade}
@@ -161,14 +161,14 @@ class VariantSource(dg.ConfigurableResource):
     def board_url(self) -> str:
         """What the board is opened with: ``board`` with ``board_password`` put into a Postgres URL (the URL
         the resource shows names none). Never log it: the board's ``where`` is the masked form."""
-        from ops.board_store import with_password
+        from ops.search.board_store import with_password
 
         return with_password(self.board, self.board_password)
 
     def agents(self, board):
-        """The default agents (ops.tune.default_agents), with the LLM agent when ``llm_base_url`` is set."""
-        from ops.llm_agent import LLMAgent
-        from ops.tune import default_agents
+        """The default agents (ops.search.tune.default_agents), with the LLM agent when ``llm_base_url`` is set."""
+        from ops.search.llm_agent import LLMAgent
+        from ops.search.tune import default_agents
 
         llm = None
         if self.llm_base_url:
@@ -178,7 +178,7 @@ class VariantSource(dg.ConfigurableResource):
 
     def search(self, context, runner: "EngineRunner", traffic: "TrafficSource", hardware=None, cost_plan=None):
         """The run's search on the board (one per Dagster run, so every asset step finds the same one)."""
-        from ops.tune import Search
+        from ops.search.tune import Search
 
         # one timed replay at the trace's rate per variant; the judge measures the capacities it compares
         cfg = search_config(runner, traffic, slow_repeats=1, capacity_probes=0, slow_layers=self.slow_layers or None)
@@ -189,7 +189,7 @@ class VariantSource(dg.ConfigurableResource):
 def search_config(runner: EngineRunner, traffic: TrafficSource, **tiers):
     """What a search measures, from the model and traffic resources; ``tiers``: SearchConfig's tier and SLO
     fields (slow_layers, slow_repeats, slo_ttft_s, ...). The CLI's ``tune`` and the assets both build it here."""
-    from ops.worker import SearchConfig
+    from ops.search.worker import SearchConfig
 
     return SearchConfig(model=runner.model, trace=traffic.trace_file(), device=runner.device, dtype=runner.dtype,
                         requests=traffic.max_requests, max_input=traffic.max_input, max_output=traffic.max_output,
@@ -264,7 +264,7 @@ class Endpoint(dg.ConfigurableResource):
                 raise dg.Failure(f"endpoint {self.url}: no admin token (set POLYINF_ADMIN_TOKEN, the engine's "
                                  "secret, where the code location and its steps run)")
             return self.url, self.admin_token
-        from ops.deploy import ServerProcess
+        from ops.release.deploy import ServerProcess
 
         with _LOCK:
             server = _SERVERS.get(runner.model)

@@ -21,10 +21,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ops.hardware import probe  # noqa: E402
-from ops.paired import ArmRun, JudgeConfig, PairedJudge, run_judgement  # noqa: E402
-from ops.traces import Windows  # noqa: E402
-from ops.worker import SLOW, SearchConfig, Workbench, static_best_of  # noqa: E402
+from ops.measure.hardware import probe  # noqa: E402
+from ops.judge.paired import ArmRun, JudgeConfig, PairedJudge, run_judgement  # noqa: E402
+from ops.traffic.traces import Windows  # noqa: E402
+from ops.search.worker import SLOW, SearchConfig, Workbench, static_best_of  # noqa: E402
 
 
 def main() -> int:

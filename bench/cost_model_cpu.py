@@ -21,12 +21,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.variant import VariantSpec  # noqa: E402
-from ops.board import Board  # noqa: E402
-from ops.cost_model import ROOFLINE, mape, predicted_capacity, simulate, spearman  # noqa: E402
-from ops.tune import Search  # noqa: E402
-from ops.hardware import probe  # noqa: E402
-from ops.worker import SLOW, SearchConfig, Workbench  # noqa: E402
+from engine.config.variant import VariantSpec  # noqa: E402
+from ops.search.board import Board  # noqa: E402
+from ops.predict.cost_model import ROOFLINE, mape, predicted_capacity, simulate, spearman  # noqa: E402
+from ops.search.tune import Search  # noqa: E402
+from ops.measure.hardware import probe  # noqa: E402
+from ops.search.worker import SLOW, SearchConfig, Workbench  # noqa: E402
 
 BASE = VariantSpec(name="baseline (default)")
 VARIANTS = [BASE] + [dataclasses.replace(BASE, name=n, **kw) for n, kw in [

@@ -45,7 +45,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from engine import EngineConfig, LLMEngine, SamplingParams, VariantSpec, resolve
-    from engine.loader import smollm2_gguf_path
+    from engine.loader.model_source import smollm2_gguf_path
 
     lengths = azure_lengths(args.trace, args.requests, args.max_input, args.max_output)
     gen = torch.Generator().manual_seed(0)

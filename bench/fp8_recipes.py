@@ -1,6 +1,6 @@
 """FP8 quantization recipes on real weights: which recipe lets SmolLM2 pass the FP8 gate, and why the default fails.
 
-The FP8 weight variant (engine/precision.py) quantizes every dense projection, the lm_head included, to e4m3
+The FP8 weight variant (engine/model/precision.py) quantizes every dense projection, the lm_head included, to e4m3
 with one scale per output channel; on a GPU the activations are quantized to e4m3 per row as well (the FP8
 GEMM's input), on a CPU they stay in float32. On SmolLM2-135M that fails the gate (max |dlogit| 5.14 against
 3). This study measures the gate's figures (teacher-forced top-1 agreement, max |dlogit|, mean KL along the
@@ -65,12 +65,12 @@ def fake_rows(x: torch.Tensor) -> torch.Tensor:
 
 class Recipes:
     """Installs a recipe's fake-quantized weights (and activation rounding) under the engine's weight-precision
-    hook: ``engine.precision.quantized_weights`` returns this table, ``kernels.linear.qlinear`` this linear."""
+    hook: ``engine.model.precision.quantized_weights`` returns this table, ``kernels.linear.linear.qlinear`` this linear."""
 
     def __init__(self, model):
-        import engine.precision as precision
-        import kernels.linear as linear
-        from kernels.quant import QuantizedWeight
+        import engine.model.precision as precision
+        import kernels.linear.linear as linear
+        from kernels.linear.quant import QuantizedWeight
 
         self.precision, self.linear, self.QW = precision, linear, QuantizedWeight
         self.model = model
@@ -90,7 +90,7 @@ class Recipes:
     def targets(self) -> dict[str, list[tuple[str, torch.Tensor]]]:
         """Name -> (part, weight): each decoder layer's dense projections ("attn": QKV and output, "mlp": gate/up
         and down), and the lm_head."""
-        from engine.model import MLP
+        from engine.model.transformer import MLP
 
         out = {}
         for i, layer in enumerate(self.model.layers):
@@ -138,7 +138,7 @@ def main() -> int:
     from checks.quality import _stack, forced_agreement
     from checks.report import PRECISION_THRESHOLDS
     from engine import EngineConfig, LLMEngine, VariantSpec, resolve
-    from engine.variant import REFERENCE_VARIANT
+    from engine.config.variant import REFERENCE_VARIANT
 
     t0 = time.perf_counter()
     base = LLMEngine(EngineConfig(source=resolve(args.model), device="cpu", dtype=args.dtype, num_kv_blocks=8))

@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD python bench/gpu_bench.py [--out DIR] [--only SECTION,...]
 
 The sections live in bench/gpu/, one module each over a shared harness (bench/gpu/harness.py), and take
-their engine forms from the named presets of engine/presets.py:
+their engine forms from the named presets of engine/config/presets.py:
 
 1. Correctness on the GPU (correctness.py): each Triton kernel against its plain-torch reference (bf16); a
    tiny Llama and a tiny Qwen3-MoE through the engine (Triton kernels, CUDA graphs, decode run ahead of the

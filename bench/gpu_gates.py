@@ -17,8 +17,8 @@ sys.path.insert(0, str(ROOT))
 
 from checks.gates import gate_variant  # noqa: E402
 from engine import EngineConfig, LLMEngine, resolve  # noqa: E402
-from engine.presets import preset_variant  # noqa: E402
-from engine.variant import REFERENCE_VARIANT  # noqa: E402
+from engine.config.presets import preset_variant  # noqa: E402
+from engine.config.variant import REFERENCE_VARIANT  # noqa: E402
 
 
 def main() -> int:
@@ -30,7 +30,7 @@ def main() -> int:
     ap.add_argument("--only", default="", help="gate only the variants whose name contains this text")
     args = ap.parse_args()
     graphs = (1, 2, 4, 8, 16, 32)
-    # the validated forms of engine/presets.py (each gated on either model; the MoE form with its whole-row tiles
+    # the validated forms of engine/config/presets.py (each gated on either model; the MoE form with its whole-row tiles
     # sized to the MoE shape's hidden 2,048, as measured best there)
     forms = {"triton": "triton", "triton + graphs": "triton-paged",
              "triton + graphs + GEMV + split-KV": "gemv-split-kv", "... + dependent launch (pdl 1)": "gemv-split-kv-pdl",

@@ -1,6 +1,6 @@
 """Generated kernels on a GPU: the boundary holds compiled, as it does interpreted on a CPU.
 
-Every templated kernel (ops/kernel_templates.py) is checked, smoke-run in an isolated child and compiled in
+Every templated kernel (ops/search/kernel_templates.py) is checked, smoke-run in an isolated child and compiled in
 this process, then compared with the plain-torch reference at the model's served shapes (bfloat16 and
 float32); a kernel reading far past or before its input reads only zeros (its loads are masked to the
 tensor's bounds); a kernel that never finishes fails its smoke run at the time limit; and a model
@@ -20,10 +20,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from engine.errors import VariantError  # noqa: E402
-from engine.generated_source import load_kernel, materialize, prepare_generated, smoke_in_child  # noqa: E402
-from engine.kernel_grammar import check_kernel  # noqa: E402
-from kernels.generated import REFERENCES, make_launcher, smoke_cases  # noqa: E402
-from ops.kernel_templates import DEFAULT_TILES, FORMS, KernelChoice  # noqa: E402
+from engine.generated.source import load_kernel, materialize, prepare_generated, smoke_in_child  # noqa: E402
+from engine.generated.grammar import check_kernel  # noqa: E402
+from kernels.generated.launch import REFERENCES, make_launcher, smoke_cases  # noqa: E402
+from ops.search.kernel_templates import DEFAULT_TILES, FORMS, KernelChoice  # noqa: E402
 
 ROWS: list[tuple[str, str]] = []
 DIMS = {"hidden": 4096, "intermediate": 14336,  # the 8B shape

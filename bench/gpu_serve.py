@@ -57,8 +57,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     env = ensure_serving_packages(Path("/tmp/polyinf-serving-deps"))
     sys.path.insert(0, str(ROOT))
-    from engine.presets import preset_variant
-    from engine.variant import VariantSpec
+    from engine.config.presets import preset_variant
+    from engine.config.variant import VariantSpec
 
     variant = preset_variant("triton-paged", name="tuned: triton + graphs",
                              cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64))
@@ -90,7 +90,7 @@ def main() -> int:
                 pass
             time.sleep(1)
         rows.append(("server ready (load synthetic 8B, warm-up, graph capture)", f"{time.time() - t0:.1f} s"))
-        from ops.traces import load_trace
+        from ops.traffic.traces import load_trace
 
         records = load_trace(args.trace)[: args.requests]
         expected_out = sum(max(1, min(r.output_tokens, args.max_output)) for r in records)

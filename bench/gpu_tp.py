@@ -22,7 +22,7 @@ import torch
 from bench.gpu import harness as gb
 from bench.gpu.harness import row
 from bench.gpu.throughput import trace_requests
-from engine.presets import TRITON_ALL, TRITON_GEMV
+from engine.config.presets import TRITON_ALL, TRITON_GEMV
 
 ROOT = Path(__file__).resolve().parent.parent
 TRITON = {**TRITON_ALL, **TRITON_GEMV}
@@ -39,8 +39,8 @@ def _sync() -> None:
 
 def _engine(rank: int, tp: int, dtype: str, layers: int | None, spec_json: dict, blocks: int):
     from engine import EngineConfig, LLMEngine, resolve
-    from engine.parallel import rank_device
-    from engine.variant import VariantSpec
+    from engine.model.parallel import rank_device
+    from engine.config.variant import VariantSpec
 
     spec = VariantSpec.from_json({**spec_json, "tp": tp})
     return LLMEngine(EngineConfig(source=resolve(MODEL, synthetic=True, seed=0), device=rank_device(DEVICE, rank),
@@ -99,7 +99,7 @@ def throughput_job(rank: int, tp: int, spec_json: dict, reqs: list) -> dict:
 
 
 def run(tp: int, job, *args) -> dict:
-    from engine.parallel import run_ranks
+    from engine.model.parallel import run_ranks
 
     return run_ranks(tp, DEVICE, _with_globals, MODEL, DEVICE, job, tp, *args)
 

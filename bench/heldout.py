@@ -3,7 +3,7 @@
 Reads the newest engine build the job wrote (``--artifacts``; or ``--build``): its judgement names static-best
 and the variant it chose, or, when it kept static-best, the candidate that came closest. Starts a real
 ``polyinf serve`` on loopback, and in ``--rounds`` interleaved rounds (A B, A B, ...) hot-swaps each arm in and
-replays over HTTP (``ops/replay.py``, the OpenAI streaming client) ``--requests`` requests from the middle of
+replays over HTTP (``ops/traffic/replay.py``, the OpenAI streaming client) ``--requests`` requests from the middle of
 the trace's held-out part (its last third: the job's confirmation takes the start of it and its live
 verification the end; nothing in the middle is replayed by the job), their lengths kept and their arrivals
 redrawn as a Poisson process at ``--rate`` (default: the traffic's observed rate, as the judgement
@@ -34,16 +34,16 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from engine import resolve  # noqa: E402
-from engine.loader import load_config  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
-from ops.board import Board  # noqa: E402
-from ops.capacity import newcombe, wilson  # noqa: E402
-from ops.deploy import ServerProcess, _live_window  # noqa: E402
-from ops.judge import Judgement  # noqa: E402
-from ops.corpus import corpus_for  # noqa: E402
-from ops.replay import synthesize_prompts  # noqa: E402
-from ops.traces import Windows, load_trace  # noqa: E402
-from ops.worker import SearchConfig  # noqa: E402
+from engine.loader.model_source import load_config  # noqa: E402
+from engine.loader.tokenizer import Tokenizer  # noqa: E402
+from ops.search.board import Board  # noqa: E402
+from ops.judge.capacity import newcombe, wilson  # noqa: E402
+from ops.release.deploy import ServerProcess, _live_window  # noqa: E402
+from ops.judge.rule import Judgement  # noqa: E402
+from ops.traffic.corpus import corpus_for  # noqa: E402
+from ops.traffic.replay import synthesize_prompts  # noqa: E402
+from ops.traffic.traces import Windows, load_trace  # noqa: E402
+from ops.search.worker import SearchConfig  # noqa: E402
 
 
 def newest_build(artifacts: Path) -> Path:

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from ops.kernel_templates import KernelChoice
+from ops.search.kernel_templates import KernelChoice
 
 GEN_SILU = KernelChoice("silu_and_mul", "silu_tile", (("BLOCK_D", 1024),))  # a generated Triton kernel
 

@@ -27,14 +27,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine import EngineConfig, LLMEngine, resolve  # noqa: E402
-from engine.loader import load_config  # noqa: E402
-from engine.static_best import lookup  # noqa: E402
-from engine.variant import VariantSpec  # noqa: E402
-from ops.bench import SLO, BenchResult, own_rate, served_tier, slow_tier  # noqa: E402
-from ops.optimize import capacity_ratio  # noqa: E402
-from ops.replay import synthesize_prompts  # noqa: E402
-from ops.static_best import derive_slo, unloaded_latency  # noqa: E402
-from ops.traces import load_trace  # noqa: E402
+from engine.loader.model_source import load_config  # noqa: E402
+from engine.config.static_best import lookup  # noqa: E402
+from engine.config.variant import VariantSpec  # noqa: E402
+from ops.measure.tiers import SLO, BenchResult, own_rate, served_tier, slow_tier  # noqa: E402
+from ops.search.optimize import capacity_ratio  # noqa: E402
+from ops.traffic.replay import synthesize_prompts  # noqa: E402
+from ops.measure.static_best_sweep import derive_slo, unloaded_latency  # noqa: E402
+from ops.traffic.traces import load_trace  # noqa: E402
 
 
 def layout(text: str) -> tuple[int, int]:

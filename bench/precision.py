@@ -54,7 +54,7 @@ def main() -> int:
 
     from checks.gates import gate_variant
     from engine import EngineConfig, LLMEngine, SamplingParams, VariantSpec, resolve
-    from engine.precision import dense_weights, quantized_bytes
+    from engine.model.precision import dense_weights, quantized_bytes
 
     base = LLMEngine(EngineConfig(source=resolve(args.model), device=args.device, dtype=args.dtype, num_kv_blocks=8))
     kinds = ["auto", *args.kinds]

@@ -16,10 +16,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.variant import VariantSpec  # noqa: E402
-from ops.board import Board  # noqa: E402
-from ops.hardware import probe  # noqa: E402
-from ops.worker import FAST, SearchConfig, Workbench, work  # noqa: E402
+from engine.config.variant import VariantSpec  # noqa: E402
+from ops.search.board import Board  # noqa: E402
+from ops.measure.hardware import probe  # noqa: E402
+from ops.search.worker import FAST, SearchConfig, Workbench, work  # noqa: E402
 
 
 def variants(n: int) -> list[VariantSpec]:

@@ -1,8 +1,8 @@
 """Tuning against static-best, decided by the judge, on a CPU or a GPU.
 
 For each traffic slice (the Azure conversation trace, the Mooncake conversation trace, and a bursty
-long-prompt slice shaped like the Azure code trace): a search (``ops.tune.tune``) whose baseline is the
-model's static-best, then the judge (``ops/judge.py``, measured in lockstep by ``ops/paired.py``): each arm's
+long-prompt slice shaped like the Azure code trace): a search (``ops.search.tune.tune``) whose baseline is the
+model's static-best, then the judge (``ops/judge/rule.py``, measured in lockstep by ``ops/judge/paired.py``): each arm's
 capacity at the SLO with its 95% interval, every rate probe (at least ``--first-look`` counted requests), the
 capacity ratio with its interval, the verdict (better, worse, no detectable difference, censored), the
 out-of-sample confirmation and the simulator's error. Figures print as one table; JSON lands in --out.
@@ -33,10 +33,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ops.judge import Judgement  # noqa: E402
-from ops.paired import JudgeConfig  # noqa: E402
-from ops.tune import Budget, static_best_of, tune  # noqa: E402
-from ops.worker import SearchConfig  # noqa: E402
+from ops.judge.rule import Judgement  # noqa: E402
+from ops.judge.paired import JudgeConfig  # noqa: E402
+from ops.search.tune import Budget, static_best_of, tune  # noqa: E402
+from ops.search.worker import SearchConfig  # noqa: E402
 
 ROWS: list[tuple[str, str]] = []
 

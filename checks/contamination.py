@@ -22,8 +22,8 @@ import torch
 
 from checks.engines import EngineFactory, GateSettings, blocks_needed, drain
 from checks.report import CheckResult, QualityReport
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.config.sampling_params import SamplingParams
 
 
 def _poison_on_allocate(eng: LLMEngine) -> None:

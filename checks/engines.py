@@ -7,9 +7,9 @@ from typing import Callable
 
 import torch
 
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.variant import VariantSpec
+from engine.core.llm_engine import LLMEngine
+from engine.config.sampling_params import SamplingParams
+from engine.config.variant import VariantSpec
 
 
 @dataclass(frozen=True)

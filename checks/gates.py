@@ -14,8 +14,8 @@ from checks.engines import EngineFactory, GateSettings, factory_for
 from checks.prompts import contamination_prompts, shipped_prompts
 from checks.quality import quality_checks
 from checks.report import CheckResult, QualityReport, QualityThresholds, thresholds_for
-from engine.llm_engine import LLMEngine
-from engine.variant import VariantSpec
+from engine.core.llm_engine import LLMEngine
+from engine.config.variant import VariantSpec
 
 __all__ = ["EngineFactory", "GateSettings", "factory_for", "gate_variant", "run_gates"]
 
@@ -54,7 +54,7 @@ def run_gates(reference: EngineFactory, candidate: EngineFactory, *, reference_i
 def gate_variant(base: LLMEngine, candidate: VariantSpec, reference: VariantSpec | None = None,
                  **kwargs) -> QualityReport:
     """The gates for a VariantSpec over ``base``'s weights, against the reference (plain-torch) variant."""
-    from engine.variant import REFERENCE_VARIANT
+    from engine.config.variant import REFERENCE_VARIANT
 
     reference = reference or dataclasses.replace(REFERENCE_VARIANT, block_size=candidate.block_size)
     return run_gates(factory_for(base, reference), factory_for(base, candidate), reference_id=reference.variant_id,

@@ -21,7 +21,7 @@ import torch
 
 from checks.engines import EngineFactory, GateSettings, generate_tokens
 from checks.report import CheckResult, QualityReport, QualityThresholds
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 
 
 @dataclass(frozen=True)

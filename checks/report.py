@@ -35,7 +35,7 @@ DEFAULT_THRESHOLDS = {
                                  max_rounding_kl=5e-3),
 }
 
-# A variant with quantized weights (engine/precision.py) is judged by its precision's limits, whatever the
+# A variant with quantized weights (engine/model/precision.py) is judged by its precision's limits, whatever the
 # checkpoint's dtype: per-channel int8 moves each weight by up to half a step (0.4% of the row's largest
 # |w|; about 1% relative error over a matrix, measured on SmolLM2), e4m3 by up to 1/16 of the value (about
 # 2.6%), and errors of that size shift logits by tenths, so exact float32 limits would refuse any

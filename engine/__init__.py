@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {"EngineConfig": "engine.engine_config", "LLMEngine": "engine.llm_engine",
-            "RequestOutput": "engine.llm_engine", "ModelSource": "engine.loader", "resolve": "engine.loader",
-            "SamplingParams": "engine.sampling_params", "VariantSpec": "engine.variant"}
+_EXPORTS = {"EngineConfig": "engine.config.engine_config", "LLMEngine": "engine.core.llm_engine",
+            "RequestOutput": "engine.core.llm_engine", "ModelSource": "engine.loader.model_source", "resolve": "engine.loader.model_source",
+            "SamplingParams": "engine.config.sampling_params", "VariantSpec": "engine.config.variant"}
 __all__ = sorted(_EXPORTS)
 
 

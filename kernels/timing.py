@@ -1,5 +1,5 @@
 """Timing a kernel as a decode step runs it, and whether Triton runs on the CPU interpreter: shared by the Triton
-operations that choose their tiles by measurement (kernels/linear_triton.py, kernels/qmma_triton.py)."""
+operations that choose their tiles by measurement (kernels/linear/linear_triton.py, kernels/linear/qmma_triton.py)."""
 from __future__ import annotations
 
 import os

@@ -37,22 +37,22 @@ class DriftConfig(dg.ConfigurableResource):
     deployments: list[str] = []  # partition keys (model|device|endpoint) to tune besides the one on record
 
     def thresholds(self):
-        from ops.drift import DriftThresholds
+        from ops.release.drift import DriftThresholds
 
         return DriftThresholds(self.input_p50_ratio, self.input_p90_ratio, self.output_p50_ratio,
                                self.arrival_rate_ratio, self.prefix_reuse_delta, self.min_requests,
                                self.confirmations, self.min_interval_s)
 
     def record(self):
-        """The ops.drift.DeploymentRecord of the latest deployed build, or None before the first deployment."""
-        from ops.drift import DeploymentRecord
+        """The ops.release.drift.DeploymentRecord of the latest deployed build, or None before the first deployment."""
+        from ops.release.drift import DeploymentRecord
 
         return DeploymentRecord.load(Path(self.deployment_record))
 
     def record_for(self, key: str):
         """The record of the deployment partition ``key`` (each deployment's is kept beside the latest), or None."""
         from assets.deployments import record_file
-        from ops.drift import DeploymentRecord
+        from ops.release.drift import DeploymentRecord
 
         latest = self.record()
         if latest is not None and latest.partition_key == key:
@@ -61,7 +61,7 @@ class DriftConfig(dg.ConfigurableResource):
 
     def records(self) -> list:
         """Every deployment's record: the latest, and each one kept beside it."""
-        from ops.drift import DeploymentRecord
+        from ops.release.drift import DeploymentRecord
 
         folder = Path(self.deployment_record).parent
         found = [DeploymentRecord.load(p) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
@@ -72,7 +72,7 @@ class DriftConfig(dg.ConfigurableResource):
 
 
 def _capture_config(traffic: TrafficSource, capture) -> dict:
-    """Run config that makes a run's ``traffic`` resource read ``capture`` (an ops.drift.CaptureSlice).
+    """Run config that makes a run's ``traffic`` resource read ``capture`` (an ops.release.drift.CaptureSlice).
 
     Run config replaces a resource's whole configuration (Dagster does not merge it with the values the
     Definitions gave), so the rest of the traffic settings come from this code location's own resource."""
@@ -84,7 +84,7 @@ def _capture_config(traffic: TrafficSource, capture) -> dict:
 def _since_build(record, traffic: TrafficSource, min_requests: int) -> tuple[dict, str]:
     """(run config, what it tunes on) for a run re-tuning the deployment on record: the traffic captured since
     its build went live, or, with fewer than ``min_requests`` records there, the resource's trace file."""
-    from ops.drift import read_capture
+    from ops.release.drift import read_capture
 
     if record.capture_dir:
         capture = read_capture(record.capture_dir, record.capture_start, lenient=True)
@@ -122,8 +122,8 @@ def _cursor(context) -> dict:
 @dg.sensor(job=OPTIMIZE_JOB, minimum_interval_seconds=60,
            description="Fires when the live endpoint's captured traffic drifts from what its build was tuned on.")
 def traffic_drift_sensor(context: dg.SensorEvaluationContext, drift: DriftConfig, traffic: TrafficSource):
-    from ops.drift import read_capture, traffic_drift
-    from ops.traces import profile
+    from ops.release.drift import read_capture, traffic_drift
+    from ops.traffic.traces import profile
 
     record = drift.record()
     if record is None or not record.capture_dir:
@@ -170,7 +170,7 @@ def traffic_drift_sensor(context: dg.SensorEvaluationContext, drift: DriftConfig
 def model_drift_sensor(context: dg.SensorEvaluationContext, drift: DriftConfig):
     from engine import resolve
     from engine.errors import EngineError
-    from ops.model_spec import weights_hash
+    from ops.measure.model_spec import weights_hash
 
     record = drift.record()
     if record is None:
@@ -192,7 +192,7 @@ def model_drift_sensor(context: dg.SensorEvaluationContext, drift: DriftConfig):
            description="Fires when the hardware the deployment runs on changes (device model, count or driver): "
                        "its build was tuned for other hardware.")
 def hardware_drift_sensor(context: dg.SensorEvaluationContext, drift: DriftConfig, traffic: TrafficSource):
-    from ops.drift import HardwareIdentity, hardware_identity
+    from ops.release.drift import HardwareIdentity, hardware_identity
 
     record = drift.record()
     if record is None:

@@ -33,7 +33,7 @@ class Services:
     deployments: tuple[str, ...] = ()  # partition keys this code location tunes (pipelines/sensors.py registers them)
 
     def __post_init__(self):
-        from ops.board_store import POSTGRES_SCHEMES, is_url, masked
+        from ops.search.board_store import POSTGRES_SCHEMES, is_url, masked
 
         if self.board and is_url(self.board):
             scheme = self.board.partition("://")[0].lower()

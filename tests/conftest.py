@@ -55,7 +55,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 @pytest.fixture(scope="session")
 def smollm2_path():
-    from engine.loader import smollm2_gguf_path
+    from engine.loader.model_source import smollm2_gguf_path
 
     return smollm2_gguf_path()
 
@@ -190,7 +190,7 @@ def postgres_server():
     import secrets as secrets_mod
     import subprocess
 
-    from ops.deploy import free_port
+    from ops.release.deploy import free_port
 
     bindir = _postgres_bin()
     if bindir is None:

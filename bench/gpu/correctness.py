@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from bench.gpu.harness import row, section
-from engine.presets import preset_variant, with_pdl
+from engine.config.presets import preset_variant, with_pdl
 
 
 def err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -22,17 +22,17 @@ def err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @section
 def kernel_checks() -> bool:
-    from kernels.activation import silu_and_mul_ref
-    from kernels.activation_triton import silu_and_mul_triton
-    from kernels.attention import AttentionMetadata, paged_attention_ref
-    from kernels.attention_triton import paged_attention_triton, split_kv_attention_triton
-    from kernels.moe import moe_ref
-    from kernels.moe_params import MoeParams, NormMoeParams
-    from kernels.moe_triton import moe_triton
-    from kernels.norm import fused_add_rms_norm_ref
-    from kernels.norm_triton import fused_add_rms_norm_triton
-    from kernels.rotary import rotary_store_kv_ref
-    from kernels.rotary_triton import rotary_store_kv_triton
+    from kernels.pointwise.activation import silu_and_mul_ref
+    from kernels.pointwise.activation_triton import silu_and_mul_triton
+    from kernels.attention.attention import AttentionMetadata, paged_attention_ref
+    from kernels.attention.attention_triton import paged_attention_triton, split_kv_attention_triton
+    from kernels.moe.moe import moe_ref
+    from kernels.moe.moe_params import MoeParams, NormMoeParams
+    from kernels.moe.moe_triton import moe_triton
+    from kernels.pointwise.norm import fused_add_rms_norm_ref
+    from kernels.pointwise.norm_triton import fused_add_rms_norm_triton
+    from kernels.pointwise.rotary import rotary_store_kv_ref
+    from kernels.pointwise.rotary_triton import rotary_store_kv_triton
 
     dev, bf = "cuda", torch.bfloat16
     x = torch.randn(7, 4096, device=dev, dtype=bf)
@@ -65,8 +65,8 @@ def kernel_checks() -> bool:
     e_dec = max(err(paged_attention_triton(dq, kc, vc, dmeta, d ** -0.5, block_n=128, num_warps=8), dref),
                 err(split_kv_attention_triton(dq, kc, vc, dmeta, d ** -0.5, num_splits=4), dref))
     # fused rotary + KV store, on strided views of a fused QKV projection
-    from engine.config import ModelConfig
-    from engine.rope import rope_cos_sin
+    from engine.config.model_config import ModelConfig
+    from engine.model.rope import rope_cos_sin
 
     cfg = ModelConfig(model_type="llama", vocab_size=10, hidden_size=heads * d, intermediate_size=8,
                       num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kvh, head_dim=d)
@@ -83,8 +83,8 @@ def kernel_checks() -> bool:
     # the attention block in one launch (q/k norms, rotary, KV store, split-KV decode; the splits merged by the
     # merge kernel after or by the last split) against the reference, Qwen3-30B-A3B's heads, with dependent
     # launch, twice per setting (the last split's counters are reset by the kernel)
-    from kernels.attention import rotary_attention_ref
-    from kernels.attention_triton import rotary_attention_triton
+    from kernels.attention.attention import rotary_attention_ref
+    from kernels.attention.attention_triton import rotary_attention_triton
     from kernels.counters import ArrivalCounters
 
     qh, qkvh = 32, 4
@@ -122,7 +122,7 @@ def kernel_checks() -> bool:
                        decode_down_block_n=16, pdl=2))
     e_moe = max(err(moe_triton(xm, lg, w13, w2, 8, True, p_), mref) for p_ in forms)
     # the experts in one launch, twice with the kept float32 sum and counter (the kernel re-zeroes them)
-    from kernels.moe_triton import make_moe
+    from kernels.moe.moe_triton import make_moe
 
     one = make_moe(decode_split_down=3, decode_chunk=48, decode_block_k=256, decode_down_block_n=128, pdl=2)
     for t_ in (1, 3, 3):
@@ -130,8 +130,8 @@ def kernel_checks() -> bool:
     scale = mref.abs().max().item()
     # the MoE block after attention (norm + router + routing in one launch, sum by the last pair's program),
     # float32 so that no routing decision sits within rounding of a tie; with dependent launch
-    from kernels.moe import norm_moe_ref
-    from kernels.moe_triton import norm_moe_triton
+    from kernels.moe.moe import norm_moe_ref
+    from kernels.moe.moe_triton import norm_moe_triton
 
     f32 = dict(device=dev, dtype=torch.float32)
     xs, rs, nws = torch.randn(3, 2048, **f32), torch.randn(3, 2048, **f32), torch.randn(2048, **f32)
@@ -147,15 +147,15 @@ def kernel_checks() -> bool:
             e_nmoe = max(e_nmoe, err(o_, nref[:t_]) / nref.abs().max().item(), err(s_, nsum[:t_]))
     del w13s, w2s
     # the L2 prefetch kernel reads every element once (its per-program sums add up)
-    from kernels.prefetch_triton import prefetch_sums
+    from kernels.attention.prefetch_triton import prefetch_sums
 
     wp = torch.randn(4096 * 4096 + 77, device=dev, dtype=bf)
     e_pf = abs(prefetch_sums(wp, programs=528, block=4096).double().sum().item() - wp.double().sum().item())
     e_nmoe = max(e_nmoe, e_pf / 1e3)  # reported with norm_moe; the sum of 16.8M bf16 values is ~1e3 in size
     # decode matrix-vector kernels (autotuned tiles), alone and with the norm / activation fused in; error
     # relative to the output's scale, since bf16 outputs of sums over 4096-14336 terms round at ~1e-2
-    from kernels.linear import act_linear_ref, linear_ref, norm_linear_ref
-    from kernels.linear_triton import act_linear_triton, linear_triton, norm_linear_triton
+    from kernels.linear.linear import act_linear_ref, linear_ref, norm_linear_ref
+    from kernels.linear.linear_triton import act_linear_triton, linear_triton, norm_linear_triton
 
     e_gemv = 0.0
     for rows_ in (1, 3):

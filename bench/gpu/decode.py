@@ -1,5 +1,5 @@
 """4. The Llama-3.1-8B-shaped model (random bf16 weights): batch-1 decode as a fraction of the roofline
-(weight + KV bytes per token over the copy bandwidth), form by form (presets of engine/presets.py), against
+(weight + KV bytes per token over the copy bandwidth), form by form (presets of engine/config/presets.py), against
 transformers with a static cache on the same weights."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import traceback
 import torch
 
 from bench.gpu.harness import GRAPH_SIZES, Llama8B, decode_tps, row, section, timed
-from engine.presets import preset_variant
+from engine.config.presets import preset_variant
 
 
 # the 8B decode forms after the reference: (label, preset, CUDA graphs), each run ahead of the host; in the order
@@ -97,8 +97,7 @@ def llama8b_decode(m: Llama8B, bw: float, quick: bool = False):
             hf_rates[label] = new / (time.perf_counter() - t)
         row(f"8B transformers generate, static cache, {label}, b=1 (incl. prefill)",
             f"{hf_rates[label]:.1f} tok/s = {100 * hf_rates[label] / roofline:.0f}% roofline (warm-up {warm:.0f} s)")
-    from kernels import linear_triton as lt
-
+    from kernels.linear import linear_triton as lt
     row("GEMV: the engine's per-shape choice (True: Triton beat the plain-torch path)",
         "; ".join(f"{k_[1]}x{k_[2]} rows {k_[0]} prologue {k_[3]}: {v}" for k_, v in lt._FASTER.items()) or "none")
     row(f"8B best decode b=1: [{best[2]}]", f"{best[0]:.1f} tok/s = {100 * best[0] / roofline:.1f}% roofline, "

@@ -14,7 +14,7 @@ def experts_timer(eng, cfg):
     """(us(params), bytes): microseconds per call of the experts alone at batch 1 (``make_moe(**params)``: the
     routing, gate/up and down with the sum), each call on another layer's experts, so none is served from L2;
     and the bytes of weights one call reads."""
-    from kernels.moe_triton import make_moe
+    from kernels.moe.moe_triton import make_moe
 
     k_, xs = cfg.num_experts_per_tok, torch.randn(1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
     lgs = [torch.randn(1, cfg.num_experts, device="cuda", dtype=torch.bfloat16) for _ in range(24)]
@@ -97,8 +97,8 @@ def experts_alone() -> None:
     """The experts alone at batch 1 (routing, gate/up with the activation, down with the sum), on synthetic
     Qwen3-30B-A3B-shaped expert weights of 24 layers (each call on another layer's, so none is served from L2),
     over the tiles; each tile's output first checked against the reference MoE."""
-    from kernels.moe import moe_ref
-    from kernels.moe_triton import make_moe
+    from kernels.moe.moe import moe_ref
+    from kernels.moe.moe_triton import make_moe
 
     bf = torch.bfloat16
     layers = [(torch.randn(128, 1536, 2048, device="cuda", dtype=bf) * 0.02,

@@ -158,10 +158,10 @@ class Llama8B:
     def __init__(self) -> None:
         import transformers as tf
         from engine import EngineConfig, LLMEngine
-        from engine.config import ModelConfig
-        from engine.llm_engine import LoadedModel
-        from engine.loader import PRESETS_DIR, resolve
-        from engine.weights import assemble
+        from engine.config.model_config import ModelConfig
+        from engine.core.llm_engine import LoadedModel
+        from engine.loader.model_source import PRESETS_DIR, resolve
+        from engine.loader.weights import assemble
 
         self.raw = json.loads((PRESETS_DIR / "llama-3.1-8b.json").read_text())
         hf_cfg = tf.LlamaConfig(**{k: v for k, v in self.raw.items() if k != "architectures"})

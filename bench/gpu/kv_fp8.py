@@ -11,7 +11,7 @@ import traceback
 import torch
 
 from bench.gpu.harness import Llama8B, row, section
-from engine.presets import preset_variant
+from engine.config.presets import preset_variant
 
 
 def _greedy(eng, prompts, new):

@@ -30,8 +30,8 @@ def machine() -> tuple[float, float]:
 @section
 def attention_bandwidth():
     import torch.nn.functional as F
-    from kernels.attention import AttentionMetadata
-    from kernels.attention_triton import paged_attention_triton, split_kv_attention_triton
+    from kernels.attention.attention import AttentionMetadata
+    from kernels.attention.attention_triton import paged_attention_triton, split_kv_attention_triton
 
     heads, kvh, d, bs, batch = 32, 8, 128, 16, 8
     for ctx in (4096, 32768):
@@ -59,8 +59,7 @@ def attention_bandwidth():
 def gemv_bandwidth(bw: float):
     """The 8B model's decode projections at batch 1: our matrix-vector kernels against cuBLAS."""
     import torch.nn.functional as F
-    from kernels import linear_triton as lt
-
+    from kernels.linear import linear_triton as lt
     dev, bf = "cuda", torch.bfloat16
     x, r, nw = (torch.randn(1, 4096, device=dev, dtype=bf) for _ in range(3))
     nw = nw[0]
@@ -93,8 +92,8 @@ def l2_survival() -> None:
     """Whether weights read into L2 ahead stay there while the experts stream through: a QKV-shaped GEMV (5,120 x
     2,048 bf16, 21 MB) timed from HBM (L2 flushed), right after the prefetch kernel read it, and after the
     prefetch and then 75 MB of other weights streamed by a GEMV with and without the "evict first" policy."""
-    from kernels.linear_triton import linear_triton
-    from kernels.prefetch_triton import prefetch_triton
+    from kernels.linear.linear_triton import linear_triton
+    from kernels.attention.prefetch_triton import prefetch_triton
 
     bf = torch.bfloat16
     w = torch.randn(5120, 2048, device="cuda", dtype=bf)

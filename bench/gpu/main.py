@@ -22,7 +22,7 @@ from bench.gpu.precision_step import decode_forms_by_precision, projections_alon
 from bench.gpu.qmma import qmma_checks, qmma_decode, qmma_projections, qmma_served, qmma_step_tiles, qmma_sweep
 from bench.gpu.swap import cold_start_and_swap, cold_start_child
 from bench.gpu.throughput import llama8b_throughput
-from engine.presets import preset_variant
+from engine.config.presets import preset_variant
 
 SECTIONS = ("attention", "gemv", "decode", "throughput", "swap", "moe", "experts", "precision", "precision-step",
             "kv-fp8", "precision-serve", "qmma")  # --only

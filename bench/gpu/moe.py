@@ -11,7 +11,7 @@ import torch
 
 from bench.gpu.experts import experts_sweep, one_launch_sweep
 from bench.gpu.harness import decode_tps, kernel_profile, row, section, timed
-from engine.presets import TRITON_ALL, preset, preset_variant, with_pdl
+from engine.config.presets import TRITON_ALL, preset, preset_variant, with_pdl
 
 
 @section

@@ -11,7 +11,7 @@ import traceback
 import torch
 
 from bench.gpu.harness import Llama8B, decode_tps, graph_timed, row, section
-from engine.presets import preset_variant
+from engine.config.presets import preset_variant
 
 KINDS = ("auto", "int8", "fp8")
 
@@ -19,8 +19,8 @@ KINDS = ("auto", "int8", "fp8")
 @section
 def quantized_kernel_checks() -> bool:
     """Each path of the quantized linear against the float64 product of the dequantized weights."""
-    from kernels.linear_triton import act_linear_triton, linear_triton, norm_linear_triton
-    from kernels.quant import qlinear, qlinear_exact, quantize
+    from kernels.linear.linear_triton import act_linear_triton, linear_triton, norm_linear_triton
+    from kernels.linear.quant import qlinear, qlinear_exact, quantize
 
     ok = True
     torch.manual_seed(1)
@@ -52,12 +52,12 @@ def quantized_kernel_checks() -> bool:
                                                                                         dtype=torch.bfloat16)
         qw = quantize(torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02, kind)
         x = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)
-        from kernels.norm import fused_add_rms_norm_ref
+        from kernels.pointwise.norm import fused_add_rms_norm_ref
 
         h, _ = fused_add_rms_norm_ref(x, r, nw, 1e-5)
         e1 = (norm_linear_triton(x, r, nw, 1e-5, qw)[0].double() - qlinear_exact(h, qw)).abs().max().item()
         gu = torch.randn(2, 8192, device="cuda", dtype=torch.bfloat16)
-        from kernels.activation import silu_and_mul_ref
+        from kernels.pointwise.activation import silu_and_mul_ref
 
         e2 = (act_linear_triton(gu, qw).double() - qlinear_exact(silu_and_mul_ref(gu), qw)).abs().max().item()
         row(f"quantized norm_linear / act_linear {kind} (fused prologues)", f"max abs error {e1:.3g} / {e2:.3g}")
@@ -68,8 +68,8 @@ def quantized_kernel_checks() -> bool:
 @section
 def gemv_bandwidth_by_precision(bw: float) -> None:
     """The decode GEMV on the 8B's MLP up-projection at batch 1: bytes over time, against the copy bandwidth."""
-    from kernels.linear_triton import linear_triton
-    from kernels.quant import quantize
+    from kernels.linear.linear_triton import linear_triton
+    from kernels.linear.quant import quantize
 
     w = torch.randn(28672, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
@@ -99,7 +99,7 @@ def _logits(eng, prompt) -> torch.Tensor:
 @section
 def llama8b_precision(m: Llama8B, bw: float, prefill: bool = True, profile: bool = True):
     from engine import SamplingParams
-    from engine.precision import dense_weights, quantized_bytes
+    from engine.model.precision import dense_weights, quantized_bytes
 
     eng = m.engine
     prompt, new = list(range(1, 129)), 128

@@ -1,7 +1,7 @@
 """11. Quantized weights as the tuner serves them: the activations' one-launch FP8 quantization checked against
 the plain-torch path, then decode steps at the batch sizes a loaded server runs (1-32 sequences) for static-best
 in bf16, static-best with FP8 weights through the library's GEMM (the tuner's first precision candidate), and
-with the Triton projections (its candidate now: ``ops.tune.Search.precision_candidate``)."""
+with the Triton projections (its candidate now: ``ops.search.tune.Search.precision_candidate``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,8 +17,8 @@ from bench.gpu.harness import Llama8B, row, section
 def activation_quant_checks() -> bool:
     """quantize_rows_fp8 against kernels.quant's plain-torch quantize_rows, and the FP8 GEMM it feeds against the
     float64 product."""
-    from kernels.quant import _fp8_gemm, qlinear_exact, quantize, quantize_rows
-    from kernels.quant_triton import quantize_rows_fp8
+    from kernels.linear.quant import _fp8_gemm, qlinear_exact, quantize, quantize_rows
+    from kernels.linear.quant_triton import quantize_rows_fp8
 
     torch.manual_seed(5)
     ok = True
@@ -65,7 +65,7 @@ def _step_ms(eng, b: int, ctx: int = 192, new: int = 32) -> float:
 
 def fp8_forms(base) -> dict:
     """static-best with FP8 weights in the forms compared here: {label: VariantSpec}."""
-    from engine.presets import TRITON_GEMV, quantized_variant
+    from engine.config.presets import TRITON_GEMV, quantized_variant
 
     from bench.gpu.qmma import _with_mma
 
@@ -83,8 +83,8 @@ def served_decode_by_precision(m: Llama8B, out=None, batches=(1, 8, 16, 32)) -> 
     """Decode steps by form; the fastest FP8 form's change to static-best goes to ``out``/fp8_change.json (for
     bench/capacity_ab.py)."""
 
-    from engine.loader import resolve
-    from engine.static_best import lookup
+    from engine.loader.model_source import resolve
+    from engine.config.static_best import lookup
 
     eng = m.engine
     base = lookup(resolve("llama-3.1-8b"), "cuda", "bfloat16")

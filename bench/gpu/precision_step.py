@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.gpu.harness import Llama8B, decode_tps, row, section
-from engine.presets import preset_variant
+from engine.config.presets import preset_variant
 
 # (name, N, K, prologue) of the 8B's projections as a decode step calls them
 SHAPES = (("qkv", 6144, 4096, "norm"), ("o_proj", 4096, 4096, "plain"), ("gate_up", 28672, 4096, "norm"),
@@ -30,12 +30,12 @@ STEP_TILES = {
 
 @section
 def projections_alone(kinds=("auto", "fp8")) -> None:
-    import kernels.linear_triton as lt
-    from kernels.linear_triton import graph_time
-    from kernels.activation import silu_and_mul_ref
-    from kernels.norm import fused_add_rms_norm_ref
-    from kernels.norm_triton import fused_add_rms_norm_triton
-    from kernels.quant import qlinear_exact, quantize
+    import kernels.linear.linear_triton as lt
+    from kernels.linear.linear_triton import graph_time
+    from kernels.pointwise.activation import silu_and_mul_ref
+    from kernels.pointwise.norm import fused_add_rms_norm_ref
+    from kernels.pointwise.norm_triton import fused_add_rms_norm_triton
+    from kernels.linear.quant import qlinear_exact, quantize
 
     torch.manual_seed(2)
     dev = "cuda"
@@ -55,7 +55,7 @@ def projections_alone(kinds=("auto", "fp8")) -> None:
             elif prologue == "act":
                 path = lambda: lt.act_linear_triton(gu, wt)  # noqa: E731
                 fused = lambda: lt._gemv(gu, wt, None, lt.SILU_MUL, {}, k=k)  # noqa: E731
-                from kernels.activation_triton import silu_and_mul_triton
+                from kernels.pointwise.activation_triton import silu_and_mul_triton
 
                 unfused = lambda: lt._after_prologue(silu_and_mul_triton(gu), wt, None, {}, 4)  # noqa: E731
             else:

@@ -1,4 +1,4 @@
-"""12. Quantized weights on the tensor cores for 1-64 rows (kernels/qmma_triton.py): the kernel against its float64
+"""12. Quantized weights on the tensor cores for 1-64 rows (kernels/linear/qmma_triton.py): the kernel against its float64
 reference and the float64 product first, then each 8B projection alone (the GEMV the engine runs today, this
 kernel with its autotuned tiles, and cuBLAS on bf16 matrices of the same bytes and of the layer's own bytes),
 then batch-1 decode of each precision with and without it, then decode steps at the batch sizes a loaded server
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import triton
 
 from bench.gpu.harness import Llama8B, row, section
-from engine.presets import QUANTIZED_MMA
+from engine.config.presets import QUANTIZED_MMA
 
 SHAPES = (("qkv", 6144, 4096, "norm"), ("o_proj", 4096, 4096, "plain"), ("gate_up", 28672, 4096, "norm"),
           ("down", 4096, 14336, "act"), ("lm_head", 128256, 4096, "norm"))
@@ -25,10 +25,10 @@ SHAPES = (("qkv", 6144, 4096, "norm"), ("o_proj", 4096, 4096, "plain"), ("gate_u
 def qmma_checks() -> bool:
     """The kernel against its float64 reference (the same block-quantized activations: bf16 output rounding
     only) and against the float64 product of the unquantized activations (the activations' quantization)."""
-    from kernels.activation import silu_and_mul_ref
-    from kernels.norm import fused_add_rms_norm_ref
-    from kernels.qmma_triton import ADD_RMS_NORM, NONE, SILU_MUL, fused_norm_ref, qmma, qmma_ref
-    from kernels.quant import qlinear_exact, quantize
+    from kernels.pointwise.activation import silu_and_mul_ref
+    from kernels.pointwise.norm import fused_add_rms_norm_ref
+    from kernels.linear.qmma_triton import ADD_RMS_NORM, NONE, SILU_MUL, fused_norm_ref, qmma, qmma_ref
+    from kernels.linear.quant import qlinear_exact, quantize
 
     torch.manual_seed(12)
     ok = True
@@ -86,10 +86,10 @@ def qmma_checks() -> bool:
 @section
 def qmma_projections(kinds=("fp8", "int8"), rows=(1, 16)) -> None:
     """Each projection alone: the engine's GEMV path, this kernel (autotuned tiles), cuBLAS bf16."""
-    import kernels.linear_triton as lt
-    import kernels.qmma_triton as qm
-    from kernels.linear_triton import graph_time
-    from kernels.quant import quantize
+    import kernels.linear.linear_triton as lt
+    import kernels.linear.qmma_triton as qm
+    from kernels.linear.linear_triton import graph_time
+    from kernels.linear.quant import quantize
 
     torch.manual_seed(2)
     dev = "cuda"
@@ -142,9 +142,9 @@ def qmma_sweep(budget_s: float = 200.0) -> None:
     per projection and the autotuned choice (kernels/qmma_triton.candidates). gate_up and down first: the two
     furthest from the copy bandwidth; stops after ``budget_s``."""
 
-    import kernels.qmma_triton as qm
-    from kernels.linear_triton import graph_time
-    from kernels.quant import quantize
+    import kernels.linear.qmma_triton as qm
+    from kernels.linear.linear_triton import graph_time
+    from kernels.linear.quant import quantize
 
     torch.manual_seed(3)
     t0, dev = time.perf_counter(), "cuda"
@@ -194,7 +194,7 @@ def qmma_sweep(budget_s: float = 200.0) -> None:
 def _with_mma(spec, mma: int = 1, min_numel: int = 0):
     """``spec`` with its quantized projections on the tensor-core kernel from ``mma`` rows (autotuned tiles);
     ``min_numel``: at one row, only weights of that many elements (the smaller ones: the GEMV)."""
-    from engine.presets import TRITON_GEMV
+    from engine.config.presets import TRITON_GEMV
 
     params = {op: dict(p) for op, p in spec.kernel_params}
     for op in TRITON_GEMV:
@@ -203,7 +203,7 @@ def _with_mma(spec, mma: int = 1, min_numel: int = 0):
     return dataclasses.replace(spec, kernel_params=params)
 
 
-# batch 1: the tuner's own split (engine.presets.QUANTIZED_MMA: FP8 on the tensor cores for gate_up and lm_head, the
+# batch 1: the tuner's own split (engine.config.presets.QUANTIZED_MMA: FP8 on the tensor cores for gate_up and lm_head, the
 # GEMV for QKV, o_proj and down; int8 down on the tensor cores too); the other split (down on the kernel: 32 Mi)
 MIXED = QUANTIZED_MMA["fp8"]["mma_min_numel"]
 MIXED_INT8 = QUANTIZED_MMA["int8"]["mma_min_numel"]
@@ -283,7 +283,7 @@ def qmma_decode(m: Llama8B, quick: bool = False, pin: bool = False) -> None:
             token, want = eng.runner.graphs.input_ids[0].item(), logits[0].argmax().item()
             row(f"8B decode step b=1, {label}, pdl 1: the graph's greedy token against torch.argmax",
                 "equal" if token == want else f"DIFFERS: {token} against {want}")
-    import kernels.qmma_triton as qm
+    import kernels.linear.qmma_triton as qm
 
     row("qmma tiles chosen (batch 1)", json.dumps({f"{k[1]}x{k[2]} {k[3]} p{k[4]}": v for k, v in qm._TUNED.items()
                                                    if k[0] == 16}))
@@ -291,9 +291,9 @@ def qmma_decode(m: Llama8B, quick: bool = False, pin: bool = False) -> None:
 
 
 def greedy_token_kernel() -> None:
-    """The decode graph's argmax (kernels/argmax_triton.py) against torch.argmax on fresh logits (ties, NaN), and
+    """The decode graph's argmax (kernels/pointwise/argmax_triton.py) against torch.argmax on fresh logits (ties, NaN), and
     both timed on one and on 32 rows of the 8B's vocabulary (``graph_time``: replayed, the L2 flushed)."""
-    from kernels.argmax_triton import ArgmaxWorkspace, argmax_rows
+    from kernels.pointwise.argmax_triton import ArgmaxWorkspace, argmax_rows
     from kernels.timing import graph_time
 
     torch.manual_seed(5)
@@ -398,13 +398,13 @@ def qmma_step_tiles(m: Llama8B, budget_s: float = 240.0, sweep: bool = True) -> 
 @section
 def qmma_served(m: Llama8B, out=None, batches=(1, 8, 16, 32)) -> None:
     """Decode steps at 1-32 sequences: static-best bf16, its FP8 form on the tensor-core kernel at every row count,
-    and its FP8 and int8 forms as the tuner proposes them (engine.presets.quantized_variant); the chosen tiles and
+    and its FP8 and int8 forms as the tuner proposes them (engine.config.presets.quantized_variant); the chosen tiles and
     the fastest form's change to ``out``/qmma_change.json (for bench/capacity_ab.py)."""
-    import kernels.qmma_triton as qm
+    import kernels.linear.qmma_triton as qm
     from bench.gpu.precision_serve import served_steps
-    from engine.loader import resolve
-    from engine.presets import quantized_variant
-    from engine.static_best import lookup
+    from engine.loader.model_source import resolve
+    from engine.config.presets import quantized_variant
+    from engine.config.static_best import lookup
 
     eng = m.engine
     base = lookup(resolve("llama-3.1-8b"), "cuda", "bfloat16")

@@ -24,7 +24,7 @@ def cold_start_child(folder: str, variant_json: str, t0: float) -> None:
     torch.cuda.synchronize()
     marks["CUDA init"] = time.time() - t0
     from engine import EngineConfig, LLMEngine, SamplingParams, resolve
-    from engine.variant import VariantSpec
+    from engine.config.variant import VariantSpec
 
     spec = VariantSpec.from_json(json.loads(variant_json))
     cfg = EngineConfig(source=resolve(folder), device="cuda", dtype="bfloat16", num_kv_blocks=512,

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from bench.gpu.harness import DATASHEET_BF16, Llama8B, row, section
-from engine.presets import preset_variant
+from engine.config.presets import preset_variant
 
 
 def trace_requests(path: Path, n: int, max_in: int, max_out: int) -> list[tuple[int, int]]:

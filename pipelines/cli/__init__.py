@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
         from engine.errors import EngineError
-        from ops.traces import TraceError
+        from ops.traffic.traces import TraceError
     except ImportError as e:  # pragma: no cover
         print(f"polyinf: cannot import the engine: {e}", file=sys.stderr)
         return 2

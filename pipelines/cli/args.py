@@ -82,7 +82,7 @@ KNOB_ALIASES = {"weight_dtype": ("--quantization",)}
 
 def add_knob_args(p: argparse.ArgumentParser) -> None:
     """One flag per VariantSpec knob (its one definition): set, it overrides the variant's value."""
-    from engine.variant import VariantSpec
+    from engine.config.variant import VariantSpec
 
     for f in VariantSpec.knob_fields():
         flag = ("--" + f.name.replace("_", "-"), *KNOB_ALIASES.get(f.name, ()))
@@ -118,7 +118,7 @@ def engine_config(args: argparse.Namespace, with_variant_file: bool = True):
 
     from engine import EngineConfig, resolve
     from engine.errors import ConfigError
-    from engine.variant import VariantSpec
+    from engine.config.variant import VariantSpec
 
     model = getattr(args, "model_arg", None)
     if model is not None and args.model is not None and model != args.model:

@@ -15,7 +15,7 @@ def _generate(rank: int, config, prompt: str, params, chat: bool) -> dict:
     import dataclasses
 
     from engine import LLMEngine
-    from engine.parallel import rank_device
+    from engine.model.parallel import rank_device
 
     engine = LLMEngine(dataclasses.replace(config, device=rank_device(config.device, rank)))
     ids = prompt
@@ -37,7 +37,7 @@ def _generate(rank: int, config, prompt: str, params, chat: bool) -> dict:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine import SamplingParams
-    from engine.parallel import run_ranks
+    from engine.model.parallel import run_ranks
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -50,8 +50,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         raise ConfigError("generate runs one prompt on one engine: data-parallel replicas (-dp) are for serve")
     if tp > 1:  # one process per rank (GPU i for rank i, or gloo on CPU); rank 0 reports
-        from engine.loader import load_config
-        from engine.parallel import shard_config
+        from engine.loader.model_source import load_config
+        from engine.model.parallel import shard_config
 
         shard_config(load_config(config.source), tp)  # an indivisible model fails here, before any process starts
         out = run_ranks(tp, config.device, _generate, config, args.prompt, params, args.chat)
@@ -73,11 +73,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     kw = dict(host=args.host, port=args.port, admin_token=args.admin_token, api_key=args.api_key,
               capture_dir=args.capture_dir, capture_prompts=args.capture_prompts, log_level=args.log_level)
     if config.initial_variant().dp > 1:  # replicas behind a router in this process
-        from engine.router import serve_replicas
+        from engine.entrypoints.router import serve_replicas
 
         serve_replicas(config, name, **kw)
     else:  # with tp > 1, this process is rank 0 and starts the others
-        from engine.server import serve
+        from engine.entrypoints.server import serve
 
         serve(config, name, **kw)
     return 0
@@ -88,7 +88,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from checks.prompts import shipped_prompts, trace_prompts
     from engine import LLMEngine
     from engine.errors import ConfigError
-    from engine.variant import VariantSpec
+    from engine.config.variant import VariantSpec
 
     if not args.variant:
         raise ConfigError("check needs --variant FILE")
@@ -99,7 +99,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     base = LLMEngine(dataclasses.replace(config, variant=VariantSpec(name="reference"), num_kv_blocks=8))
     prompts = shipped_prompts(base)
     if args.trace:
-        from ops.traces import load_trace
+        from ops.traffic.traces import load_trace
 
         records = load_trace(args.trace, lenient=args.lenient)[: args.trace_prompts]
         prompts += trace_prompts([min(r.input_tokens, args.max_input) for r in records], base.model_config.vocab_size)
@@ -121,15 +121,15 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from engine import LLMEngine
     from engine.errors import ConfigError
-    from ops.bench import SLO, fast_tier, slow_tier
+    from ops.measure.tiers import SLO, fast_tier, slow_tier
 
     engine = LLMEngine(engine_config(args))
     if args.tier == "fast":
         result = fast_tier(engine, args.prefill_lengths, [(b, args.context) for b in args.decode_batches],
                            repeats=args.repeats)
     else:
-        from ops.replay import synthesize_prompts
-        from ops.traces import load_trace
+        from ops.traffic.replay import synthesize_prompts
+        from ops.traffic.traces import load_trace
 
         if not args.trace:
             raise ConfigError("the slow tier needs --trace")
@@ -143,7 +143,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_variants_show(args: argparse.Namespace) -> int:
-    from engine.variant import REFERENCE_VARIANT, VariantSpec
+    from engine.config.variant import REFERENCE_VARIANT, VariantSpec
 
     spec = VariantSpec.load(args.variant) if args.variant else REFERENCE_VARIANT
     print(json.dumps(spec.to_json(), indent=2))

@@ -9,7 +9,7 @@ from pipelines.cli.args import positive, scale, seconds
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from ops.traces import ImportStats, load_trace, profile
+    from ops.traffic.traces import ImportStats, load_trace, profile
 
     stats = ImportStats()
     records = load_trace(args.trace, fmt=args.format, lenient=args.lenient, stats=stats)
@@ -23,8 +23,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     import asyncio
 
     from engine.errors import ConfigError
-    from ops.replay import parse_goodput, replay_async, report_json, synthesize_prompts, vllm_result
-    from ops.traces import load_trace
+    from ops.traffic.replay import parse_goodput, replay_async, report_json, synthesize_prompts, vllm_result
+    from ops.traffic.traces import load_trace
 
     try:
         goodput = parse_goodput(args.goodput or [])
@@ -43,17 +43,17 @@ def cmd_replay(args: argparse.Namespace) -> int:
     vocab, tok = args.vocab_size, None
     if vocab is None:
         try:
-            from engine.loader import load_config, resolve
+            from engine.loader.model_source import load_config, resolve
 
             source = resolve(args.tokenizer or args.model)
             vocab = load_config(source).vocab_size
         except Exception:
             source, vocab = None, 32000
         if args.tokenizer and source is not None and source.tokenizer_path and source.kind != "synthetic":
-            from engine.tokenizer import Tokenizer
+            from engine.loader.tokenizer import Tokenizer
 
             tok = Tokenizer(source.tokenizer_path)  # prompts of real text, of the recorded lengths
-    from ops.corpus import corpus_for
+    from ops.traffic.corpus import corpus_for
 
     prompts = synthesize_prompts(records, vocab, max_input=args.max_input, seed=args.seed, tokenizer=tok,
                                  corpus=corpus_for(args.trace) if tok else None)

@@ -40,8 +40,8 @@ def print_optimize_report(result) -> None:
     """Every measured variant against static-best, the SLO, the judgement (each capacity with its interval and
     every probe, the comparison, the out-of-sample check), the decision and why, the gates, the deployment and
     its live verification, and where the board, the build and the plots are, from a run's outputs."""
-    from ops.judge import Judgement
-    from ops.optimize import decision_table
+    from ops.judge.rule import Judgement
+    from ops.search.optimize import decision_table
 
     build = result.output_for_node("engine_build")
     dep = result.output_for_node("deployed_endpoint")
@@ -86,9 +86,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     from assets.resources import EngineRunner, TrafficSource, VariantSource, search_config
     from engine.errors import ConfigError
-    from ops.llm_agent import LLMAgent
-    from ops.board import Board
-    from ops.tune import Budget, default_agents, tune
+    from ops.search.llm_agent import LLMAgent
+    from ops.search.board import Board
+    from ops.search.tune import Budget, default_agents, tune
 
     if args.budget < 2:
         raise ConfigError("--budget must allow at least 2 experiments (the baseline on both tiers)")
@@ -107,7 +107,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         key = os.environ.get(args.llm_api_key_env, "") if args.llm_api_key_env else ""
         llm = LLMAgent(base_url=args.llm_base_url, model=args.llm_model, api_key=key or "none", board=board,
                        timeout_s=args.llm_timeout, max_tokens=args.llm_max_tokens)
-    from ops.progress import SearchProgress
+    from ops.search.progress import SearchProgress
 
     # the log lines, and on a terminal a live line below them: stage, experiments per tier, best, time left
     progress = SearchProgress(args.budget_seconds)
@@ -125,9 +125,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_static_best(args: argparse.Namespace) -> int:
-    from engine import resolve, static_best
-    from ops.bench import SLO
-    from ops.static_best import sweep
+    from engine import resolve
+    from engine.config import static_best
+    from ops.measure.tiers import SLO
+    from ops.measure.static_best_sweep import sweep
 
     source = resolve(args.model)
     slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3) if args.slo_ttft_ms and args.slo_tpot_ms else None
@@ -142,9 +143,9 @@ def cmd_static_best(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from engine.errors import ConfigError
-    from ops.board import Board
-    from ops.hardware import probe
-    from ops.worker import SearchConfig, Workbench, work
+    from ops.search.board import Board
+    from ops.measure.hardware import probe
+    from ops.search.worker import SearchConfig, Workbench, work
 
     board = Board(args.board, lease_s=args.lease_s)
     try:
@@ -224,7 +225,7 @@ def add_parsers(sub) -> None:
     sb.add_argument("--num-kv-blocks", type=positive, default=1024)
     sb.add_argument("--slo-ttft-ms", type=seconds, default=None, help="default: derived from unloaded latency")
     sb.add_argument("--slo-tpot-ms", type=seconds, default=None)
-    sb.add_argument("--write", action="store_true", help="record the result in engine/presets/static_best.json")
+    sb.add_argument("--write", action="store_true", help="record the result in engine/data/static_best.json")
     sb.set_defaults(func=cmd_static_best)
 
     wk = sub.add_parser("worker", help="a benchmark worker: drain a search's experiment queue from the board")

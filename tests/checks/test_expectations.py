@@ -4,9 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from checks.expectations import expect_bench_results, expect_traces
-from engine.trace_record import TraceRecord
-from ops.bench import BenchResult
-from ops.traces import load_trace
+from engine.serving.trace_record import TraceRecord
+from ops.measure.tiers import BenchResult
+from ops.traffic.traces import load_trace
 
 AZURE = Path(__file__).resolve().parents[2] / "traces" / "AzureLLMInferenceTrace_conv.csv"
 

@@ -11,12 +11,12 @@ import torch
 from checks.gates import GateSettings, factory_for, run_gates
 from checks.prompts import shipped_prompts
 from engine import EngineConfig, LLMEngine
-from engine.block_manager import BlockManager
-from engine.loader import ModelSource
-from engine.variant import REFERENCE_VARIANT, VariantSpec
-from kernels.activation import silu_and_mul_ref
-from kernels.attention import paged_attention_ref
-from ops.kernel_templates import KernelChoice
+from engine.sched.block_manager import BlockManager
+from engine.loader.model_source import ModelSource
+from engine.config.variant import REFERENCE_VARIANT, VariantSpec
+from kernels.pointwise.activation import silu_and_mul_ref
+from kernels.attention.attention import paged_attention_ref
+from ops.search.kernel_templates import KernelChoice
 
 pytestmark = pytest.mark.slow  # SmolLM2 through the gates, many times
 

@@ -7,8 +7,8 @@ from checks.gates import GateSettings, factory_for, run_gates
 from checks.quality import quality_checks
 from checks.report import DEFAULT_THRESHOLDS, QualityReport
 from engine import LLMEngine
-from engine.variant import REFERENCE_VARIANT
-from kernels.activation import silu_and_mul_ref
+from engine.config.variant import REFERENCE_VARIANT
+from kernels.pointwise.activation import silu_and_mul_ref
 from tests.checks.test_gates import StaleReuse, _attention_keeping, _few, _with_block_manager, _with_ops
 
 pytestmark = pytest.mark.slow  # bf16 matmuls on a CPU without native bf16 are slow

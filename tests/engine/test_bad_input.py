@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams, resolve
-from engine.config import ModelConfig
+from engine.config.model_config import ModelConfig
 from engine.errors import ConfigError, RequestError, WeightsError
 
 TINY = {"model_type": "llama", "vocab_size": 50, "hidden_size": 16, "intermediate_size": 32,
@@ -52,7 +52,7 @@ def test_expert_outside_the_config():
     """A checkpoint's expert index beyond the config's expert count is a WeightsError naming the tensor."""
     from pathlib import Path
 
-    from engine.weights import assemble
+    from engine.loader.weights import assemble
 
     cfg = ModelConfig.from_file(Path(__file__).parent / "tiny_moe" / "config.json")
     name = f"model.layers.0.mlp.experts.{cfg.num_experts}.down_proj.weight"
@@ -106,7 +106,7 @@ def test_corrupt_gguf(tmp_path):
     with pytest.raises(WeightsError, match="not a readable GGUF"):
         LLMEngine(EngineConfig(source=resolve(str(bad))))
     truncated = tmp_path / "truncated.gguf"
-    from engine.loader import smollm2_gguf_path
+    from engine.loader.model_source import smollm2_gguf_path
 
     with open(smollm2_gguf_path(), "rb") as f:
         truncated.write_bytes(f.read(2_000_000))
@@ -201,7 +201,7 @@ def test_engine_loop_survives_a_request_that_fails_to_add(tmp_path):
     requests go on."""
     import asyncio
 
-    from engine.async_engine import AsyncEngine
+    from engine.serving.async_engine import AsyncEngine
 
     eng = LLMEngine(EngineConfig(source=resolve(str(_write_model(tmp_path))), num_kv_blocks=16))
     real = eng.add_request
@@ -289,8 +289,8 @@ def test_api_key_guards_the_openai_routes(tmp_path, monkeypatch):
     health and metrics routes stay open; the key never appears in a response."""
     from fastapi.testclient import TestClient
 
-    from engine.async_engine import AsyncEngine
-    from engine.server import build_app
+    from engine.serving.async_engine import AsyncEngine
+    from engine.entrypoints.server import build_app
 
     monkeypatch.delenv("POLYINF_API_KEY", raising=False)
     monkeypatch.setenv("VLLM_API_KEY", "sk-test-123")

@@ -1,4 +1,4 @@
-"""The GGUF conversion kept on disk (engine/gguf_file.py): the same tensors as converting the file, the file not
+"""The GGUF conversion kept on disk (engine/loader/gguf_file.py): the same tensors as converting the file, the file not
 parsed again on a hit, damaged entries rebuilt, an unwritable cache and an over-bound file still loaded."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-import engine.gguf_file as gf
+import engine.loader.gguf_file as gf
 
 HIDDEN, HEADS, KV_HEADS, FFN, VOCAB, LAYERS = 32, 4, 2, 48, 64, 3
 
@@ -61,9 +61,9 @@ def _converted(path) -> dict[str, torch.Tensor]:
     """Straight from the file, no cache."""
     from pathlib import Path
 
-    from engine.config import ModelConfig
+    from engine.config.model_config import ModelConfig
 
-    from engine.disk_cache import file_key
+    from engine.loader.disk_cache import file_key
 
     m = gf.GGUFModel.__new__(gf.GGUFModel)
     m.path, m._key = Path(path), file_key(Path(path))

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams, VariantSpec, resolve
-from kernels.attention import AttentionMetadata
-from engine.model_runner import KVCache
-from engine.rope import rope_cos_sin
+from kernels.attention.attention import AttentionMetadata
+from engine.worker.model_runner import KVCache
+from engine.model.rope import rope_cos_sin
 
 BASE = dict(vocab_size=101, hidden_size=48, intermediate_size=72, num_hidden_layers=3, num_attention_heads=6,
             num_key_value_heads=2, max_position_embeddings=256)
@@ -104,8 +104,8 @@ def test_partial_layers_match_truncated_transformers(tmp_path):
 
 
 def test_config_json_round_trip_of_presets():
-    from engine.config import ModelConfig
-    from engine.loader import PRESETS_DIR
+    from engine.config.model_config import ModelConfig
+    from engine.loader.model_source import PRESETS_DIR
 
     llama = ModelConfig.from_file(PRESETS_DIR / "llama-3.1-8b.json")
     assert (llama.num_hidden_layers, llama.num_key_value_heads, llama.rope_scaling.kind) == (32, 8, "llama3")
@@ -132,7 +132,7 @@ def test_tokenizer_from_model_folder(tmp_path, smollm2_engine_factory):
 
 
 def test_synthetic_weights_are_reproducible():
-    from engine.loader import ModelSource
+    from engine.loader.model_source import ModelSource
     from pathlib import Path
 
     tiny = Path(__file__).parent / "tiny_moe" / "config.json"

@@ -15,7 +15,8 @@ def test_engine_and_kernels_import_without_optional_packages():
         blocked = ("transformers", "gguf", "fastapi", "uvicorn", "dagster", "accelerate", "tokenizers", "jinja2",
                    "prometheus_client", "starlette", "openai")
         # the serving modules need the web stack by design; everything else must import without it
-        serving = {"engine.server", "engine.metrics", "engine.async_engine", "engine.router", "engine.http_base"}
+        serving = {"engine.entrypoints.server", "engine.serving.metrics", "engine.serving.async_engine", "engine.entrypoints.router",
+                   "engine.entrypoints.http_base"}
         real_import = builtins.__import__
         def guarded(name, *a, **k):
             if name.split(".")[0] in blocked:
@@ -30,7 +31,7 @@ def test_engine_and_kernels_import_without_optional_packages():
                     continue
                 importlib.import_module(m.name)
                 names.append(m.name)
-        assert "engine.gguf_file" in names and "engine.tokenizer" in names, names
+        assert "engine.loader.gguf_file" in names and "engine.loader.tokenizer" in names, names
         # and a synthetic model runs end to end without them
         from engine import EngineConfig, LLMEngine, SamplingParams, VariantSpec, resolve
         eng = LLMEngine(EngineConfig(source=resolve("qwen3-30b-a3b"), layers=1, num_kv_blocks=4, variant=VariantSpec(block_size=4),

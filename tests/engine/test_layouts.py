@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.loader import resolve
-from engine.router import conversation_key, merged_metrics
-from ops.deploy import free_port
+from engine.loader.model_source import resolve
+from engine.entrypoints.router import conversation_key, merged_metrics
+from ops.release.deploy import free_port
 
 pytestmark = pytest.mark.slow
 TOKEN = "layout-admin-token"

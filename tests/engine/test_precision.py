@@ -10,7 +10,7 @@ import torch
 
 from engine import SamplingParams, VariantSpec
 from engine.errors import ConfigError, VariantError
-from engine.precision import dense_weights, quantized_bytes, quantized_weights
+from engine.model.precision import dense_weights, quantized_bytes, quantized_weights
 
 FRANCE = "What is the capital of France?"
 
@@ -82,8 +82,7 @@ def test_gates_judge_a_precision_by_its_own_thresholds(smollm2_engine_factory):
 
 
 def test_fp8_kv_cache_answers_and_swaps_with_twice_the_blocks(smollm2_engine_factory):
-    from engine import precision
-
+    from engine.model import precision
     eng = smollm2_engine_factory(num_kv_blocks=16)
     assert eng.kv.pool.dtype == torch.float32
     plain = eng.generate([FRANCE], SamplingParams(max_tokens=16), chat=True)[0]
@@ -103,8 +102,7 @@ def test_fp8_kv_scales_are_applied_and_undone(smollm2_engine_factory):
     """Keys cached divided by their scale with the scores multiplied back, values divided with the output
     multiplied back: over a float32 cache, where powers of two divide exactly, the same logits; over the FP8
     cache the keys really are cached scaled."""
-    from engine import precision
-
+    from engine.model import precision
     eng = smollm2_engine_factory(num_kv_blocks=16)
     layers = eng.model_config.num_hidden_layers
     sink: list[torch.Tensor] = []
@@ -124,7 +122,7 @@ def test_fp8_kv_scales_are_applied_and_undone(smollm2_engine_factory):
 
 
 def test_kv_scales_are_powers_of_two_with_headroom():
-    from engine.precision import _pow2_scale
+    from engine.model.precision import _pow2_scale
 
     assert [_pow2_scale(a) for a in (0.0, 100.0, 224.0, 300.0, 1000.0)] == [1.0, 1.0, 1.0, 2.0, 8.0]
 
@@ -143,8 +141,8 @@ def test_gates_judge_an_fp8_kv_cache_by_fp8_thresholds(smollm2_engine_factory):
 
 def test_quantized_copies_are_keyed_by_the_weights_hash():
     from engine import EngineConfig, LLMEngine
-    from engine.loader import ModelSource
-    from engine.precision import _bit_sums, _content_digest, weights_hash
+    from engine.loader.model_source import ModelSource
+    from engine.model.precision import _bit_sums, _content_digest, weights_hash
     from tests.engine.test_variants import TINY
 
     def tiny(seed):

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from engine.errors import VariantError
-from engine.generated_source import load_kernel, materialize, prepare_generated
-from engine.kernel_grammar import check_kernel
-from kernels.generated import make_launcher
-from ops.deploy import free_port
+from engine.generated.source import load_kernel, materialize, prepare_generated
+from engine.generated.grammar import check_kernel
+from kernels.generated.launch import make_launcher
+from ops.release.deploy import free_port
 
 CANARY = Path(os.environ.get("TMPDIR", "/tmp")) / "polyinf-red-team-canary"
 HEAD = "import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
@@ -159,7 +159,7 @@ def test_out_of_bounds_reads_are_masked_to_zeros(name, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("name", list(HANGS))
 def test_a_kernel_that_never_finishes_fails_its_smoke_run(name, monkeypatch):
-    import engine.generated_source as gs
+    import engine.generated.source as gs
 
     monkeypatch.setattr(gs, "SMOKE_TIMEOUT_S", 3.0)
     t0 = time.perf_counter()

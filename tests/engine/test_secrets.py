@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from engine.isolation import isolated_env, run_isolated, without_secrets
+from engine.generated.isolation import isolated_env, run_isolated, without_secrets
 
 SECRETS = {"OPENAI_API_KEY": "sk-live-0123456789abcdef", "AWS_SECRET_ACCESS_KEY": "aws-secret-0123456789",
            "POLYINF_ADMIN_TOKEN": "admin-token-0123456789", "DB_PASSWORD": "hunter2-0123456789",
@@ -37,7 +37,7 @@ def test_an_isolated_child_has_no_network():
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)
         port = listener.getsockname()[1]
-        code = ("import socket, sys; from engine.isolation import confine; ok = confine()['network_namespace']\n"
+        code = ("import socket, sys; from engine.generated.isolation import confine; ok = confine()['network_namespace']\n"
                 f"try:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2); print('connected', ok)\n"
                 "except OSError as e:\n    print('refused', ok, type(e).__name__)")
         r = run_isolated([sys.executable, "-c", code], 60)
@@ -56,7 +56,7 @@ def test_a_hung_child_is_killed_with_everything_it_started():
 
 
 def test_the_server_keeps_its_token_out_of_children_logs_captures_and_errors(tmp_path, monkeypatch):
-    from ops.deploy import ServerProcess
+    from ops.release.deploy import ServerProcess
 
     for k, v in SECRETS.items():
         monkeypatch.setenv(k, v)

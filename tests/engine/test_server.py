@@ -11,11 +11,11 @@ from pathlib import Path
 import httpx
 import torch
 
-from ops.deploy import free_port
+from ops.release.deploy import free_port
 import pytest
 
 from engine import SamplingParams
-from engine.capture import read_capture_dir
+from engine.serving.capture import read_capture_dir
 
 TOKEN = "test-admin-token"
 SHARED = Path(__file__).resolve().parents[2] / "traces"
@@ -452,9 +452,9 @@ def test_capture_survives_kill_and_restart(tmp_path):
 
 def test_tokenizer_less_server_streams_token_ids_and_replay_times_them(tmp_path):
     """A model without a tokenizer streams each new token's id; replay measures TTFT and ITL from them."""
-    from engine.trace_record import TraceRecord
-    from ops.deploy import ServerProcess
-    from ops.replay import replay_async
+    from engine.serving.trace_record import TraceRecord
+    from ops.release.deploy import ServerProcess
+    from ops.traffic.replay import replay_async
 
     tiny = Path(__file__).parent / "tiny_moe"
     server = ServerProcess(["--model", str(tiny), "--synthetic"], str(tiny))
@@ -478,7 +478,7 @@ def test_tokenizer_less_server_streams_token_ids_and_replay_times_them(tmp_path)
 
 def _offline_tokens(model_dir, prompt, n):
     from engine import EngineConfig, LLMEngine, resolve
-    from engine.sampling_params import SamplingParams
+    from engine.config.sampling_params import SamplingParams
 
     eng = LLMEngine(EngineConfig(source=resolve(str(model_dir), synthetic=True), load_tokenizer=False))
     rid = eng.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0))

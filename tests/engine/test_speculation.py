@@ -11,8 +11,7 @@ import pytest
 from checks.engines import factory_for
 from checks.report import QualityReport
 from engine import SamplingParams, VariantSpec
-from engine import speculation
-
+from engine.sched import speculation
 CODE = '''def merge(a, b):
     out = []
     i = j = 0

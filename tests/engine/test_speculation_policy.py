@@ -7,13 +7,13 @@ import random
 import pytest
 import torch
 
-from engine.block_manager import BlockManager
+from engine.sched.block_manager import BlockManager
 from engine.errors import ConfigError
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from engine.speculation import PAUSE_TOKENS, SpecState, accept_greedy, accept_sampled, propose
-from engine.variant import VariantSpec
+from engine.config.sampling_params import SamplingParams
+from engine.sched.scheduler import Scheduler
+from engine.sched.sequence import Sequence
+from engine.sched.speculation import PAUSE_TOKENS, SpecState, accept_greedy, accept_sampled, propose
+from engine.config.variant import VariantSpec
 
 
 def test_propose_takes_the_tokens_after_the_most_recent_longest_match():
@@ -60,7 +60,7 @@ def _tv(counts: torch.Tensor, p: torch.Tensor) -> float:
 def test_rejection_sampling_keeps_the_target_distribution(params):
     """The first emitted token follows the target p0 whatever the draft; given the first draft token was
     accepted, the second follows p1. Fresh random logits; 20,000 draws; total variation within sampling noise."""
-    from engine.sampler import processed_probs
+    from engine.worker.sampler import processed_probs
 
     torch.manual_seed(1)
     vocab, n = 8, 20_000
@@ -157,7 +157,7 @@ def test_rejected_draft_blocks_go_back_to_the_pool():
 
 
 def test_variant_ids_recorded_before_speculation_stay_valid():
-    # the static-best recorded for SmolLM2 on a CPU (engine/presets/static_best.json) keeps its id
+    # the static-best recorded for SmolLM2 on a CPU (engine/data/static_best.json) keeps its id
     assert VariantSpec(max_num_seqs=8, max_num_batched_tokens=512).variant_id == "652f4888b31f20db"
     assert VariantSpec(speculative_tokens=4).variant_id != VariantSpec().variant_id
     v = VariantSpec(speculative_tokens=4, prompt_lookup_max=4, speculative_min_acceptance=0.5)

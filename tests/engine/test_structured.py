@@ -1,4 +1,4 @@
-"""Structured output (engine/structured.py): decoding constrained to a JSON schema on the real SmolLM2, against
+"""Structured output (engine/worker/structured.py): decoding constrained to a JSON schema on the real SmolLM2, against
 the same prompts unconstrained, and the response_format forms the server takes or refuses."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from engine import SamplingParams
 from engine.errors import RequestError
-from engine.structured import JSON_OBJECT, _unpack, schema_text
+from engine.worker.structured import JSON_OBJECT, _unpack, schema_text
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                          "country": {"type": "string", "enum": ["France", "Japan", "Peru"]},

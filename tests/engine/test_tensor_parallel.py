@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.config import ModelConfig
+from engine.config.model_config import ModelConfig
 from engine.errors import ConfigError
-from engine.loader import ModelSource
-from engine.parallel import run_ranks, shard_config
-from engine.variant import VariantSpec
+from engine.loader.model_source import ModelSource
+from engine.model.parallel import run_ranks, shard_config
+from engine.config.variant import VariantSpec
 
 TINY_MOE = Path(__file__).parent / "tiny_moe" / "config.json"
 PROMPTS = [[1, 5, 9, 13, 2, 7, 33], [4, 4, 8], list(range(10, 31))]

@@ -10,10 +10,10 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import ConfigError, VariantError
-from engine.kernel_grammar import check_kernel
-from engine.loader import ModelSource
-from engine.presets import TRITON_ALL, TRITON_GEMV, with_pdl
-from engine.variant import REFERENCE_VARIANT, VariantSpec
+from engine.generated.grammar import check_kernel
+from engine.loader.model_source import ModelSource
+from engine.config.presets import TRITON_ALL, TRITON_GEMV, with_pdl
+from engine.config.variant import REFERENCE_VARIANT, VariantSpec
 
 TINY = Path(__file__).parent / "tiny_moe" / "config.json"
 
@@ -228,7 +228,7 @@ def test_broken_generated_source_is_refused_and_engine_keeps_serving(case):
 
 
 def test_generated_source_lands_on_a_content_addressed_path(tmp_path, monkeypatch):
-    from engine.generated_source import materialize
+    from engine.generated.source import materialize
 
     monkeypatch.setenv("POLYINF_CACHE", str(tmp_path))
     p1 = materialize("gen_act", GOOD_SILU)
@@ -240,7 +240,7 @@ def test_generated_source_lands_on_a_content_addressed_path(tmp_path, monkeypatc
 
 def test_a_passed_smoke_run_is_kept_for_the_process_and_a_failed_one_is_not(tmp_path, monkeypatch):
     """The gates build a dozen engines of one variant: its kernel goes to a child once per file, tiles and shapes."""
-    import engine.generated_source as gs
+    import engine.generated.source as gs
 
     monkeypatch.setenv("POLYINF_CACHE", str(tmp_path))
     runs = []
@@ -349,7 +349,7 @@ def test_swap_is_prepared_while_another_thread_serves():
 def _without_room_for_two_pools(monkeypatch, eng, refuse=lambda block_size: False):
     """KV pools that, like a GPU cache sized to the device's memory, cannot be allocated while the engine's pool
     exists (and, with ``refuse``, not at all for some block sizes)."""
-    import engine.variant_swap as variant_swap
+    import engine.core.variant_swap as variant_swap
 
     real = variant_swap.KVCache
 
@@ -399,7 +399,7 @@ def test_a_kv_swap_without_room_for_both_pools_releases_the_old_one(monkeypatch,
 
 
 def test_quantized_variant_takes_the_triton_projections_with_pinned_tiles_on_a_gpu_only():
-    from engine.presets import QUANTIZED_MMA, QUANTIZED_TILES, quantized_variant
+    from engine.config.presets import QUANTIZED_MMA, QUANTIZED_TILES, quantized_variant
 
     base = VariantSpec(name="sb", kernels={"attention": "triton_paged", "act_linear": "triton"},
                        kernel_params={"attention": {"block_n": 128}, "linear": {"pdl": 1},
@@ -427,7 +427,7 @@ def test_quantized_variant_takes_the_triton_projections_with_pinned_tiles_on_a_g
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_quantized_projections_on_the_tensor_core_kernel_answer_like_the_reference(kind):
-    """Quantized weights with the linear operations' rows on kernels/qmma_triton.py (prefill and decode rows
+    """Quantized weights with the linear operations' rows on kernels/linear/qmma_triton.py (prefill and decode rows
     both at most 64) against the plain-torch quantized path: the same tokens, and the log-probabilities of the
     most likely ones within the activations' quantization (int8: 7 bits, e4m3: 3)."""
     prompts = [[1, 5, 9, 13, 2, 7, 33], [4, 4, 8]]

@@ -139,7 +139,7 @@ def test_grafana_dashboard_reads_series_the_server_exports():
     histograms with their _bucket), each filtered on vLLM's model_name label."""
     from prometheus_client import generate_latest
 
-    from engine.metrics import EngineMetrics
+    from engine.serving.metrics import EngineMetrics
 
     m = EngineMetrics("m")
     m.set_variant("abc", "static-best")

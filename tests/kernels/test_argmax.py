@@ -1,4 +1,4 @@
-"""The greedy-token kernel (kernels/argmax_triton.py) against torch.argmax on fresh random logits (TRITON_INTERPRET=1
+"""The greedy-token kernel (kernels/pointwise/argmax_triton.py) against torch.argmax on fresh random logits (TRITON_INTERPRET=1
 on CPU): ties across and within parts, NaN, rows of -inf, bf16 and float32, and the arrival counts reset between
 calls."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.argmax_triton import BLOCK, ArgmaxWorkspace, argmax_rows
+from kernels.pointwise.argmax_triton import BLOCK, ArgmaxWorkspace, argmax_rows
 
 
 @pytest.mark.parametrize("rows,n,dtype", [(1, 5000, torch.float32), (3, BLOCK, torch.bfloat16),

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import AttentionMetadata, paged_attention_ref
-from kernels.attention_triton import paged_attention_triton, split_kv_attention_triton
-from kernels.kv_store import store_kv_ref
-from kernels.kv_store_triton import store_kv_triton
+from kernels.attention.attention import AttentionMetadata, paged_attention_ref
+from kernels.attention.attention_triton import paged_attention_triton, split_kv_attention_triton
+from kernels.attention.kv_store import store_kv_ref
+from kernels.attention.kv_store_triton import store_kv_triton
 from tests.kernels.test_triton_kernels import _paged_case, decode_block_case
 
 FP8 = torch.float8_e4m3fn
@@ -69,8 +69,8 @@ def test_attention_over_an_fp8_cache(case):
 def test_fused_attention_block_over_an_fp8_cache(norm):
     """Rotary, KV store and split-KV decode attention in one launch: the new token attends to its key and value
     as the cache holds them (rounded to e4m3), as the reference, which stores and then reads, does."""
-    from kernels.attention import rotary_attention_ref
-    from kernels.attention_triton import rotary_attention_triton
+    from kernels.attention.attention import rotary_attention_ref
+    from kernels.attention.attention_triton import rotary_attention_triton
 
     heads, kvh, d, bs, contexts = 9, 3, 64, 16, [37, 16, 70]
     q, k, v, qw, kw, pos, cs, kc, vc, meta = decode_block_case(heads, kvh, d, bs, contexts, norm, d + 5)

@@ -1,4 +1,4 @@
-"""The tensor-core kernel for quantized weights (kernels/qmma_triton.py) against its float64 reference and the
+"""The tensor-core kernel for quantized weights (kernels/linear/qmma_triton.py) against its float64 reference and the
 float64 product of the unquantized activations, with each prologue and K split, on fresh random inputs
 (TRITON_INTERPRET=1 on CPU); the e4m3 rounding of the activations against torch's conversion; the linear
 operations' routing to it (``mma``)."""
@@ -9,12 +9,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import linear_triton as lt
-from kernels.activation import silu_and_mul_ref
-from kernels.norm import fused_add_rms_norm_ref
-from kernels.qmma_triton import (ADD_RMS_NORM, NONE, SILU_MUL, _round_e4m3, candidates, fused_norm_ref, qmma, qmma_ref,
+from kernels.linear import linear_triton as lt
+from kernels.pointwise.activation import silu_and_mul_ref
+from kernels.pointwise.norm import fused_add_rms_norm_ref
+from kernels.linear.qmma_triton import (ADD_RMS_NORM, NONE, SILU_MUL, _round_e4m3, candidates, fused_norm_ref, qmma, qmma_ref,
                                  split_for)
-from kernels.quant import qlinear_exact, quantize
+from kernels.linear.quant import qlinear_exact, quantize
 
 TILES = {"block_n": 32, "block_k": 64, "num_warps": 4, "num_stages": 2}
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.activation import silu_and_mul_ref
-from kernels.linear import act_linear_ref, linear_ref, norm_linear_ref
-from kernels.norm import fused_add_rms_norm_ref
-from kernels.quant import QuantizedWeight, qlinear, qlinear_exact, quantize
+from kernels.pointwise.activation import silu_and_mul_ref
+from kernels.linear.linear import act_linear_ref, linear_ref, norm_linear_ref
+from kernels.pointwise.norm import fused_add_rms_norm_ref
+from kernels.linear.quant import QuantizedWeight, qlinear, qlinear_exact, quantize
 
 
 def _close(out: torch.Tensor, exact: torch.Tensor, rel: float) -> None:
@@ -71,7 +71,7 @@ def test_plain_torch_quantized_linear(kind, m, keep, k):
     (1, 24, 96, (4, 128, 4)),  # one row, the whole row in one chunk (reduced at once)
 ])
 def test_triton_gemv_with_quantized_weights(kind, m, n, k, tiles):
-    from kernels.linear_triton import act_linear_triton, linear_triton, norm_linear_triton
+    from kernels.linear.linear_triton import act_linear_triton, linear_triton, norm_linear_triton
 
     t = dict(zip(("block_n", "block_k", "num_warps"), tiles))
     qw = quantize(torch.randn(n, k), kind)
@@ -100,7 +100,7 @@ def test_triton_gemv_with_quantized_weights(kind, m, n, k, tiles):
 def test_gemv_reads_every_fp8_code():
     """The GEMV reads every finite e4m3 code as its value, subnormals, both zeros and both signs among them: each
     row of a one-hot input picks one code; the weight rows hold all 254 finite codes."""
-    from kernels.linear_triton import linear_triton
+    from kernels.linear.linear_triton import linear_triton
 
     codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # 0x7F / 0xFF: NaN
     q = codes.view(torch.float8_e4m3fn).reshape(1, -1).repeat(3, 1)

@@ -7,16 +7,16 @@ import random
 import pytest
 import torch
 
-from kernels.activation import silu_and_mul_ref
-from kernels.activation_triton import silu_and_mul_triton
-from kernels.attention import AttentionMetadata, paged_attention_ref
-from kernels.attention_triton import paged_attention_triton, split_kv_attention_triton
-from kernels.kv_store import store_kv_ref
-from kernels.kv_store_triton import store_kv_triton
-from kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
-from kernels.norm_triton import fused_add_rms_norm_triton, rms_norm_triton
-from kernels.rotary import rotary_ref
-from kernels.rotary_triton import rotary_triton
+from kernels.pointwise.activation import silu_and_mul_ref
+from kernels.pointwise.activation_triton import silu_and_mul_triton
+from kernels.attention.attention import AttentionMetadata, paged_attention_ref
+from kernels.attention.attention_triton import paged_attention_triton, split_kv_attention_triton
+from kernels.attention.kv_store import store_kv_ref
+from kernels.attention.kv_store_triton import store_kv_triton
+from kernels.pointwise.norm import fused_add_rms_norm_ref, rms_norm_ref
+from kernels.pointwise.norm_triton import fused_add_rms_norm_triton, rms_norm_triton
+from kernels.pointwise.rotary import rotary_ref
+from kernels.pointwise.rotary_triton import rotary_triton
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -45,8 +45,8 @@ def test_silu_and_mul(t, i):
 
 @pytest.mark.parametrize("t,h,kvh,d", [(1, 4, 4, 8), (7, 9, 3, 64), (5, 6, 2, 40), (3, 12, 4, 24)])
 def test_rotary(t, h, kvh, d):
-    from engine.config import ModelConfig
-    from engine.rope import rope_cos_sin
+    from engine.config.model_config import ModelConfig
+    from engine.model.rope import rope_cos_sin
 
     cfg = ModelConfig(model_type="llama", vocab_size=10, hidden_size=h * d, intermediate_size=8,
                       num_hidden_layers=1, num_attention_heads=h, num_key_value_heads=kvh, head_dim=d)
@@ -70,10 +70,10 @@ def test_rotary_store_kv(t, h, kvh, d, bs, norm):
     """rotary + KV store in one launch; with ``norm`` the q and k head norms too (Qwen3)."""
     import functools
 
-    from engine.config import ModelConfig
-    from engine.rope import rope_cos_sin
-    from kernels.rotary import norm_rotary_store_kv_ref, rotary_store_kv_ref
-    from kernels.rotary_triton import norm_rotary_store_kv_triton, rotary_store_kv_triton
+    from engine.config.model_config import ModelConfig
+    from engine.model.rope import rope_cos_sin
+    from kernels.pointwise.rotary import norm_rotary_store_kv_ref, rotary_store_kv_ref
+    from kernels.pointwise.rotary_triton import norm_rotary_store_kv_triton, rotary_store_kv_triton
 
     cfg = ModelConfig(model_type="llama", vocab_size=10, hidden_size=h * d, intermediate_size=8,
                       num_hidden_layers=1, num_attention_heads=h, num_key_value_heads=kvh, head_dim=d)
@@ -172,8 +172,8 @@ def decode_block_case(heads, kvh, d, bs, contexts, norm, seed):
     """Inputs of a decode batch's attention block: strided q/k/v views of a fused projection, head-norm weights
     (or None), positions, the rotary table, a scattered paged cache and the metadata whose slots are each
     sequence's last position."""
-    from engine.config import ModelConfig
-    from engine.rope import rope_cos_sin
+    from engine.config.model_config import ModelConfig
+    from engine.model.rope import rope_cos_sin
 
     cfg = ModelConfig(model_type="llama", vocab_size=10, hidden_size=heads * d, intermediate_size=8,
                       num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kvh, head_dim=d)
@@ -202,8 +202,8 @@ def decode_block_case(heads, kvh, d, bs, contexts, norm, seed):
 def test_rotary_attention(heads, kvh, d, bs, contexts, norm):
     """q/k head norms, rotary, KV store and decode attention with the splits merged by the last of them, in one
     launch, against the reference composed of its parts; prefill batches take the parts."""
-    from kernels.attention import rotary_attention_ref
-    from kernels.attention_triton import rotary_attention_triton
+    from kernels.attention.attention import rotary_attention_ref
+    from kernels.attention.attention_triton import rotary_attention_triton
     from kernels.counters import ArrivalCounters
 
     q, k, v, qw, kw, pos, cs, kc, vc, meta = decode_block_case(heads, kvh, d, bs, contexts, norm, len(contexts) * 7 + d)

@@ -10,8 +10,8 @@ import torch
 @pytest.mark.parametrize("t,h,e,k,i,renorm", [(1, 16, 4, 2, 8, True), (9, 40, 6, 2, 24, False),
                                                (33, 32, 8, 3, 20, True), (5, 24, 3, 3, 16, False)])
 def test_moe_grouped_matmul(t, h, e, k, i, renorm):
-    from kernels.moe import moe_ref
-    from kernels.moe_triton import make_moe, moe_triton
+    from kernels.moe.moe import moe_ref
+    from kernels.moe.moe_triton import make_moe, moe_triton
 
     x, logits = torch.randn(t, h), torch.randn(t, e)
     w13, w2 = torch.randn(e, 2 * i, h) * 0.2, torch.randn(e, h, i) * 0.2
@@ -77,10 +77,10 @@ def test_moe_grouped_matmul(t, h, e, k, i, renorm):
 def test_norm_moe(t, h, e, k, i, renorm):
     """The MoE block after attention: one launch for add + norm + router + routing (t <= 4), then the experts;
     larger batches through the Triton norm and the grouped path."""
-    from kernels.moe import moe_ref, moe_route_ref, norm_moe_ref
+    from kernels.moe.moe import moe_ref, moe_route_ref, norm_moe_ref
     from kernels.counters import ArrivalCounters
-    from kernels.moe_triton import norm_moe_triton
-    from kernels.norm import fused_add_rms_norm_ref
+    from kernels.moe.moe_triton import norm_moe_triton
+    from kernels.pointwise.norm import fused_add_rms_norm_ref
 
     x, r, nw, gw = torch.randn(t, h), torch.randn(t, h), torch.randn(h), torch.randn(e, h) * 0.3
     w13, w2 = torch.randn(e, 2 * i, h) * 0.2, torch.randn(e, h, i) * 0.2
@@ -117,8 +117,8 @@ def test_norm_moe(t, h, e, k, i, renorm):
 
 @pytest.mark.parametrize("t,e,k,renorm", [(1, 4, 2, True), (6, 128, 8, True), (3, 60, 3, False)])
 def test_moe_route(t, e, k, renorm):
-    from kernels.moe import moe_route_ref
-    from kernels.moe_route_triton import moe_route_triton
+    from kernels.moe.moe import moe_route_ref
+    from kernels.moe.moe_route_triton import moe_route_triton
 
     logits = torch.randn(t, e)
     logits[0, :2] = logits[0].max() + 1  # a tie at the top: the lower index first (a stable sort's order)
@@ -138,8 +138,8 @@ def test_moe_route(t, e, k, renorm):
     (1, 24, 40, True, (8, 64, 4)),  # K within the first chunk (the one requested before the wait)
 ])
 def test_linear_kernels(m, n, k, bias, tiles):
-    from kernels.linear import act_linear_ref, linear_ref, norm_linear_ref
-    from kernels.linear_triton import act_linear_triton, linear_triton, norm_linear_triton
+    from kernels.linear.linear import act_linear_ref, linear_ref, norm_linear_ref
+    from kernels.linear.linear_triton import act_linear_triton, linear_triton, norm_linear_triton
 
     t = dict(zip(("block_n", "block_k", "num_warps"), tiles))
     x, r, w = torch.randn(m, k), torch.randn(m, k), torch.randn(n, k)
@@ -170,8 +170,8 @@ def test_linear_kernels(m, n, k, bias, tiles):
 def test_norm_linear_statistics_in_chunks(monkeypatch, rstd_elements):
     """The norm prologue's row statistics in the weights' chunks (0) or in chunks smaller than the row (64
     elements: at least 64 columns per load, 6 loads for the row of 330)."""
-    import kernels.linear_triton as lt
-    from kernels.linear import norm_linear_ref
+    import kernels.linear.linear_triton as lt
+    from kernels.linear.linear import norm_linear_ref
 
     monkeypatch.setattr(lt, "RSTD_ELEMENTS", rstd_elements)
     x, r, w, nw = torch.randn(3, 330), torch.randn(3, 330), torch.randn(20, 330), torch.randn(330)
@@ -195,8 +195,8 @@ def test_dependent_launch_options():
 def test_l2_prefetch_reads_every_element(n, programs, block):
     """The prefetch kernel reads each weight once: its per-program sums add up to the tensor's (a program past
     the end reads nothing); on a CPU the side-stream form starts nothing."""
-    from kernels.prefetch import no_join, prefetch_ref
-    from kernels.prefetch_triton import prefetch_sums, prefetch_triton
+    from kernels.attention.prefetch import no_join, prefetch_ref
+    from kernels.attention.prefetch_triton import prefetch_sums, prefetch_triton
 
     w = torch.randn(n, dtype=torch.float64).float()
     sums = prefetch_sums(w, programs=programs, block=block)
@@ -249,12 +249,11 @@ class _Weight:
 
 @pytest.fixture
 def fake_streams(monkeypatch):
-    """kernels.prefetch_triton's stream logic on a CPU: streams, events and the kernel's launch logged."""
+    """kernels.attention.prefetch_triton's stream logic on a CPU: streams, events and the kernel's launch logged."""
     import contextlib
     import threading
 
-    from kernels import prefetch_triton as pt
-
+    from kernels.attention import prefetch_triton as pt
     log, current, made = [], threading.local(), []
     main = _Stream(log, "main")
 
@@ -289,7 +288,7 @@ def test_prefetch_joins_wait_for_their_own_reads_and_deferred_ones_at_the_end(fa
     thread has its own side stream and its own deferred reads; batches over max_rows start nothing."""
     import threading
 
-    from kernels.prefetch import no_join
+    from kernels.attention.prefetch import no_join
 
     pt, log = fake_streams
     wo, wqkv = _Weight("o_proj"), _Weight("qkv")
@@ -321,7 +320,7 @@ def test_prefetch_joins_wait_for_their_own_reads_and_deferred_ones_at_the_end(fa
 
 
 def test_prefetch_params_are_checked_when_built():
-    from kernels.prefetch_triton import make_prefetch
+    from kernels.attention.prefetch_triton import make_prefetch
 
     make_prefetch(next_qkv=2, defer_join=1, programs=264)
     for bad, reason in (({"next_qkv": 3}, "next_qkv"), ({"o_proj": True}, "o_proj"), ({"programs": 0}, "programs"),

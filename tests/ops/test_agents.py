@@ -7,17 +7,17 @@ import json
 
 import pytest
 
-from engine.presets import PDL_OPS
-from engine.trace_record import TraceRecord
-from engine.variant import VariantSpec
-from ops.agents import LocalSearch, SearchState, TrafficRules, fast_score
-from ops.llm_agent import InvalidReply, LLMAgent, parse_reply
-from ops.board import Board
-from ops.kernel_templates import KernelChoice
-from ops.cost_model import plan
-from ops.hardware import HardwareProfile
-from ops.model_spec import ModelSpec
-from ops.traces import profile
+from engine.config.presets import PDL_OPS
+from engine.serving.trace_record import TraceRecord
+from engine.config.variant import VariantSpec
+from ops.search.agents import LocalSearch, SearchState, TrafficRules, fast_score
+from ops.search.llm_agent import InvalidReply, LLMAgent, parse_reply
+from ops.search.board import Board
+from ops.search.kernel_templates import KernelChoice
+from ops.predict.cost_model import plan
+from ops.measure.hardware import HardwareProfile
+from ops.measure.model_spec import ModelSpec
+from ops.traffic.traces import profile
 
 SPEC = ModelSpec(architecture="llama", layers=30, hidden_size=576, heads=9, kv_heads=3, head_dim=64, vocab=49152,
                  experts=0, experts_per_token=0, dtype="float32", param_bytes=4 * 134_515_008,
@@ -113,7 +113,7 @@ def test_llm_agent_against_a_scripted_server(tmp_path, scripted_server):
 @pytest.mark.slow
 def test_llm_agent_against_our_own_server_serving_smollm2(tmp_path):
     """SmolLM2 rarely writes the schema; whatever it writes is validated and recorded, and the search goes on."""
-    from ops.deploy import ServerProcess
+    from ops.release.deploy import ServerProcess
 
     server = ServerProcess(["--model", "smollm2", "--num-kv-blocks", "1024"], "smollm2")
     try:
@@ -163,7 +163,7 @@ def test_local_search_steps_around_the_best_result(tmp_path):
 
 
 def test_traffic_rules_fit_decode_steps_to_the_tpot_slo(tmp_path):
-    from ops.cost_model import Calibration
+    from ops.predict.cost_model import Calibration
 
     board = Board(tmp_path / "b.db")
     state = _state(board, "t")
@@ -179,7 +179,7 @@ def test_traffic_rules_fit_decode_steps_to_the_tpot_slo(tmp_path):
 
 
 def test_traffic_rules_chunk_the_prefill_when_decodes_fit_but_a_full_step_does_not(tmp_path):
-    from ops.cost_model import Calibration, StepShape, step_time
+    from ops.predict.cost_model import Calibration, StepShape, step_time
 
     state = _state(Board(tmp_path / "b.db"), "t", long_prompts=True)
     state.calibration = Calibration(mem=0.0, compute=0.1, launch=0.0, per_seq_s=0.0, fitted=True)
@@ -204,7 +204,7 @@ def test_kernel_choices_follow_device_and_concurrency(tmp_path):
     (a batch of one sequence otherwise reads its context with one program per KV head) or long prompts."""
     import dataclasses
 
-    from ops.agents import KernelChoices
+    from ops.search.agents import KernelChoices
 
     board = Board(tmp_path / "b.sqlite")
     state = _state(board, "k")
@@ -252,9 +252,9 @@ def test_kernel_choices_follow_device_and_concurrency(tmp_path):
 def test_kernel_templates_write_checked_kernels_and_mutate_the_best(tmp_path):
     """The offline producer of generated code: nothing on a CPU unless asked; every proposal passes the
     grammar; after a templated variant is measured, its mutations (tiles, loop order, fusion) follow it."""
-    from engine.kernel_grammar import check_kernel
-    from ops.agents import KernelTemplates
-    from ops.kernel_templates import choices_in
+    from engine.generated.grammar import check_kernel
+    from ops.search.agents import KernelTemplates
+    from ops.search.kernel_templates import choices_in
 
     board = Board(tmp_path / "b.sqlite")
     state = _state(board, "tpl")

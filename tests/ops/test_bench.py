@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 from engine import EngineConfig, LLMEngine, VariantSpec
-from engine.loader import ModelSource
-from ops.bench import SLO, fast_tier, slow_tier
-from ops.replay import synthesize_prompts
-from ops.traces import load_trace
+from engine.loader.model_source import ModelSource
+from ops.measure.tiers import SLO, fast_tier, slow_tier
+from ops.traffic.replay import synthesize_prompts
+from ops.traffic.traces import load_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "engine" / "tiny_moe" / "config.json"

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.variant import VariantSpec
-from ops.board import DONE, QUEUED, RUNNING, Board, BoardUnavailable
-from ops.board_store import masked
+from engine.config.variant import VariantSpec
+from ops.search.board import DONE, QUEUED, RUNNING, Board, BoardUnavailable
+from ops.search.board_store import masked
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT / "traces" / "AzureLLMInferenceTrace_conv.csv"
@@ -115,7 +115,7 @@ def test_a_board_outlives_a_database_restart_and_names_it_while_down(postgres_se
 
 _CLAIMER = """
 import json, sys
-from ops.board import Board
+from ops.search.board import Board
 board = Board(sys.argv[1])
 got = []
 while (exp := board.claim(sys.argv[2], "s")) is not None:
@@ -155,7 +155,7 @@ def test_bad_locations_are_refused_clearly(tmp_path):
 
 
 def test_an_unreachable_database_is_named_without_its_password():
-    from ops.deploy import free_port
+    from ops.release.deploy import free_port
 
     url = f"postgresql://polyinf:hunter22@127.0.0.1:{free_port()}/board"
     with pytest.raises(BoardUnavailable) as err:
@@ -176,8 +176,8 @@ def test_the_wrong_password_is_refused_without_echoing_it(postgres_url, monkeypa
 @pytest.mark.slow
 def test_killed_worker_process_experiment_is_requeued_and_counted_once(board_at):
     """A real `polyinf worker` is SIGKILLed mid-experiment; a second worker finishes the queue."""
-    from ops.hardware import probe
-    from ops.worker import SearchConfig, Workbench, work
+    from ops.measure.hardware import probe
+    from ops.search.worker import SearchConfig, Workbench, work
 
     path = board_at
     cfg = SearchConfig(trace=str(TRACE), requests=4, max_input=32, max_output=4, fast_layers=1, fast_repeats=2)

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from engine import EngineConfig, LLMEngine, VariantSpec
-from engine.loader import ModelSource
-from engine.trace_record import TraceRecord
-from ops.bench import SLO, attainment_at, own_rate, slow_tier
-from ops.capacity import capacity_search
-from ops.cost_model import predicted_capacity, simulate
-from ops.hardware import HardwareProfile
-from ops.model_spec import ModelSpec
+from engine.loader.model_source import ModelSource
+from engine.serving.trace_record import TraceRecord
+from ops.measure.tiers import SLO, attainment_at, own_rate, slow_tier
+from ops.judge.capacity import capacity_search
+from ops.predict.cost_model import predicted_capacity, simulate
+from ops.measure.hardware import HardwareProfile
+from ops.measure.model_spec import ModelSpec
 
 TINY = Path(__file__).resolve().parents[1] / "engine" / "tiny_moe" / "config.json"
 SPEC = ModelSpec(architecture="llama", layers=30, hidden_size=576, heads=9, kv_heads=3, head_dim=64, vocab=49152,
@@ -114,8 +114,8 @@ def test_a_replay_skips_idle_gaps_and_times_requests_as_in_real_time():
 
 
 def test_static_best_is_the_sweeps_best_recorded_and_the_engines_default(tmp_path, monkeypatch):
-    from engine import static_best
-    from ops.static_best import Workload, sweep
+    from engine.config import static_best
+    from ops.measure.static_best_sweep import Workload, sweep
 
     monkeypatch.setenv("POLYINF_STATIC_BEST", str(tmp_path / "static_best.json"))
     source = ModelSource("synthetic", TINY, seed=0)
@@ -138,7 +138,7 @@ def test_static_best_is_the_sweeps_best_recorded_and_the_engines_default(tmp_pat
 def test_unloaded_latency_samples_the_slice_across_its_prompt_lengths():
     """The SLO's unloaded requests span the slice's lengths, its longest prompt among them: an SLO derived from
     the first few prompts of a long-context slice failed its long prompts even when they ran alone."""
-    from ops.static_best import spread_by_length
+    from ops.measure.static_best_sweep import spread_by_length
 
     rng = random.Random(7)
     prompts = [[1] * rng.randrange(1, 5000) for _ in range(24)]
@@ -152,7 +152,7 @@ def test_unloaded_latency_samples_the_slice_across_its_prompt_lengths():
 
 
 def test_a_derived_slo_grows_with_the_prompt_and_ignores_one_slowed_request():
-    from ops.static_best import TPOT_FACTOR, TTFT_FACTOR, derive_slo
+    from ops.measure.static_best_sweep import TPOT_FACTOR, TTFT_FACTOR, derive_slo
 
     rng = random.Random(5)
     a, b = 0.02, 0.0004  # unloaded TTFT = a + b x tokens, with a few percent of noise

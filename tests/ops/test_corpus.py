@@ -14,19 +14,19 @@ from pathlib import Path
 
 import pytest
 
-from engine.trace_record import TraceRecord
-from ops import corpus as C
-from ops.corpus import Corpus, TokenStream, corpus_for, corpus_ids, text_prompts
-from ops.replay import synthesize_prompts
-from ops.traces import load_trace
+from engine.serving.trace_record import TraceRecord
+from ops.traffic import corpus as C
+from ops.traffic.corpus import Corpus, TokenStream, corpus_for, corpus_ids, text_prompts
+from ops.traffic.replay import synthesize_prompts
+from ops.traffic.traces import load_trace
 SHARED = Path(__file__).resolve().parents[2] / "traces"
 VOCAB = 49152
 
 
 @pytest.fixture(scope="module")
 def tok():
-    from engine.loader import resolve
-    from engine.tokenizer import Tokenizer
+    from engine.loader.model_source import resolve
+    from engine.loader.tokenizer import Tokenizer
 
     return Tokenizer(resolve("smollm2").tokenizer_path)
 

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from engine.trace_record import TraceRecord
-from engine.variant import VariantSpec
-from ops.cost_model import (ROOFLINE, Calibration, StepShape, calibrate, features, mape, plan, rank_layouts,
+from engine.serving.trace_record import TraceRecord
+from engine.config.variant import VariantSpec
+from ops.predict.cost_model import (ROOFLINE, Calibration, StepShape, calibrate, features, mape, plan, rank_layouts,
                             simulate, spearman, step_time, synthetic_requests)
-from ops.hardware import HardwareProfile
-from ops.model_spec import ModelSpec
-from ops.traces import profile
+from ops.measure.hardware import HardwareProfile
+from ops.measure.model_spec import ModelSpec
+from ops.traffic.traces import profile
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT / "traces" / "AzureLLMInferenceTrace_conv.csv"
@@ -84,9 +84,9 @@ def test_simulation_schedules_like_the_engine(knobs, one_layer):
     """All requests arriving at once: the simulated steps batch exactly the tokens and sequences the
     real engine's scheduler does (read from the slow tier's per-step record)."""
     from engine import LLMEngine
-    from ops.bench import slow_tier
-    from ops.replay import synthesize_prompts
-    from ops.traces import load_trace
+    from ops.measure.tiers import slow_tier
+    from ops.traffic.replay import synthesize_prompts
+    from ops.traffic.traces import load_trace
 
     records = load_trace(TRACE)[:7]
     v = dataclasses.replace(VariantSpec(), **knobs)

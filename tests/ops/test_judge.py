@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from ops.capacity import (Capacity, Probe, capacity_of, fit, looks, newcombe, outcome, search_capacity, sequential_stop,
+from ops.judge.capacity import (Capacity, Probe, capacity_of, fit, looks, newcombe, outcome, search_capacity, sequential_stop,
                           wilson)
-from ops.judge import Arm, compare, confirm, decide, holm, verify_live
+from ops.judge.rule import Arm, compare, confirm, decide, holm, verify_live
 
 
 def test_wilson_and_newcombe_match_published_values():
@@ -251,7 +251,7 @@ def test_live_verification_rolls_back_a_significantly_worse_variant():
 
 
 def test_capacities_and_judgements_survive_json():
-    from ops.judge import Judgement
+    from ops.judge.rule import Judgement
 
     rng = random.Random(12)
     base, cand = _arm("base", _capacity(2.0, rng)), _arm("cand", _capacity(3.0, rng))

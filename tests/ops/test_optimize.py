@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import math
 
-from engine.variant import VariantSpec
-from ops.bench import BenchResult
-from ops.optimize import capacity_ratio, decision_table
+from engine.config.variant import VariantSpec
+from ops.measure.tiers import BenchResult
+from ops.search.optimize import capacity_ratio, decision_table
 
 BASE = VariantSpec(name="static-best")
 CAND = VariantSpec(name="candidate", max_num_seqs=16)

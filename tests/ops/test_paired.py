@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from engine.variant import VariantSpec
-from ops.bench import _replay, own_rate
-from ops.capacity import capacity_search
-from ops.cost_model import predicted_capacity
-from ops.hardware import probe
-from ops.paired import ArmRun, JudgeConfig, PairedJudge
-from ops.traces import Windows
-from ops.worker import SLOW, SearchConfig, Workbench, calibration_from, static_best_of
+from engine.config.variant import VariantSpec
+from ops.measure.tiers import _replay, own_rate
+from ops.judge.capacity import capacity_search
+from ops.predict.cost_model import predicted_capacity
+from ops.measure.hardware import probe
+from ops.judge.paired import ArmRun, JudgeConfig, PairedJudge
+from ops.traffic.traces import Windows
+from ops.search.worker import SLOW, SearchConfig, Workbench, calibration_from, static_best_of
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT / "traces" / "AzureLLMInferenceTrace_conv.csv"
@@ -93,10 +93,10 @@ def test_each_arm_of_a_round_gets_its_share_of_a_short_budget(monkeypatch):
     """Probes that would run past any budget (each one runs to the deadline it is given, on a virtual clock):
     the first arm of a round may not spend the second one's share, and a round whose first looks cannot fit in
     what is left is not started."""
-    import ops.paired as paired
-    from ops.bench import SLO
-    from ops.capacity import Probe
-    from ops.traces import load_trace
+    import ops.judge.paired as paired
+    from ops.measure.tiers import SLO
+    from ops.judge.capacity import Probe
+    from ops.traffic.traces import load_trace
 
     clock = [100.0]
     given: list = []
@@ -128,10 +128,10 @@ def test_a_prediction_too_slow_for_the_budget_is_probed_at_the_slowest_affordabl
     """A prediction far below what the budget can probe (a first look at it would outlast the budget): the search
     starts at the slowest rate whose first looks fit, and an arm failing there is censored below that rate,
     not left unmeasured."""
-    import ops.paired as paired
-    from ops.bench import SLO
-    from ops.capacity import Probe
-    from ops.traces import load_trace
+    import ops.judge.paired as paired
+    from ops.measure.tiers import SLO
+    from ops.judge.capacity import Probe
+    from ops.traffic.traces import load_trace
 
     clock = [100.0]
     rates: list = []

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
-from engine.variant import VariantSpec
-from ops.progress import SearchProgress
+from engine.config.variant import VariantSpec
+from ops.search.progress import SearchProgress
 
 
 class _Board:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.capture import CURRENT, CaptureWriter, capture_files, read_capture_dir
-from engine.trace_record import TraceRecord
-from ops.traces import ImportStats, TraceError, load_trace, profile
+from engine.serving.capture import CURRENT, CaptureWriter, capture_files, read_capture_dir
+from engine.serving.trace_record import TraceRecord
+from ops.traffic.traces import ImportStats, TraceError, load_trace, profile
 
 SHARED = Path(__file__).resolve().parents[2] / "traces"
 

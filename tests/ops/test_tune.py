@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ops.board import DONE, Board
-from ops.tune import Budget, default_agents, tune
-from ops.worker import SearchConfig
+from ops.search.board import DONE, Board
+from ops.search.tune import Budget, default_agents, tune
+from ops.search.worker import SearchConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT / "traces" / "AzureLLMInferenceTrace_conv.csv"
@@ -22,7 +22,7 @@ REPLY = {"proposals": [{"rationale": "chunk prompts so decodes keep flowing",
 
 @pytest.mark.slow
 def test_tune_with_built_in_and_llm_agents(tmp_path, scripted_server):
-    from ops.llm_agent import LLMAgent
+    from ops.search.llm_agent import LLMAgent
 
     url, handler = scripted_server
     handler.script = [json.dumps(REPLY), "not json at all"] * 4
@@ -95,7 +95,7 @@ def test_worker_cli_unknown_search(tmp_path):
 def test_tune_measures_templated_kernels_like_any_variant(tmp_path):
     """The offline producer of generated code in a real search: its kernel is checked, smoke-run in an isolated
     child and measured by the workers on both tiers like any other proposal."""
-    from ops.agents import CostModelSeeder, KernelTemplates
+    from ops.search.agents import CostModelSeeder, KernelTemplates
 
     cfg = SearchConfig(trace=str(TRACE), requests=4, max_input=24, max_output=3, time_scale=0.0, fast_layers=1,
                        slow_layers=1, fast_repeats=1, slow_repeats=1)
@@ -120,7 +120,7 @@ def test_tune_measures_parallel_layouts_served(tmp_path):
         "head_dim": 16, "max_position_embeddings": 512}))
     import dataclasses
 
-    from engine.variant import VariantSpec
+    from engine.config.variant import VariantSpec
 
     cfg = SearchConfig(model=str(model), trace=str(TRACE), requests=6, max_input=48, max_output=4,
                        time_scale=0.0, fast_layers=1, fast_repeats=1, slow_repeats=1, capacity_probes=2,

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ops.deploy import free_port
+from ops.release.deploy import free_port
 
 
 @pytest.fixture()

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import httpx
 
-from engine.variant import VariantSpec
-from ops.kernel_templates import KernelChoice
+from engine.config.variant import VariantSpec
+from ops.search.kernel_templates import KernelChoice
 
 ROOT = Path(__file__).resolve().parents[2]
 AZURE = ROOT / "traces" / "AzureLLMInferenceTrace_conv.csv"
@@ -106,7 +106,7 @@ SLOW_NORM = KernelChoice("rms_norm", "norm_two_pass", (("BLOCK_D", 8),))
 @pytest.mark.slow
 def test_a_regressing_deployment_is_rolled_back():
     """Verified on the decision's own metric: SLO attainment of a window of traffic before and one after."""
-    from ops.deploy import ServerProcess, deploy
+    from ops.release.deploy import ServerProcess, deploy
 
     server = ServerProcess(["--model", str(TINY), "--synthetic", "--num-kv-blocks", "256"], "tiny")
     try:
@@ -118,9 +118,9 @@ def test_a_regressing_deployment_is_rolled_back():
                            kernel_params={"rms_norm": dict(SLOW_NORM.tiles)},
                            generated_source={"slow_norm": SLOW_NORM.source()})
         # on the decision's own metric: SLO attainment of two windows of traffic, before and after the swap
-        from engine.trace_record import TraceRecord
-        from ops.bench import SLO
-        from ops.deploy import LiveWindows
+        from engine.serving.trace_record import TraceRecord
+        from ops.measure.tiers import SLO
+        from ops.release.deploy import LiveWindows
 
         def window(k):
             recs = [TraceRecord(arrival_s=0.25 * i, input_tokens=12, output_tokens=8, source="t") for i in range(16)]

@@ -16,7 +16,7 @@ import pytest
 from assets import pipeline
 from assets.deployments import Deployment, deployment_key, for_deployment, record_file
 from assets.resources import Endpoint, EngineRunner, TrafficSource
-from engine.isolation import without_secrets
+from engine.generated.isolation import without_secrets
 from pipelines.sensors import DriftConfig, deployments_sensor
 from pipelines.wiring import Services, code_location_resources
 
@@ -99,7 +99,7 @@ def test_a_partition_key_names_the_model_device_and_endpoint():
 
 
 def _record(folder: Path, key: str, latest: bool = False, capture_dir: str = "", capture_start: int = 0):
-    from ops.drift import DeploymentRecord
+    from ops.release.drift import DeploymentRecord
 
     rec = DeploymentRecord(endpoint=Deployment.parse(key).endpoint, variant_id="v1", traffic_profile={},
                            model_weights_hash="h", model="smollm2", deployed_at=0.0, capture_dir=capture_dir,
@@ -131,8 +131,8 @@ def test_the_sensor_registers_each_deployment_it_sees(tmp_path):
 def test_the_schedule_retunes_each_deployment_on_its_own_capture(tmp_path):
     """Two deployments on record, each capturing its own traffic: each nightly run reads its own capture since
     its own build, not the latest deployment's."""
-    from engine.capture import CaptureWriter
-    from engine.trace_record import TraceRecord
+    from engine.serving.capture import CaptureWriter
+    from engine.serving.trace_record import TraceRecord
     from pipelines.sensors import nightly
 
     keys = {"a": "smollm2|cpu|http://a:8000", "b": "qwen|cuda|http://b:8000"}
@@ -187,10 +187,10 @@ def test_every_step_in_its_own_process_shares_only_real_services(postgres_server
     from dagster._core.definitions.reconstruct import ReconstructableRepository
 
     from assets.resources import EngineRunner as Runner
-    from ops.board import Board
-    from ops.board_store import with_password
-    from ops.deploy import ServerProcess
-    from ops.drift import DeploymentRecord
+    from ops.search.board import Board
+    from ops.search.board_store import with_password
+    from ops.release.deploy import ServerProcess
+    from ops.release.drift import DeploymentRecord
 
     password = postgres_server.password
     monkeypatch.delenv("PGPASSWORD")  # the board's password reaches the steps only through dg.EnvVar

@@ -14,10 +14,10 @@ import pytest
 
 from assets import pipeline
 from assets.resources import TrafficSource
-from engine.capture import CaptureWriter
-from engine.trace_record import TraceRecord
-from ops.drift import DeploymentRecord, HardwareIdentity, capture_position, hardware_identity, read_capture
-from ops.traces import load_trace, profile
+from engine.serving.capture import CaptureWriter
+from engine.serving.trace_record import TraceRecord
+from ops.release.drift import DeploymentRecord, HardwareIdentity, capture_position, hardware_identity, read_capture
+from ops.traffic.traces import load_trace, profile
 from pipelines.sensors import DriftConfig, hardware_drift_sensor, model_drift_sensor, nightly, traffic_drift_sensor
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -213,7 +213,7 @@ def test_hysteresis_needs_confirmations(tmp_path):
 
 def test_changed_weights_fire_the_model_drift_sensor(tmp_path):
     from engine import resolve
-    from ops.model_spec import weights_hash
+    from ops.measure.model_spec import weights_hash
 
     model = tmp_path / "model"
     shutil.copytree(TINY, model)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from ops.deploy import free_port
+from ops.release.deploy import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"
@@ -92,7 +92,7 @@ def test_asset_graph_in_the_dagster_ui(tmp_path):
     import dagster as dg
 
     from assets.pipeline import plot_metadata
-    from ops.plots import attainment_vs_rate, throughput_vs_tpot
+    from ops.search.plots import attainment_vs_rate, throughput_vs_tpot
 
     home = tmp_path / "dagster_home"
     home.mkdir()

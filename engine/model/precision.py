@@ -1,0 +1,243 @@
+"""Weight precision as a variant dimension: the model's dense projections quantized once, read through the ops.
+
+A variant with ``weight_dtype`` "int8" or "fp8" keeps the checkpoint's tensors (a rollback needs them, and
+the embedding lookup reads them) and adds a quantized copy of each dense projection: QKV, output,
+gate/up, down and the lm_head (kernels/linear/quant.py). MoE experts and routers keep the checkpoint's precision.
+The copies are made when the variant is first prepared and cached with the model, keyed by the precision and a
+hash of the weights' contents (``weights_hash``), so switching back and forth between precisions quantizes once,
+and weights changed in place (a checkpoint loaded into the same model) are quantized again rather than served
+stale; a rollback to the checkpoint's precision swaps the operation table back and frees nothing it would need
+again.
+
+``quantized_ops`` wraps a ForwardOps table: each linear operation receives the quantized copy of the
+weight the model passes (looked up by the parameter's identity), and the prefetch hint reads the bytes
+the kernels will read. A generated linear kernel cannot take quantized weights, so such a variant is
+refused.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+import weakref
+
+import torch
+
+from engine.errors import VariantError
+from engine.model.forward_ops import ForwardOps
+from engine.model.transformer import MLP, CausalLM
+from kernels.linear.quant import FP8_MAX, WEIGHT_DTYPES, QuantizedWeight, quantize
+
+CHECKPOINT = "auto"  # the checkpoint's own precision
+
+# model -> (kind, weights hash) -> id(parameter) -> its quantized copy
+_cache: "weakref.WeakKeyDictionary[CausalLM, dict[tuple[str, str], dict[int, QuantizedWeight]]]" = \
+    weakref.WeakKeyDictionary()
+# model -> id(parameter) -> ((storage, in-place version, shape, dtype), the content's digest)
+_digests: "weakref.WeakKeyDictionary[CausalLM, dict[int, tuple[tuple, str]]]" = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+_CHUNK = 1 << 24  # elements per pass of the digest (bounded temporary memory on a GPU)
+
+
+def dense_weights(model: CausalLM) -> list[torch.Tensor]:
+    """The weights a precision variant quantizes, each once (a tied lm_head is the embedding table)."""
+    out = []
+    for layer in model.layers:
+        out += [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight]
+        if isinstance(layer.mlp, MLP):
+            out += [layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
+    out.append(model.lm_head_weight())
+    return out
+
+
+def _content_digest(w: torch.Tensor) -> str:
+    """The tensor's dtype, shape and contents: on the CPU a SHA-256 of its bytes; on a GPU (copying the weights to
+    the host would cost more than quantizing them) two position-weighted sums of its bit patterns, on the device in
+    chunks, which any change of a value changes but for a collision of both sums modulo 2^64."""
+    w = w.detach().contiguous()
+    head = f"{w.dtype}:{tuple(w.shape)}:"
+    if w.device.type == "cpu":
+        return head + hashlib.sha256(w.reshape(-1).view(torch.uint8).numpy()).hexdigest()
+    return head + _bit_sums(w)
+
+
+def _bit_sums(w: torch.Tensor) -> str:
+    """The GPU digest of a contiguous tensor, on its own device (also runs on the CPU, for the tests)."""
+    bits_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[w.element_size()]
+    flat = w.reshape(-1).view(bits_dtype)
+    s1 = s2 = 0
+    with torch.no_grad():
+        for start in range(0, flat.numel(), _CHUNK):
+            b = flat[start:start + _CHUNK].to(torch.int64)
+            pos = torch.arange(start, start + b.numel(), device=b.device, dtype=torch.int64) % 65521 + 1
+            s1 += int(b.sum())
+            s2 += int((b * pos).sum())
+    return f"{s1}:{s2}"
+
+
+def weights_hash(model: CausalLM) -> str:
+    """A hash of the dense weights' contents (``dense_weights``). Each weight's digest is kept until its storage
+    or its in-place version counter changes, so a repeated call reads no weights."""
+    h = hashlib.sha256()
+    memo = _digests.setdefault(model, {})
+    for w in dense_weights(model):
+        stamp = (w.data_ptr(), w._version, tuple(w.shape), w.dtype)
+        got = memo.get(id(w))
+        if got is None or got[0] != stamp:
+            got = memo[id(w)] = (stamp, _content_digest(w))
+        h.update(got[1].encode())
+    return h.hexdigest()[:16]
+
+
+def quantized_weights(model: CausalLM, kind: str) -> dict[int, QuantizedWeight]:
+    """id(parameter) -> its quantized copy; computed on first use and cached with the model under the weights'
+    hash (weights changed since: quantized again, the stale copies of that precision dropped)."""
+    if kind not in WEIGHT_DTYPES:
+        raise VariantError(f"unknown weight_dtype {kind!r}; known: {CHECKPOINT}, {', '.join(WEIGHT_DTYPES)}")
+    with _lock:
+        per_model = _cache.setdefault(model, {})
+        key = (kind, weights_hash(model))
+        if key not in per_model:
+            for stale in [k for k in per_model if k[0] == kind]:
+                del per_model[stale]
+            keep = next(model.parameters()).device.type == "cpu"  # CPU: dequantizing per prefill costs more
+            try:
+                per_model[key] = {id(w): quantize(w, kind, keep_dequantized=keep) for w in dense_weights(model)}
+            except (ValueError, RuntimeError) as e:
+                raise VariantError(f"cannot quantize the weights to {kind}: {e}") from None
+        return per_model[key]
+
+
+def quantized_bytes(model: CausalLM, kind: str) -> int:
+    """Bytes of the quantized copies (what a decode step reads instead of the checkpoint's weights)."""
+    return sum(q.nbytes for q in quantized_weights(model, kind).values())
+
+
+def check_kernels(kind: str, impls: dict[str, str]) -> None:
+    """Raises VariantError when a linear operation is generated code: it takes the checkpoint's weights only.
+    ``impls``: op -> the variant's implementation."""
+    generated = [op for op in ("linear", "norm_linear", "act_linear") if impls.get(op, "").startswith("generated:")]
+    if generated:
+        raise VariantError(f"weight_dtype {kind} cannot run generated kernels for {', '.join(generated)}: they "
+                           "take the checkpoint's weights")
+
+
+def quantized_ops(ops: ForwardOps, model: CausalLM, kind: str, impls: dict[str, str]) -> ForwardOps:
+    """``ops`` with its linear operations fed quantized weights. ``impls``: op -> the variant's implementation."""
+    check_kernels(kind, impls)
+    table = quantized_weights(model, kind)
+
+    def q(w):
+        return table.get(id(w), w)
+
+    linear, norm_linear, act_linear, prefetch = ops.linear, ops.norm_linear, ops.act_linear, ops.prefetch
+
+    def q_linear(x, weight, bias=None):
+        return linear(x, q(weight), bias)
+
+    def q_norm_linear(x, residual, norm_weight, eps, weight, bias=None):
+        return norm_linear(x, residual, norm_weight, eps, q(weight), bias)
+
+    def q_act_linear(x, weight):
+        return act_linear(x, q(weight))
+
+    def q_prefetch(weights, rows, site="o_proj"):
+        return prefetch(tuple(w.q if isinstance(w, QuantizedWeight) else w for w in map(q, weights)), rows, site)
+
+    # norm_moe composed from the parts keeps its router at the checkpoint's precision: the router weight is
+    # not in the table, so the wrapped linear passes it through unchanged
+    return ops.replace(linear=q_linear, norm_linear=q_norm_linear, act_linear=q_act_linear, prefetch=q_prefetch)
+
+
+# ---- the KV cache's precision ---------------------------------------------------------------------------
+# A variant with ``kv_cache_dtype`` "fp8" keeps keys and values in e4m3 (one byte each: twice the blocks in the
+# same memory, half the bytes an attention step reads). Each layer has a key scale and a value scale: the
+# cache holds k / k_scale and v / v_scale; attention multiplies its scores by k_scale (folded into the softmax
+# scale) and its output by v_scale. The scales are powers of two, so dividing by them is exact, chosen once per
+# model (and weight precision) from a calibration prompt run through the variant's kernels: the smallest power
+# of two, at least 1, that keeps twice the largest |k| (|v|) the layer cached within e4m3's 448. A layer whose
+# values fit (most) has scales 1 and costs nothing extra; values beyond the range saturate at +-448. (Scales
+# under 1, which lift small values out of e4m3's subnormal range, were measured on SmolLM2: the gate's figures
+# stayed the same, max |dlogit| 3.08 against 3.19, mean KL 0.0077 against 0.0069, for an extra multiply per
+# layer, so they are not used.)
+KV_MARGIN = 2.0  # headroom over the calibration prompt's largest values, for prompts that reach further
+CALIBRATION_TEXT = ("The committee met on Tuesday to review the quarterly budget. Revenue rose 12% to $4.3 "
+                    "million, while costs fell. def mean(xs): return sum(xs) / len(xs)  # average of a list. "
+                    "Paris is the capital of France; Tokyo, of Japan. 1, 2, 3, 5, 8, 13, 21, 34, 55, 89.")
+
+_kv_cache: "weakref.WeakKeyDictionary[CausalLM, dict[str, list[tuple[float, float]]]]" = weakref.WeakKeyDictionary()
+
+
+def kv_cache_dtype(kind: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's element type for a variant's ``kv_cache_dtype`` and the checkpoint's dtype."""
+    if kind == CHECKPOINT:
+        return dtype
+    if kind == "fp8":
+        return torch.float8_e4m3fn
+    raise VariantError(f"unknown kv_cache_dtype {kind!r}; known: {CHECKPOINT}, fp8")
+
+
+def _pow2_scale(amax: float) -> float:
+    need = amax * KV_MARGIN / FP8_MAX
+    return 1.0 if need <= 1.0 else float(2.0 ** math.ceil(math.log2(need)))
+
+
+@torch.inference_mode()
+def kv_scales(engine, ops: ForwardOps, weight_dtype: str = CHECKPOINT) -> list[tuple[float, float]]:
+    """Per layer (k_scale, v_scale) for an FP8 cache, from the calibration prompt run through ``ops`` into a cache
+    of the checkpoint's dtype; cached per model and weight precision."""
+    from engine.worker.model_runner import KVCache
+    from kernels.attention.attention import AttentionMetadata
+
+    with _lock:
+        per_model = _kv_cache.setdefault(engine.model, {})
+        if weight_dtype in per_model:
+            return per_model[weight_dtype]
+    cfg, dev = engine.model_config, engine.device
+    ids = engine.tokenizer.encode(CALIBRATION_TEXT) if engine.tokenizer is not None else \
+        [(7 * i + 1) % cfg.vocab_size for i in range(96)]
+    n = min(len(ids), engine.max_model_len)
+    bs = 16
+    blocks = -(-n // bs)
+    kv = KVCache(cfg, blocks, bs, dev, engine.dtype)
+    meta = AttentionMetadata.build(torch.arange(n, device=dev), torch.arange(blocks, dtype=torch.int32,
+                                                                             device=dev)[None], [n], [0, n], dev)
+    try:
+        engine.model(torch.tensor(ids[:n], device=dev), torch.arange(n, device=dev), engine.runner.cos_sin,
+                     kv.layers(), meta, ops)
+    except Exception as e:
+        raise VariantError(f"the FP8 KV cache's calibration failed: {type(e).__name__}: {e}") from None
+    scales = []
+    for k, v in kv.layers():
+        ka = float(k.reshape(-1, k.shape[-1])[: n * k.shape[2]].abs().amax())
+        va = float(v.reshape(-1, v.shape[-1])[: n * v.shape[2]].abs().amax())
+        if not (math.isfinite(ka) and math.isfinite(va)):
+            raise VariantError("the FP8 KV cache's calibration saw NaN or Inf keys or values")
+        scales.append((_pow2_scale(ka), _pow2_scale(va)))
+    with _lock:
+        per_model[weight_dtype] = scales
+    return scales
+
+
+def fp8_kv_ops(ops: ForwardOps, scales: list[tuple[float, float]]) -> ForwardOps:
+    """``ops`` whose attention block keeps its keys and values scaled for an FP8 cache (the layer is read from
+    the cache view's place in the pool: layer i's keys start at 2 i layer sizes)."""
+    inner = ops.rotary_attention
+    scaled_norms: dict[int, torch.Tensor] = {}
+
+    def rotary_attention(q, k, v, q_weight, k_weight, eps, positions, cos_sin, k_cache, v_cache, meta, scale):
+        ks, vs = scales[k_cache.storage_offset() // (2 * k_cache.numel())]
+        if ks != 1.0:
+            if k_weight is not None:  # keys normed per head (Qwen3): the norm's weight carries the scale
+                if id(k_weight) not in scaled_norms:
+                    scaled_norms[id(k_weight)] = k_weight / ks
+                k_weight = scaled_norms[id(k_weight)]
+            else:
+                k = k / ks
+            scale = scale * ks
+        if vs != 1.0:
+            v = v / vs
+        out = inner(q, k, v, q_weight, k_weight, eps, positions, cos_sin, k_cache, v_cache, meta, scale)
+        return out if vs == 1.0 else out * vs
+
+    return ops.replace(rotary_attention=rotary_attention)

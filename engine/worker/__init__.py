@@ -1,0 +1,1 @@
+"""One step on the device: the model runner and its KV cache, CUDA graphs, sampling and structured output."""

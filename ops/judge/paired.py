@@ -1,0 +1,361 @@
+"""The judge's measurements: static-best and candidates replayed in lockstep on the same disjoint windows of the
+traffic, the simulator's volume beside them, and the out-of-sample confirmation (the rules are ops/judge/rule.py's).
+
+The traffic a search tunes on is split in two parts by arrival order: the **search part** (its first
+``SearchConfig.requests`` requests are the slow tier's slice; the judge's windows follow them) and the
+**held-out part** (its last third), which the search never replays: the confirmation and the live
+verification after a swap draw their windows from there. A part too short for the windows asked of it is
+replayed again from its start (its arrivals shifted), and the judgement says so.
+
+Each rate probe takes the next window of the search part; every arm probes the same window at its own rate in
+the same round (A B C, A B C, ...), so the arms see the same requests and arrivals and any drift of the machine
+falls on all of them alike. Within one round the window is as long as the longest probe needs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine.config.sampling_params import SamplingParams
+from engine.serving.trace_record import TraceRecord
+from engine.config.variant import VariantSpec
+from ops.judge import capacity
+from ops.judge import rule as judge
+from ops.measure.tiers import SLO, own_rate, probe, saturation
+from ops.traffic.traces import Windows
+
+
+@dataclass(frozen=True)
+class JudgeConfig:
+    """How much the judge replays. The defaults suit a GPU; ``for_cpu`` the 2-core development machine."""
+
+    first_look: int = 40  # counted requests at a probe's first look (then 2x, 4x, ... up to ``cap``)
+    cap: int = 320  # most counted requests of one probe
+    steady: float = 10.0  # a probe's counted requests span at least this many unloaded service times
+    warmup: float = 2.0  # requests arriving within this many unloaded service times are not counted
+    resolution: float = 1.10  # the bracket the search bisects to
+    max_probes: int = 8  # per arm
+    saturation_requests: int = 32  # the window replayed at once for the saturation throughput
+    saturation_rounds: int = 3  # paired rounds of it (the guard needs every round lower to refuse)
+    confirm_requests: int = 80  # counted requests of each arm in the held-out confirmation
+    seconds: float = 600.0  # the whole judgement's budget (searches, confirmation); probes end at it
+    confirm_share: float = 0.3  # of ``seconds`` kept for the held-out confirmation (the searches end before it)
+    top: int = 2  # candidates compared with static-best (the simulator's best predicted)
+    simulated_requests: int = 2000  # requests of the search part the simulator replays per variant
+    allow_trade: bool = False  # latency at the traffic's own rate may be traded for capacity (named in the report)
+
+    @classmethod
+    def for_cpu(cls, **kw) -> "JudgeConfig":
+        return cls(**{**dict(first_look=20, cap=60, steady=8.0, saturation_requests=16, confirm_requests=32,
+                             seconds=140.0, confirm_share=0.3, top=1, simulated_requests=1000), **kw})
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class ArmRun:
+    """One variant as the judge runs it: how to make its engine active, and what has been measured of it."""
+
+    variant: VariantSpec
+    predicted: float = 0.0  # simulator's capacity, req/s (0: none)
+    saturation: float = 0.0
+    samples: list = field(default_factory=list)  # step samples of every replay, for the simulator's calibration
+    rounds: list = field(default_factory=list)  # saturation throughput per paired round
+
+
+def _service_time(slo: SLO, prompt: int, output: int) -> float:
+    """An unloaded request's service time, from the SLO it was derived with (an upper bound: the SLO's targets
+    are multiples of static-best's unloaded latency)."""
+    from ops.measure.static_best_sweep import TPOT_FACTOR, TTFT_FACTOR
+
+    return slo.ttft_limit(prompt) / TTFT_FACTOR + max(0, output - 1) * slo.tpot_s / TPOT_FACTOR
+
+
+class PairedJudge:
+    """Measures arms in lockstep with one engine that hot-swaps between them (``activate``), and decides.
+
+    ``prompts_for(records, seed)``: token ids for a window's requests (real text where the model has a tokenizer).
+    ``activate(variant)``: the engine with ``variant`` active (weights are not reloaded)."""
+
+    def __init__(self, activate: Callable[[VariantSpec], object], prompts_for: Callable[[list, int], list],
+                 windows: Windows, slo: SLO, max_output: int | None, cfg: JudgeConfig,
+                 log: Callable[[str], None] = lambda m: None):
+        self.activate, self.prompts_for, self.windows = activate, prompts_for, windows
+        self.slo, self.max_output, self.cfg, self.log = slo, max_output, cfg, log
+        self._prompts: dict = {}
+        self.deadline = math.inf
+        self._active: str | None = None
+
+    def _engine(self, v: VariantSpec):
+        eng = self.activate(v)
+        if self._active != v.variant_id:  # a swapped-in form's first steps are not timed
+            eng.generate([[100 + i for i in range(8)]], SamplingParams(max_tokens=2, ignore_eos=True))
+            self._active = v.variant_id
+        return eng
+
+    def _window(self, part: str, n: int) -> tuple[int, list, list]:
+        idx, recs = self.windows.take(part, n)
+        key = (part, idx, n)
+        if key not in self._prompts:
+            self._prompts[key] = self.prompts_for(recs, idx)
+        return idx, recs, self._prompts[key]
+
+    def _plan(self, rate: float, typical: float) -> tuple[int, list[int]]:
+        """(warm-up requests, looks) of a probe at ``rate``: the warm-up spans ``warmup`` service times, the
+        first look ``steady`` of them (at least ``first_look`` requests), the last the cap."""
+        c = self.cfg
+        warm = max(2, math.ceil(rate * c.warmup * typical))
+        first = min(c.cap, max(c.first_look, math.ceil(rate * c.steady * typical)))
+        return warm, capacity.looks(first, c.cap)
+
+    def typical_service(self, records: list[TraceRecord]) -> float:
+        out = [r.output_tokens if self.max_output is None else min(r.output_tokens, self.max_output) for r in records]
+        pr = sorted(r.input_tokens for r in records)[len(records) // 2]
+        return _service_time(self.slo, pr, sorted(out)[len(out) // 2])
+
+    def measure_saturation(self, arms: list[ArmRun]) -> int:
+        """Every arm's saturation throughput: one window's requests at once, in ``saturation_rounds`` paired
+        rounds (the arms' order alternated), the median kept and every round's figure for the guard."""
+        idx, recs, prompts = self._window("search", self.cfg.saturation_requests)
+        for k in range(max(1, self.cfg.saturation_rounds)):
+            for a in (arms if k % 2 == 0 else arms[::-1]):
+                sat, samples = saturation(self._engine(a.variant), recs, prompts, self.max_output, self.slo)
+                a.rounds.append(sat)
+                a.samples += samples
+        for a in arms:
+            a.saturation = statistics.median(a.rounds)
+            self.log(f"judge: {a.variant.name}: saturation {a.saturation:.3f} req/s ({len(recs)} requests at once; "
+                     "rounds " + ", ".join(f"{x:.2f}" for x in a.rounds) + ")")
+        return idx
+
+    def search(self, arms: list[ArmRun], sim_error: float = math.nan) -> dict[str, capacity.Capacity]:
+        """Each arm's capacity: the judge's search (``capacity.Searcher``) for every arm, probed round by round on
+        shared windows. An arm starts at its saturation throughput, or below it at the simulator's prediction
+        with a first step of twice the simulator's error (given, or a prior of 20%; 15% to 100%) instead of
+        doubling; never below the slowest rate whose first looks the budget affords (an arm failing there is
+        censored below it)."""
+        typical = self.typical_service(self.windows.take("search", 0)[1] or self.windows.records[:32])
+        searches: dict[str, capacity.Searcher] = {}
+        # the slowest rate the budget affords: two first looks per arm (warm-up included) in the time left. A
+        # probe below it would count nothing before the deadline, so the search starts and stops no lower, and
+        # an arm failing there is censored below it instead of left unmeasured
+        left = self.deadline - time.perf_counter()
+        affordable = 2 * len(arms) * (self.cfg.first_look + 2) / left if left > 0 else math.inf
+        for a in arms:
+            sat = a.saturation or 1.0
+            start, step = sat, 2.0
+            if a.predicted > 0:  # start just below the prediction, bracket it by the simulator's typical error
+                start = min(sat, 0.95 * a.predicted)
+                # the simulator's error on this run's traffic is unknown until the replays measure it: a prior
+                # of 20% (a step of 1.4x) brackets in a probe or two where the prediction is that far off
+                err = sim_error if not math.isnan(sim_error) else 0.2
+                step = min(2.0, max(1.15, 1 + 2 * err))
+            floor = sat / (5 * max(1, a.variant.max_num_seqs))  # requests rarely overlap below this
+            if affordable > max(floor, start):
+                self.log(f"judge: {a.variant.name}: the budget affords probes no slower than {affordable:.3f} "
+                         f"req/s (start {start:.3f}, floor {floor:.3f} raised to it)")
+            floor = min(max(floor, affordable), 4 * sat)
+            start = max(start, floor)
+            searches[a.variant.variant_id] = capacity.Searcher(start, step=step, floor=floor, ceiling=4 * sat,
+                                                            resolution=self.cfg.resolution,
+                                                            max_probes=self.cfg.max_probes)
+        by_id = {a.variant.variant_id: a for a in arms}
+        while time.perf_counter() < self.deadline:
+            pending = {vid: s.rate for vid, s in searches.items() if s.rate is not None}
+            if not pending:
+                break
+            plans = {vid: self._plan(rate, typical) for vid, rate in pending.items()}
+            # a round whose first looks cannot all arrive before the deadline would count nothing: not started
+            first_looks = sum((w + plan[0]) / rate for (w, plan), rate in zip(plans.values(), pending.values()))
+            if time.perf_counter() + first_looks > self.deadline:
+                self.log(f"judge: {self.deadline - time.perf_counter():.0f} s left, too little for another round "
+                         f"of first looks ({first_looks:.0f} s at the rates due)")
+                break
+            need = max(w + plan[-1] for w, plan in plans.values())
+            idx, recs, prompts = self._window("search", need)
+            for k, (vid, rate) in enumerate(pending.items()):
+                now = time.perf_counter()
+                if now >= self.deadline:
+                    break
+                warm, plan = plans[vid]
+                n = warm + plan[-1]
+                # each arm of the round gets its share of the time left: one arm cannot spend another's
+                share = now + (self.deadline - now) / (len(pending) - k)
+                p, samples = probe(self._engine(by_id[vid].variant), recs[:n], prompts[:n], rate, self.slo, warm,
+                                   plan, self.max_output, window=idx, deadline=share)
+                p.arm = vid
+                by_id[vid].samples += samples
+                if not p.n and p.verdict != "void":  # the deadline came before a request was counted
+                    self.log(f"judge: {by_id[vid].variant.name}: probe at {rate:.3f} req/s ended by the budget "
+                             "before a request was counted (not recorded)")
+                    continue
+                self.log(f"judge: {by_id[vid].variant.name}: probe {p.line()}, {p.seconds:.0f} s")
+                searches[vid].record(p)
+        return {vid: s.capacity(by_id[vid].saturation) for vid, s in searches.items()}
+
+    def confirm(self, base: ArmRun, cand: ArmRun, caps: dict[str, capacity.Capacity]) -> judge.Confirmation:
+        """The choice and static-best on windows of the held-out part (``judge.confirm``): at each rate a fresh
+        window, replayed by both."""
+        n = self.cfg.confirm_requests
+        typical = self.typical_service(self.windows.take("held", 0)[1] or self.windows.records[-32:])
+        arms = {"base": base, "cand": cand}
+        current: dict = {}
+
+        def replay(which: str, r: float) -> capacity.Probe:
+            if current.get("rate") != r:  # a new rate: a new window, for both arms
+                warm = max(2, math.ceil(r * self.cfg.warmup * typical))
+                current.update(rate=r, warm=warm, window=self._window("held", warm + n))
+            idx, recs, prompts = current["window"]
+            a = arms[which]
+            p, samples = probe(self._engine(a.variant), recs, prompts, r, self.slo, current["warm"], [n],
+                               self.max_output, window=idx, deadline=self.deadline)
+            a.samples += samples
+            p.arm = a.variant.variant_id
+            self.log(f"judge: held-out {a.variant.name}: {p.line()}")
+            return p
+        return judge.confirm(replay, caps[cand.variant.variant_id], caps[base.variant.variant_id])
+
+
+def run_judgement(pj: PairedJudge, base: ArmRun, cands: list[ArmRun], latencies: dict[str, tuple[list, list]],
+                  sim_error_prior: float = math.nan) -> tuple[judge.Judgement, dict[str, capacity.Capacity]]:
+    """Saturation, the lockstep search, the decision (``judge.decide``) and, when it chose a candidate, the
+    out-of-sample confirmation, which refuses a choice that does not hold. ``latencies``: variant id ->
+    (TTFT, TPOT) per request of its replay at the traffic's own rate (the same requests for every arm)."""
+    t0 = time.perf_counter()
+    pj.deadline = t0 + pj.cfg.seconds * (1 - pj.cfg.confirm_share)
+    arms = [base] + cands
+    pj.measure_saturation(arms)
+    caps = pj.search(arms, sim_error_prior)
+
+    def arm(a: ArmRun) -> judge.Arm:
+        ttft, tpot = latencies.get(a.variant.variant_id, ([], []))
+        return judge.Arm(a.variant.variant_id, a.variant.name, caps[a.variant.variant_id], a.saturation, ttft, tpot,
+                         a.predicted, list(a.rounds))
+    j = judge.decide(arm(base), [arm(c) for c in cands], allow_trade=pj.cfg.allow_trade)
+    errs = [abs(a.predicted - caps[a.variant.variant_id].estimate) / caps[a.variant.variant_id].estimate
+            for a in arms if a.predicted > 0 and not caps[a.variant.variant_id].censored
+            and caps[a.variant.variant_id].estimate > 0]
+    j.simulator_error = max(errs) if errs else math.nan
+    if not j.kept:
+        chosen = next(c for c in cands if c.variant.variant_id == j.chosen)
+        pj.deadline = max(t0 + pj.cfg.seconds, time.perf_counter() + 10)  # the confirmation's share of the budget
+        conf = pj.confirm(base, chosen, caps)
+        j.confirmation = conf
+        if not conf.holds:
+            j.notes.append(f"{chosen.variant.name} did not hold on held-out traffic")
+            j.reason = f"kept static-best: {chosen.variant.name} was better on the search's windows " \
+                       f"({j.comparison(j.chosen).line()}) but did not hold on traffic the search did not see"
+            j.chosen = j.baseline
+            j.verdict = "no detectable difference"
+    if pj.windows.wrapped:
+        j.notes.append("the trace was too short for disjoint windows: its "
+                       + " and ".join(sorted(pj.windows.wrapped)) + " part was replayed again (arrivals shifted)")
+    j.seconds = time.perf_counter() - t0
+    return j, caps
+
+
+def live_windows(trace: str, model: str, skip: int, n: int, max_input: int | None, lenient: bool = False,
+                 seed: int = 7) -> tuple[tuple[list, list], tuple[list, list]]:
+    """Two disjoint windows of ``n`` requests from the end of the trace's held-out part (the confirmation takes
+    its start), with their prompts (real text where the model has a tokenizer): the live traffic a deployment is
+    verified on before and after its swap (ops/deploy.LiveWindows)."""
+    from engine import resolve
+    from engine.loader.model_source import load_config
+    from engine.loader.tokenizer import Tokenizer
+    from ops.traffic.corpus import corpus_for
+    from ops.traffic.replay import synthesize_prompts
+    from ops.traffic.traces import load_trace
+
+    records = load_trace(trace, lenient=lenient)
+    w = Windows(records, skip=skip)
+    lo, hi = w.bounds("held")
+    w.cursor["held"] = max(lo, hi - 2 * n)
+    source = resolve(model)
+    tok = Tokenizer(source.tokenizer_path) if source.tokenizer_path and source.kind != "synthetic" else None
+    vocab = load_config(source).vocab_size
+    out = []
+    for k in range(2):
+        idx, recs = w.take("held", n)
+        out.append((recs, synthesize_prompts(recs, vocab, max_input=max_input, tokenizer=tok, seed=seed + idx,
+                                             corpus=corpus_for(trace) if tok else None)))
+    return out[0], out[1]
+
+
+def judge_search(search, jcfg: JudgeConfig | None = None, excluded: dict[str, str] | None = None) -> judge.Judgement:
+    """The judge of a search (``search``: ops.search.tune.Search): the slow tier's variants ranked by the simulator
+    (calibrated on each one's own replayed steps, over thousands of the trace's requests), the ``top`` best
+    replayed in lockstep with static-best on fresh windows of the trace, each one's capacity with its interval,
+    the decision (Holm, guards), the out-of-sample confirmation, and the simulator's figures beside the
+    measured ones: goodput at 1x, 1.5x and 2x the traffic's rate and the capacity under gamma arrivals of the
+    traffic's burstiness. Posted on the board; ``excluded``: variant id -> why it may not be chosen."""
+    from ops.search.worker import SLOW
+
+    jcfg = jcfg or (JudgeConfig.for_cpu() if search.cfg.device == "cpu" else JudgeConfig())
+    excluded = excluded or {}
+    slow = search.results(SLOW)
+    base = next(((r, v) for r, v in slow if v.variant_id == search.baseline.variant_id), None)
+    if base is None:
+        raise RuntimeError("no slow-tier measurement of static-best: nothing to judge against")
+    notes = [f"{v.name} excluded: {excluded[v.variant_id]}" for _, v in slow if v.variant_id in excluded]
+    layouts = [v for _, v in slow if v.tp * v.dp > 1]
+    if layouts:
+        notes.append("parallel layouts (" + ", ".join(v.name for v in layouts) + ") are measured served, "
+                     "one restart each, and judged on their served replay only: not compared in lockstep")
+    cands = [(r, v) for r, v in slow if v.variant_id != search.baseline.variant_id and v.variant_id not in excluded
+             and v.tp * v.dp == 1]
+    cands.sort(key=lambda rv: rv[0].bench.get("capacity_predicted", 0.0), reverse=True)
+    picked = cands[:jcfg.top]
+    if len(cands) > len(picked):
+        notes.append("not compared (the simulator predicts less): " + ", ".join(
+            f"{v.name} ({r.bench.get('capacity_predicted', 0.0):.3f} req/s predicted)" for r, v in cands[len(picked):]))
+    arms = [ArmRun(v, predicted=r.bench.get("capacity_predicted", 0.0),
+                   samples=list(r.bench.get("step_samples", [])) + list(r.bench.get("saturation_samples", [])))
+            for r, v in [base] + picked]
+    latencies = {v.variant_id: (r.bench.get("ttfts", []), r.bench.get("tpots", [])) for r, v in [base] + picked}
+    windows = Windows(search.bench.stream, skip=len(search.bench.records))
+    pj = PairedJudge(lambda v: search.bench.engine(SLOW, v), search.bench.prompts_for, windows, search.cfg.slo,
+                     search.cfg.max_output, jcfg, log=search.log)
+    search.log(f"judge: static-best against {', '.join(v.name for _, v in picked) or 'no candidate'} in lockstep, "
+               f"budget {jcfg.seconds:.0f} s")
+    j, caps = run_judgement(pj, arms[0], arms[1:], latencies)
+    j.notes = notes + j.notes
+    for a in arms:  # the simulator's volume beside the measured figures, calibrated on each arm's own steps
+        j.arms[a.variant.variant_id].update(simulated_figures(search, a.variant, a.samples, jcfg.simulated_requests))
+    search.board.post("judge", "note", {"search": search.id, "judgement": j.to_json(), "config": jcfg.to_json()},
+                      [r.id for r, _ in [base] + picked])
+    search.log("judge: " + j.headline())
+    return j
+
+
+def simulated_figures(search, v: VariantSpec, samples: list, n: int) -> dict:
+    """The simulator's capacity, goodput and attainment at 1x, 1.5x and 2x the traffic's observed rate, and
+    the capacity with gamma arrivals of the traffic's fitted burstiness and its length distribution (the
+    robustness arm), over ``n`` requests, calibrated on ``samples`` (the variant's measured steps)."""
+    from ops.predict.cost_model import predicted_capacity, simulate, synthetic_requests
+    from ops.traffic.traces import profile
+    from ops.search.worker import calibration_from
+
+    model, hw = search.model_spec, search.hardware
+    cal = calibration_from(model, hw, samples)
+    if cal is None:
+        return {}
+    recs = search.bench.sim_records(n)
+    sim = {k: x for k, x in search.cfg.sim.items() if k != "time_scale"}
+    out = {"simulated_requests": len(recs),
+           "capacity_simulated": predicted_capacity(model, hw, recs, v, cal, **search.cfg.sim)}
+    observed = own_rate(search.bench.records) / search.cfg.time_scale if search.cfg.time_scale > 0 else math.inf
+    if math.isfinite(observed) and observed > 0:
+        for k in (1.0, 1.5, 2.0):
+            p = simulate(model, hw, recs, v, cal, time_scale=own_rate(recs) / (k * observed), **sim)
+            out[f"goodput_{k:g}x"] = p.goodput
+            out[f"attainment_{k:g}x"] = p.attainment
+        out["observed_rate"] = observed
+    gamma = synthetic_requests(profile(recs), n=len(recs), seed=1)
+    out["interarrival_cv"] = profile(recs).interarrival_cv
+    out["capacity_gamma"] = predicted_capacity(model, hw, gamma, v, cal, **search.cfg.sim)
+    return out

@@ -1,0 +1,166 @@
+"""Deploying a build to a running `polyinf serve` through its admin API, watching it, rolling back.
+
+Embedded mode starts the server on loopback. Before the hot swap a window of the deployment's traffic
+is replayed against it, after the swap another: if SLO attainment (the metric the decision rested on)
+is significantly worse after than before, the deployment is rolled back and says so.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from engine.generated.isolation import without_secrets
+from engine.config.variant import VariantSpec
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A `polyinf serve` on loopback, started and stopped by us."""
+
+    def __init__(self, model_args: list[str], served_name: str, capture_dir: Path | None = None,
+                 startup_s: float = 300.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.token = secrets.token_hex(16)
+        self.name = served_name
+        args = [sys.executable, "-m", "pipelines.cli", "serve", *model_args, "--port", str(self.port),
+                "--served-model-name", served_name]
+        if capture_dir is not None:
+            args += ["--capture-dir", str(capture_dir)]
+        root = str(Path(__file__).resolve().parents[2])
+        # the server gets its own token and none of this process's secrets (LLM keys, cloud credentials);
+        # the token goes in its environment, not on its command line (which any local user can read)
+        env = {**without_secrets(), "POLYINF_ADMIN_TOKEN": self.token,
+               "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                                     cwd=root)
+        deadline = time.time() + startup_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"polyinf serve exited: {self.proc.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError("polyinf serve did not become healthy in time")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@dataclass
+class Deployment:
+    endpoint: str
+    build_id: str  # the variant id now serving
+    previous_build: str | None
+    time: float
+    status: str  # "deployed" | "rolled back" | "refused" | "kept" (already serving it: nothing swapped)
+    reason: str
+    live_before: dict = field(default_factory=dict)
+    live_after: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class LiveWindows:
+    """The traffic a deployment is verified on: two disjoint windows of the deployment's traffic (the judge's
+    held-out part), replayed over HTTP with their arrival pattern at ``rate`` req/s, the first before the swap
+    and the second after it; each request meets ``slo`` or not (the decision's own metric)."""
+
+    before: tuple[list, list[list[int]]]  # (TraceRecords, prompts)
+    after: tuple[list, list[list[int]]]
+    rate: float
+    slo: object  # ops.bench.SLO
+    max_output: int | None = None
+    max_lag_s: float = 0.05  # a window whose load generator lagged more than this is void, not a verdict
+    predicted_before: float = float("nan")  # the simulator's attainment of the serving and of the new form there
+    predicted_after: float = float("nan")
+
+
+def _live_window(url: str, model: str, records: list, prompts: list[list[int]], rate: float, slo,
+                 max_output: int | None) -> tuple[list[bool], float, int]:
+    """(met the SLO per request, the load generator's worst send lag, requests failed)."""
+    import asyncio
+
+    from ops.measure.tiers import own_rate
+    from ops.traffic.replay import replay_async
+
+    scale = own_rate(records) / rate if rate > 0 else 0.0
+    rep = asyncio.run(replay_async(records, prompts, url + "/v1", model, time_scale=scale, max_output=max_output,
+                                   timeout=600))
+    met = [r.ok and slo.met(r.ttft, (r.e2e - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else None,
+                            r.input_tokens, r.output_tokens) for r in rep.results]
+    return met, max((r.lag for r in rep.results), default=0.0), rep.failed
+
+
+def _warm(url: str, model: str, prompt: list[int]) -> None:
+    """One request that is not counted, so that a window does not time a form's first steps (the judge's replays
+    skip them the same way)."""
+    httpx.post(url + "/v1/completions", json={"model": model, "prompt": prompt[:32] or [1], "max_tokens": 2,
+                                              "temperature": 0.0, "ignore_eos": True}, timeout=600)
+
+
+def deploy(url: str, token: str, model: str, variant: VariantSpec, live: LiveWindows) -> Deployment:
+    """Hot-swaps ``variant`` in and verifies it on the decision's own metric: SLO attainment of the traffic's
+    windows before and after the swap, compared with Newcombe's interval (ops/judge.verify_live); significantly
+    worse rolls back. A window whose load generator lagged is void and the swap stays (said so)."""
+    auth = {"Authorization": f"Bearer {token}"}
+    current = httpx.get(url + "/admin/variant", headers=auth, timeout=10).json()["active"]["variant_id"]
+    if current == variant.variant_id:
+        return Deployment(url, current, None, time.time(), "kept",
+                          f"the endpoint already serves {current} ({variant.name}): nothing deployed")
+    return _deploy_judged(url, auth, model, variant, current, live)
+
+
+def _deploy_judged(url: str, auth: dict, model: str, variant: VariantSpec, current: str,
+                   live: LiveWindows) -> Deployment:
+    from ops.judge.rule import verify_live
+
+    _warm(url, model, live.before[1][0] if live.before[1] else [1])
+    before, lag_b, failed_b = _live_window(url, model, *live.before, live.rate, live.slo, live.max_output)
+    r = httpx.post(url + "/admin/variant", headers=auth, json=variant.to_json(), timeout=600)
+    if r.status_code != 200:
+        return Deployment(url, current, current, time.time(), "refused",
+                          f"the server refused the variant: {r.json().get('error', {}).get('message', r.text)}",
+                          {"attainment": sum(before) / max(1, len(before)), "requests": len(before)})
+    _warm(url, model, live.after[1][0] if live.after[1] else [1])
+    after, lag_a, failed_a = _live_window(url, model, *live.after, live.rate, live.slo, live.max_output)
+    check = verify_live(before, after, live.predicted_before, live.predicted_after)
+    figures = ({"attainment": sum(before) / max(1, len(before)), "requests": len(before), "lag_s": lag_b,
+                "failed": failed_b, "predicted": live.predicted_before},
+               {"attainment": sum(after) / max(1, len(after)), "requests": len(after), "lag_s": lag_a,
+                "failed": failed_a, "predicted": live.predicted_after, "check": check.to_json()})
+    at = f" at {live.rate:.3f} req/s"
+    if max(lag_b, lag_a) > live.max_lag_s:
+        return Deployment(url, variant.variant_id, current, time.time(), "deployed",
+                          f"{check.line()}{at}; void: the load generator lagged {1e3 * max(lag_b, lag_a):.0f} ms behind "
+                          "its schedule, so the windows say nothing about the engine (kept the swap)", *figures)
+    if check.worse:
+        httpx.post(url + "/admin/rollback", headers=auth, timeout=600).raise_for_status()
+        return Deployment(url, current, variant.variant_id, time.time(), "rolled back",
+                          f"{check.line()}{at}: significantly worse; rolled back to {current}", *figures)
+    return Deployment(url, variant.variant_id, current, time.time(), "deployed",
+                      f"{check.line()}{at}: not significantly worse", *figures)
