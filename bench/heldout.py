@@ -37,7 +37,7 @@ from engine import resolve  # noqa: E402
 from engine.loader.model_source import load_config  # noqa: E402
 from engine.loader.tokenizer import Tokenizer  # noqa: E402
 from ops.search.board import Board  # noqa: E402
-from ops.judge.capacity import newcombe, wilson  # noqa: E402
+from ops.measure.capacity import newcombe, wilson  # noqa: E402
 from ops.release.deploy import ServerProcess, _live_window  # noqa: E402
 from ops.judge.rule import Judgement  # noqa: E402
 from ops.traffic.corpus import corpus_for  # noqa: E402

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from ops.traffic.loadtest import board_faults, check_capture, closed_loop, kill_and_restart, start_server, swap_under_load  # noqa: E402
+from ops.release.loadtest import board_faults, check_capture, closed_loop, kill_and_restart, start_server, swap_under_load  # noqa: E402
 
 TINY = ROOT / "tests" / "engine" / "tiny_moe"
 MODEL_ARGS = ["--model", str(TINY), "--synthetic", "--num-kv-blocks", "1024", "--max-num-seqs", "64"]

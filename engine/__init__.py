@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {"EngineConfig": "engine.config.engine_config", "LLMEngine": "engine.core.llm_engine",
-            "RequestOutput": "engine.core.llm_engine", "ModelSource": "engine.loader.model_source", "resolve": "engine.loader.model_source",
+            "RequestOutput": "engine.core.llm_engine", "ModelSource": "engine.config.source", "resolve": "engine.loader.model_source",
             "SamplingParams": "engine.config.sampling_params", "VariantSpec": "engine.config.variant"}
 __all__ = sorted(_EXPORTS)
 

@@ -31,8 +31,8 @@ def kernel_checks() -> bool:
     from kernels.moe.moe_triton import moe_triton
     from kernels.pointwise.norm import fused_add_rms_norm_ref
     from kernels.pointwise.norm_triton import fused_add_rms_norm_triton
-    from kernels.pointwise.rotary import rotary_store_kv_ref
-    from kernels.pointwise.rotary_triton import rotary_store_kv_triton
+    from kernels.attention.rotary import rotary_store_kv_ref
+    from kernels.attention.rotary_triton import rotary_store_kv_triton
 
     dev, bf = "cuda", torch.bfloat16
     x = torch.randn(7, 4096, device=dev, dtype=bf)

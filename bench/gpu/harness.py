@@ -3,6 +3,8 @@ one table at the end), the timers, the section wrapper that reports a failure an
 Llama-3.1-8B-shaped model the 8B sections measure."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import time
 import traceback
@@ -183,3 +185,15 @@ class Llama8B:
         self.engine = LLMEngine(self.config, self.loaded)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.embed_bytes = model.embed_tokens.weight.numel() * 2
+
+
+def with_mma(spec, mma: int = 1, min_numel: int = 0):
+    """``spec`` with its quantized projections on the tensor-core kernel from ``mma`` rows (autotuned tiles);
+    ``min_numel``: at one row, only weights of that many elements (the smaller ones: the GEMV)."""
+    from engine.config.presets import TRITON_GEMV
+
+    params = {op: dict(p) for op, p in spec.kernel_params}
+    for op in TRITON_GEMV:
+        if dict(spec.kernels).get(op) == "triton":
+            params[op] = {**params.get(op, {}), "mma": mma, "mma_min_numel": min_numel}
+    return dataclasses.replace(spec, kernel_params=params)

@@ -15,11 +15,11 @@ from bench.gpu.experts import experts_alone
 from bench.gpu.harness import GRAPH_SIZES, ROOT, Llama8B, finish, row, section
 from bench.gpu.machine import attention_bandwidth, gemv_bandwidth, l2_survival, machine
 from bench.gpu.moe import moe_decode
-from bench.gpu.kv_fp8 import fp8_kv_cache
-from bench.gpu.precision import gemv_bandwidth_by_precision, llama8b_precision, quantized_kernel_checks
-from bench.gpu.precision_serve import activation_quant_checks, served_decode_by_precision
-from bench.gpu.precision_step import decode_forms_by_precision, projections_alone
-from bench.gpu.qmma import qmma_checks, qmma_decode, qmma_projections, qmma_served, qmma_step_tiles, qmma_sweep
+from bench.gpu.precision.kv_fp8 import fp8_kv_cache
+from bench.gpu.precision.weights import gemv_bandwidth_by_precision, llama8b_precision, quantized_kernel_checks
+from bench.gpu.precision.serve import activation_quant_checks, served_decode_by_precision
+from bench.gpu.precision.step import decode_forms_by_precision, projections_alone
+from bench.gpu.precision.qmma import qmma_checks, qmma_decode, qmma_projections, qmma_served, qmma_step_tiles, qmma_sweep
 from bench.gpu.swap import cold_start_and_swap, cold_start_child
 from bench.gpu.throughput import llama8b_throughput
 from engine.config.presets import preset_variant

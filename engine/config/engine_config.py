@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import ConfigError
-from engine.loader.model_source import ModelSource
+from engine.config.source import ModelSource
 from engine.config.variant import VariantSpec
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from engine.loader.model_source import ModelSource
+from engine.config.source import ModelSource
 from engine.config.variant import VariantSpec
 
 PATH = Path(__file__).resolve().parents[1] / "data" / "static_best.json"

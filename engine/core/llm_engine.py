@@ -30,9 +30,10 @@ from engine.model.forward_ops import ForwardOps
 from engine.loader.model_source import load_model
 from engine.model.parallel import current_group, shard_model
 from engine.worker.model_runner import KVCache, ModelRunner
-from engine.worker.sampler import sample, top_logprobs
+from engine.model.sampler import sample, top_logprobs
 from engine.config.sampling_params import SamplingParams
-from engine.sched.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from engine.sched.output import ScheduledSequence, SchedulerOutput
+from engine.sched.scheduler import Scheduler
 from engine.sched.sequence import FinishReason, Sequence, SequenceStatus
 from engine.loader.tokenizer import Tokenizer
 from engine.config.variant import VariantSpec

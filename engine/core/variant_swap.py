@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.model import precision
+from engine.worker import kv_calibration
 from engine.sched.block_manager import BlockManager
 from engine.errors import VariantError
 from engine.model.forward_ops import ForwardOps, build_ops
@@ -136,7 +137,7 @@ def build_ops_for(engine: "LLMEngine", spec: VariantSpec) -> ForwardOps:
     if spec.weight_dtype != precision.CHECKPOINT:
         ops = precision.quantized_ops(ops, engine.model, spec.weight_dtype, dict(spec.kernels))
     if spec.kv_cache_dtype != precision.CHECKPOINT:  # an FP8 cache: keys and values scaled per layer
-        ops = precision.fp8_kv_ops(ops, precision.kv_scales(engine, ops, spec.weight_dtype))
+        ops = precision.fp8_kv_ops(ops, kv_calibration.kv_scales(engine, ops, spec.weight_dtype))
     return ops
 
 

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from engine.loader.disk_cache import cache_root
+from engine.disk_cache import cache_root
 from engine.errors import VariantError
 from engine.generated.isolation import confine, run_isolated
 from engine.generated.grammar import check_kernel

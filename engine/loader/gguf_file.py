@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from engine.config.model_config import ModelConfig
-from engine.loader.disk_cache import cache_root, file_key, keep
+from engine.disk_cache import cache_root, file_key, keep
 from engine.errors import ConfigError, WeightsError
 
 # GGUF architecture -> Hugging Face model_type
@@ -51,7 +51,7 @@ _LAYER_NAMES = {
 
 @functools.lru_cache(maxsize=4)
 def _reader(path: str, key: str):
-    """The file's reader, parsed once per process for each version of the file (``key``: engine.loader.disk_cache's
+    """The file's reader, parsed once per process for each version of the file (``key``: engine.disk_cache's
     file_key); an unreadable file raises, and is not kept. The reader is only read from."""
     try:
         from gguf import GGUFReader

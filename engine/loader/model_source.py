@@ -5,13 +5,13 @@ import importlib.util
 import json
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from engine.config.model_config import ModelConfig
+from engine.config.source import ModelSource
 from engine.errors import ConfigError, WeightsError
 from engine.model.transformer import CausalLM
 from engine.loader.weights import assemble, synthetic_model
@@ -31,26 +31,6 @@ def smollm2_gguf_path() -> Path:
 
 
 ALIASES = {"smollm2": smollm2_gguf_path}
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """What to load: a GGUF file, a safetensors folder, or a config to synthesize weights for."""
-
-    kind: str  # 'gguf' | 'safetensors' | 'synthetic'
-    path: Path
-    seed: int = 0
-
-    @property
-    def tokenizer_path(self) -> Path | None:
-        """Where the tokenizer is: the GGUF file, or a model folder that has tokenizer files; else None."""
-        if self.kind == "gguf":
-            return self.path
-        if self.kind == "safetensors" and any(
-            (self.path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-        ):
-            return self.path
-        return None
 
 
 _HF_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")

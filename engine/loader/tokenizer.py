@@ -61,7 +61,7 @@ def _gguf_tokenizer(path: Path):
 
     from transformers import AutoTokenizer
 
-    from engine.loader.disk_cache import cache_root, file_key
+    from engine.disk_cache import cache_root, file_key
 
     cache = cache_root() / "tokenizers" / file_key(path)
     if (cache / "tokenizer.json").is_file():

@@ -16,7 +16,7 @@ from kernels.linear.linear import act_linear_ref, linear_ref, norm_linear_ref
 from kernels.moe.moe import moe_ref, norm_moe_ref
 from kernels.pointwise.norm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.attention.prefetch import prefetch_ref
-from kernels.pointwise.rotary import norm_rotary_store_kv_ref, rotary_ref, rotary_store_kv_ref
+from kernels.attention.rotary import norm_rotary_store_kv_ref, rotary_ref, rotary_store_kv_ref
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def _builtin(op: str, impl: str, params: dict) -> Callable:
         if op in ("rms_norm", "fused_add_rms_norm"):
             from kernels.pointwise import norm_triton as m
         elif op in ("rotary", "rotary_store_kv", "norm_rotary_store_kv"):
-            from kernels.pointwise import rotary_triton as m
+            from kernels.attention import rotary_triton as m
         elif op == "silu_and_mul":
             from kernels.pointwise import activation_triton as m
         elif op == "store_kv":

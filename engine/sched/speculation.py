@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.worker.sampler import processed_probs
+from engine.model.sampler import processed_probs
 from engine.config.sampling_params import SamplingParams
 
 PAUSE_TOKENS = 32  # tokens a request decodes without drafts after its acceptance fell below the floor

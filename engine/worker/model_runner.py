@@ -9,7 +9,7 @@ from engine.model.transformer import CausalLM
 from kernels.attention.attention import AttentionMetadata
 from engine.model.rope import rope_cos_sin
 from engine.worker.cuda_graphs import DecodeGraphs
-from engine.sched.scheduler import SchedulerOutput
+from engine.sched.output import SchedulerOutput
 
 
 class KVCache:

@@ -90,7 +90,7 @@ def rotary_attention_ref(
     """The attention block between the QKV and output projections: q and k heads RMS-normed when weights are
     given (Qwen3), rotated, k and v written into the cache, then ``paged_attention_ref``. q: (T, H, D), k, v:
     (T, KVH, D) (strided views of the QKV projection allowed). Returns (T, H, D)."""
-    from kernels.pointwise.rotary import norm_rotary_store_kv_ref, rotary_store_kv_ref
+    from kernels.attention.rotary import norm_rotary_store_kv_ref, rotary_store_kv_ref
 
     return compose_rotary_attention(rotary_store_kv_ref, norm_rotary_store_kv_ref, paged_attention_ref, q, k, v,
                                     q_weight, k_weight, eps, positions, cos_sin, k_cache, v_cache, meta, scale)

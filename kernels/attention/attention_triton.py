@@ -29,7 +29,7 @@ from kernels.attention.attention import AttentionMetadata
 from kernels.counters import ArrivalCounters, fresh_counters
 from kernels.attention.kv_store_triton import to_cache
 from kernels.pdl import launch_options, pdl_enter
-from kernels.pointwise.rotary_triton import _head_norm, _rotary_store_kv
+from kernels.attention.rotary_triton import _head_norm, _rotary_store_kv
 
 
 @triton.jit
@@ -342,7 +342,7 @@ def _rotary_decode_kernel(
     vb = v_ptr + b * stride_vt + kvh * stride_vh + offs_d[None, :]
     v1 = to_cache(tl.load(vb, mask=kmask, other=0.0), vc_ptr)
     v2 = to_cache(tl.load(vb + HALF, mask=kmask, other=0.0), vc_ptr)
-    # the query heads and the new key normed and rotated as kernels.pointwise.rotary_triton does
+    # the query heads and the new key normed and rotated as kernels.attention.rotary_triton does
     q1, q2 = _head_norm(q1, q2, qw_ptr, offs_d, mask_d, eps, HALF, NORM)
     c = cos.to(q1.dtype)[None, :]
     s = sin.to(q1.dtype)[None, :]

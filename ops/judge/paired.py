@@ -23,9 +23,9 @@ from typing import Callable
 from engine.config.sampling_params import SamplingParams
 from engine.serving.trace_record import TraceRecord
 from engine.config.variant import VariantSpec
-from ops.judge import capacity
+from ops.measure import capacity
 from ops.judge import rule as judge
-from ops.measure.tiers import SLO, own_rate, probe, saturation
+from ops.measure.tiers import SLO, probe, saturation
 from ops.traffic.traces import Windows
 
 
@@ -284,78 +284,3 @@ def live_windows(trace: str, model: str, skip: int, n: int, max_input: int | Non
         out.append((recs, synthesize_prompts(recs, vocab, max_input=max_input, tokenizer=tok, seed=seed + idx,
                                              corpus=corpus_for(trace) if tok else None)))
     return out[0], out[1]
-
-
-def judge_search(search, jcfg: JudgeConfig | None = None, excluded: dict[str, str] | None = None) -> judge.Judgement:
-    """The judge of a search (``search``: ops.search.tune.Search): the slow tier's variants ranked by the simulator
-    (calibrated on each one's own replayed steps, over thousands of the trace's requests), the ``top`` best
-    replayed in lockstep with static-best on fresh windows of the trace, each one's capacity with its interval,
-    the decision (Holm, guards), the out-of-sample confirmation, and the simulator's figures beside the
-    measured ones: goodput at 1x, 1.5x and 2x the traffic's rate and the capacity under gamma arrivals of the
-    traffic's burstiness. Posted on the board; ``excluded``: variant id -> why it may not be chosen."""
-    from ops.search.worker import SLOW
-
-    jcfg = jcfg or (JudgeConfig.for_cpu() if search.cfg.device == "cpu" else JudgeConfig())
-    excluded = excluded or {}
-    slow = search.results(SLOW)
-    base = next(((r, v) for r, v in slow if v.variant_id == search.baseline.variant_id), None)
-    if base is None:
-        raise RuntimeError("no slow-tier measurement of static-best: nothing to judge against")
-    notes = [f"{v.name} excluded: {excluded[v.variant_id]}" for _, v in slow if v.variant_id in excluded]
-    layouts = [v for _, v in slow if v.tp * v.dp > 1]
-    if layouts:
-        notes.append("parallel layouts (" + ", ".join(v.name for v in layouts) + ") are measured served, "
-                     "one restart each, and judged on their served replay only: not compared in lockstep")
-    cands = [(r, v) for r, v in slow if v.variant_id != search.baseline.variant_id and v.variant_id not in excluded
-             and v.tp * v.dp == 1]
-    cands.sort(key=lambda rv: rv[0].bench.get("capacity_predicted", 0.0), reverse=True)
-    picked = cands[:jcfg.top]
-    if len(cands) > len(picked):
-        notes.append("not compared (the simulator predicts less): " + ", ".join(
-            f"{v.name} ({r.bench.get('capacity_predicted', 0.0):.3f} req/s predicted)" for r, v in cands[len(picked):]))
-    arms = [ArmRun(v, predicted=r.bench.get("capacity_predicted", 0.0),
-                   samples=list(r.bench.get("step_samples", [])) + list(r.bench.get("saturation_samples", [])))
-            for r, v in [base] + picked]
-    latencies = {v.variant_id: (r.bench.get("ttfts", []), r.bench.get("tpots", [])) for r, v in [base] + picked}
-    windows = Windows(search.bench.stream, skip=len(search.bench.records))
-    pj = PairedJudge(lambda v: search.bench.engine(SLOW, v), search.bench.prompts_for, windows, search.cfg.slo,
-                     search.cfg.max_output, jcfg, log=search.log)
-    search.log(f"judge: static-best against {', '.join(v.name for _, v in picked) or 'no candidate'} in lockstep, "
-               f"budget {jcfg.seconds:.0f} s")
-    j, caps = run_judgement(pj, arms[0], arms[1:], latencies)
-    j.notes = notes + j.notes
-    for a in arms:  # the simulator's volume beside the measured figures, calibrated on each arm's own steps
-        j.arms[a.variant.variant_id].update(simulated_figures(search, a.variant, a.samples, jcfg.simulated_requests))
-    search.board.post("judge", "note", {"search": search.id, "judgement": j.to_json(), "config": jcfg.to_json()},
-                      [r.id for r, _ in [base] + picked])
-    search.log("judge: " + j.headline())
-    return j
-
-
-def simulated_figures(search, v: VariantSpec, samples: list, n: int) -> dict:
-    """The simulator's capacity, goodput and attainment at 1x, 1.5x and 2x the traffic's observed rate, and
-    the capacity with gamma arrivals of the traffic's fitted burstiness and its length distribution (the
-    robustness arm), over ``n`` requests, calibrated on ``samples`` (the variant's measured steps)."""
-    from ops.predict.cost_model import predicted_capacity, simulate, synthetic_requests
-    from ops.traffic.traces import profile
-    from ops.search.worker import calibration_from
-
-    model, hw = search.model_spec, search.hardware
-    cal = calibration_from(model, hw, samples)
-    if cal is None:
-        return {}
-    recs = search.bench.sim_records(n)
-    sim = {k: x for k, x in search.cfg.sim.items() if k != "time_scale"}
-    out = {"simulated_requests": len(recs),
-           "capacity_simulated": predicted_capacity(model, hw, recs, v, cal, **search.cfg.sim)}
-    observed = own_rate(search.bench.records) / search.cfg.time_scale if search.cfg.time_scale > 0 else math.inf
-    if math.isfinite(observed) and observed > 0:
-        for k in (1.0, 1.5, 2.0):
-            p = simulate(model, hw, recs, v, cal, time_scale=own_rate(recs) / (k * observed), **sim)
-            out[f"goodput_{k:g}x"] = p.goodput
-            out[f"attainment_{k:g}x"] = p.attainment
-        out["observed_rate"] = observed
-    gamma = synthetic_requests(profile(recs), n=len(recs), seed=1)
-    out["interarrival_cv"] = profile(recs).interarrival_cv
-    out["capacity_gamma"] = predicted_capacity(model, hw, gamma, v, cal, **search.cfg.sim)
-    return out

@@ -1,6 +1,6 @@
 """The judge: every decision of the loop (choose, deploy, keep, roll back) goes through this module.
 
-A decision rests on capacity at the SLO, measured with its interval (ops/judge/capacity.py). Here:
+A decision rests on capacity at the SLO, measured with its interval (ops/measure/capacity.py). Here:
 
 - **A comparison** (``compare``) of a candidate with the baseline, both replayed on the same windows and
   arrivals in lockstep, gives the capacity ratio's 95% interval from the same bootstrap and a verdict:
@@ -24,7 +24,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from ops.judge.capacity import TARGET, Capacity, Probe, _quantile, _replicate_range, newcombe, wilson
+from ops.measure.capacity import TARGET, Capacity, Probe, _quantile, _replicate_range, newcombe, wilson
 
 MIN_GAIN = 1.05  # a capacity ratio whose lower bound does not clear this is no reason to change
 TOLERANCE = 0.05  # saturation throughput and latency may not be worse by more than this

@@ -6,7 +6,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.config.model_config import ModelConfig
-from engine.loader.model_source import ModelSource, load_config
+from engine.loader.model_source import load_config
+from engine.config.source import ModelSource
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from engine import EngineConfig, LLMEngine
-from engine.loader.model_source import ModelSource
+from engine.config.source import ModelSource
 from engine.config.sampling_params import SamplingParams
 from engine.serving.trace_record import TraceRecord
 from engine.config.variant import VariantSpec
 from ops.measure.tiers import SLO, attainment_at, hardware_label
-from ops.judge.capacity import capacity_search
+from ops.measure.capacity import capacity_search
 from ops.traffic.traces import percentile
 
 # the SLO rule where none is given: multiples of a configuration's unloaded latency on the workload

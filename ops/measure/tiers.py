@@ -16,7 +16,7 @@ import torch
 from engine.core.llm_engine import LLMEngine
 from engine.config.sampling_params import SamplingParams
 from engine.serving.trace_record import TraceRecord
-from ops.judge.capacity import capacity_search
+from ops.measure.capacity import capacity_search
 from ops.traffic.traces import percentile
 
 
@@ -239,7 +239,7 @@ def probe(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[int]
     (``sequential_stop`` at the looks of ``plan``) or at ``deadline``. Returns (the Probe, the replay's step
     samples). In process the load generator is the engine loop itself: its send lag is at most the step in
     progress, which a server's request would wait for too, so a probe here is never void."""
-    from ops.judge.capacity import Probe, sequential_stop
+    from ops.measure.capacity import Probe, sequential_stop
 
     engine.block_manager.reset_prefix_cache()
     scale = own_rate(records) / rate if rate > 0 else 0.0

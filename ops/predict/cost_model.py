@@ -30,7 +30,7 @@ from engine.sched.sequence import FinishReason, Sequence
 from engine.serving.trace_record import TraceRecord
 from engine.config.variant import VariantSpec
 from ops.measure.tiers import SLO, own_rate
-from ops.judge.capacity import capacity_search
+from ops.measure.capacity import capacity_search
 from ops.measure.hardware import HardwareProfile
 from ops.measure.model_spec import ModelSpec
 from ops.traffic.traces import TrafficProfile, percentile

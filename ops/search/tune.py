@@ -362,8 +362,8 @@ class Search:
         return None
 
     def judge(self, jcfg: "JudgeConfig | None" = None, excluded: dict[str, str] | None = None) -> "Judgement":
-        """The judge, run on this search's slow tier (``ops.judge.paired.judge_search``); posted on the board."""
-        from ops.judge.paired import judge_search
+        """The judge, run on this search's slow tier (``ops.search.judge_search.judge_search``); posted on the board."""
+        from ops.search.judge_search import judge_search
 
         return judge_search(self, jcfg, excluded)
 

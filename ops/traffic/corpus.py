@@ -31,7 +31,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Iterator, Protocol, Sequence
 
-from engine.loader.disk_cache import cache_root
+from engine.disk_cache import cache_root
 from engine.serving.trace_record import TraceRecord
 
 CODE_CHAR_BUDGET = 1_500_000

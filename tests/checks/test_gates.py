@@ -12,7 +12,7 @@ from checks.gates import GateSettings, factory_for, run_gates
 from checks.prompts import shipped_prompts
 from engine import EngineConfig, LLMEngine
 from engine.sched.block_manager import BlockManager
-from engine.loader.model_source import ModelSource
+from engine.config.source import ModelSource
 from engine.config.variant import REFERENCE_VARIANT, VariantSpec
 from kernels.pointwise.activation import silu_and_mul_ref
 from kernels.attention.attention import paged_attention_ref

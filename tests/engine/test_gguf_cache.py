@@ -63,7 +63,7 @@ def _converted(path) -> dict[str, torch.Tensor]:
 
     from engine.config.model_config import ModelConfig
 
-    from engine.loader.disk_cache import file_key
+    from engine.disk_cache import file_key
 
     m = gf.GGUFModel.__new__(gf.GGUFModel)
     m.path, m._key = Path(path), file_key(Path(path))

@@ -132,7 +132,7 @@ def test_tokenizer_from_model_folder(tmp_path, smollm2_engine_factory):
 
 
 def test_synthetic_weights_are_reproducible():
-    from engine.loader.model_source import ModelSource
+    from engine.config.source import ModelSource
     from pathlib import Path
 
     tiny = Path(__file__).parent / "tiny_moe" / "config.json"

@@ -82,7 +82,7 @@ def test_gates_judge_a_precision_by_its_own_thresholds(smollm2_engine_factory):
 
 
 def test_fp8_kv_cache_answers_and_swaps_with_twice_the_blocks(smollm2_engine_factory):
-    from engine.model import precision
+    from engine.worker import kv_calibration
     eng = smollm2_engine_factory(num_kv_blocks=16)
     assert eng.kv.pool.dtype == torch.float32
     plain = eng.generate([FRANCE], SamplingParams(max_tokens=16), chat=True)[0]
@@ -91,7 +91,7 @@ def test_fp8_kv_cache_answers_and_swaps_with_twice_the_blocks(smollm2_engine_fac
     assert eng.kv.pool.dtype == torch.float8_e4m3fn and eng.kv.num_blocks == 16 * 4  # the same bytes, 1 of 4 each
     out = eng.generate([FRANCE], SamplingParams(max_tokens=16), chat=True)[0]
     assert out.text == plain.text == "The capital of France is Paris."
-    scales = precision.kv_scales(eng, eng.ops)
+    scales = kv_calibration.kv_scales(eng, eng.ops)
     assert len(scales) == eng.model_config.num_hidden_layers and all(s >= 1.0 for pair in scales for s in pair)
     eng.rollback()
     assert eng.kv.pool.dtype == torch.float32 and eng.kv.num_blocks == 16
@@ -122,7 +122,7 @@ def test_fp8_kv_scales_are_applied_and_undone(smollm2_engine_factory):
 
 
 def test_kv_scales_are_powers_of_two_with_headroom():
-    from engine.model.precision import _pow2_scale
+    from engine.worker.kv_calibration import _pow2_scale
 
     assert [_pow2_scale(a) for a in (0.0, 100.0, 224.0, 300.0, 1000.0)] == [1.0, 1.0, 1.0, 2.0, 8.0]
 
@@ -141,7 +141,7 @@ def test_gates_judge_an_fp8_kv_cache_by_fp8_thresholds(smollm2_engine_factory):
 
 def test_quantized_copies_are_keyed_by_the_weights_hash():
     from engine import EngineConfig, LLMEngine
-    from engine.loader.model_source import ModelSource
+    from engine.config.source import ModelSource
     from engine.model.precision import _bit_sums, _content_digest, weights_hash
     from tests.engine.test_variants import TINY
 

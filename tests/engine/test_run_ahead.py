@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine import EngineConfig, LLMEngine, SamplingParams, VariantSpec
-from engine.loader.model_source import ModelSource
+from engine.config.source import ModelSource
 
 TINY = Path(__file__).parent / "tiny_moe" / "config.json"
 

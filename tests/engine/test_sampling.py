@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from engine import SamplingParams
-from engine.worker.sampler import sample
+from engine.model.sampler import sample
 
 
 def test_top_k_and_top_p_keep_only_the_allowed_tokens():
@@ -62,7 +62,7 @@ def test_penalties_and_biases_against_independent_references():
     definition) and logit biases against a float64 computation; on fresh random logits and histories."""
     from transformers import RepetitionPenaltyLogitsProcessor
 
-    from engine.worker.sampler import adjust_logits, top_logprobs
+    from engine.model.sampler import adjust_logits, top_logprobs
 
     gen = torch.Generator().manual_seed(11)
     for _ in range(5):

@@ -60,7 +60,7 @@ def _tv(counts: torch.Tensor, p: torch.Tensor) -> float:
 def test_rejection_sampling_keeps_the_target_distribution(params):
     """The first emitted token follows the target p0 whatever the draft; given the first draft token was
     accepted, the second follows p1. Fresh random logits; 20,000 draws; total variation within sampling noise."""
-    from engine.worker.sampler import processed_probs
+    from engine.model.sampler import processed_probs
 
     torch.manual_seed(1)
     vocab, n = 8, 20_000

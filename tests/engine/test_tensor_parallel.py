@@ -10,7 +10,7 @@ import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config.model_config import ModelConfig
 from engine.errors import ConfigError
-from engine.loader.model_source import ModelSource
+from engine.config.source import ModelSource
 from engine.model.parallel import run_ranks, shard_config
 from engine.config.variant import VariantSpec
 

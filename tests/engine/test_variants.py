@@ -11,7 +11,7 @@ import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import ConfigError, VariantError
 from engine.generated.grammar import check_kernel
-from engine.loader.model_source import ModelSource
+from engine.config.source import ModelSource
 from engine.config.presets import TRITON_ALL, TRITON_GEMV, with_pdl
 from engine.config.variant import REFERENCE_VARIANT, VariantSpec
 

@@ -1,5 +1,7 @@
-"""The layout holds: imports go one way (kernels < engine < checks < ops < assets < pipelines), no two modules
-import each other (function-level imports included), modules stay readable, and RESULTS.md stays a dashboard."""
+"""The layout holds: imports go one way (kernels < engine < checks < ops < assets < pipelines), and inside engine/,
+kernels/ and ops/ from one subpackage only down to those below it; no two modules import each other (function-level
+imports included, bench/ too); no package holds more than 12 modules flat; modules stay readable; RESULTS.md stays a
+dashboard."""
 from __future__ import annotations
 
 import ast
@@ -7,12 +9,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = ["kernels", "engine", "checks", "ops", "assets", "pipelines"]
+# inside a layer, each subpackage (or top-level module) imports only those before it in its list
+SUBLAYERS = {
+    "engine": ["errors", "disk_cache", "config", "generated", "model", "loader", "sched", "worker", "core", "serving",
+               "entrypoints"],
+    "kernels": ["pdl", "counters", "timing", "pointwise", "attention", "linear", "moe", "generated"],
+    "ops": ["traffic", "measure", "predict", "judge", "search", "release"],
+}
 MAX_LINES = 500
+MAX_FLAT = 12
 
 
-def _modules() -> dict[str, Path]:
+def _modules(packages=LAYERS) -> dict[str, Path]:
     out = {}
-    for pkg in LAYERS:
+    for pkg in packages:
         for path in (ROOT / pkg).rglob("*.py"):
             parts = path.relative_to(ROOT).with_suffix("").parts
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -48,8 +58,8 @@ def _imports(path: Path, name: str, known: set[str]) -> set[str]:
     return found
 
 
-def _graph() -> dict[str, set[str]]:
-    mods = _modules()
+def _graph(packages=LAYERS) -> dict[str, set[str]]:
+    mods = _modules(packages)
     known = set(mods)
     return {name: _imports(path, name, known) for name, path in mods.items()}
 
@@ -64,8 +74,35 @@ def test_imports_go_one_way():
     assert not bad, bad
 
 
+def test_subpackages_import_only_down():
+    bad = []
+    for mod, deps in _graph().items():
+        top, _, rest = mod.partition(".")
+        order = SUBLAYERS.get(top)
+        if not order or not rest:
+            continue
+        here = order.index(rest.split(".")[0])
+        for d in deps:
+            dtop, _, drest = d.partition(".")
+            if dtop == top and drest and order.index(drest.split(".")[0]) > here:
+                bad.append(f"{mod} imports {d}")
+    assert not bad, bad
+
+
+def test_every_subpackage_is_placed_and_none_is_flat_beyond_12_modules():
+    for top, order in SUBLAYERS.items():
+        found = {p.stem if p.is_file() else p.name for p in (ROOT / top).iterdir()
+                 if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").is_file()}
+        assert found == set(order), (top, sorted(found ^ set(order)))
+    for init in [*ROOT.glob("*/__init__.py"), *ROOT.glob("*/*/__init__.py"), *ROOT.glob("*/*/*/__init__.py")]:
+        if ".venv" in init.parts or "tests" in init.parts:
+            continue
+        flat = [p for p in init.parent.glob("*.py") if p.name != "__init__.py"]
+        assert len(flat) <= MAX_FLAT, (str(init.parent.relative_to(ROOT)), len(flat))
+
+
 def test_no_import_cycles():
-    graph = _graph()
+    graph = _graph([*LAYERS, "bench"])
     # a module importing its own package's __init__ (e.g. engine.x -> engine) is how Python loads it, not a cycle
     graph = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in graph.items()}
     index, low, stack, on, cycles = {}, {}, [], set(), []

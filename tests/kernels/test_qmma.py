@@ -75,7 +75,7 @@ def test_qmma_against_references(kind, case, fused):
     err_ref = (out.double() - qmma_ref(codes_of, qw, TILES["block_k"], bias, rows)).abs().max().item()
     assert err_ref <= 2e-5 * scale
     # the activations' own quantization: e4m3 keeps 3 mantissa bits, int8 7 (SiLU-and-multiply's heavy tails take a
-    # chunk's scale: 0.0106 seen on these shapes; 0.017 on the 8B's, bench/gpu/qmma.py)
+    # chunk's scale: 0.0106 seen on these shapes; 0.017 on the 8B's, bench/gpu/precision/qmma.py)
     err = (out.double() - qlinear_exact(h, qw, bias)).abs().max().item()
     assert err <= (0.05 if kind == "fp8" else 0.02) * scale
     # the split's arrival counts were reset: a second call gives the same output

@@ -15,8 +15,8 @@ from kernels.attention.kv_store import store_kv_ref
 from kernels.attention.kv_store_triton import store_kv_triton
 from kernels.pointwise.norm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.pointwise.norm_triton import fused_add_rms_norm_triton, rms_norm_triton
-from kernels.pointwise.rotary import rotary_ref
-from kernels.pointwise.rotary_triton import rotary_triton
+from kernels.attention.rotary import rotary_ref
+from kernels.attention.rotary_triton import rotary_triton
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -72,8 +72,8 @@ def test_rotary_store_kv(t, h, kvh, d, bs, norm):
 
     from engine.config.model_config import ModelConfig
     from engine.model.rope import rope_cos_sin
-    from kernels.pointwise.rotary import norm_rotary_store_kv_ref, rotary_store_kv_ref
-    from kernels.pointwise.rotary_triton import norm_rotary_store_kv_triton, rotary_store_kv_triton
+    from kernels.attention.rotary import norm_rotary_store_kv_ref, rotary_store_kv_ref
+    from kernels.attention.rotary_triton import norm_rotary_store_kv_triton, rotary_store_kv_triton
 
     cfg = ModelConfig(model_type="llama", vocab_size=10, hidden_size=h * d, intermediate_size=8,
                       num_hidden_layers=1, num_attention_heads=h, num_key_value_heads=kvh, head_dim=d)

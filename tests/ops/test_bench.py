@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from engine import EngineConfig, LLMEngine, VariantSpec
-from engine.loader.model_source import ModelSource
+from engine.config.source import ModelSource
 from ops.measure.tiers import SLO, fast_tier, slow_tier
 from ops.traffic.replay import synthesize_prompts
 from ops.traffic.traces import load_trace

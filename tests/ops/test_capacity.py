@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from engine import EngineConfig, LLMEngine, VariantSpec
-from engine.loader.model_source import ModelSource
+from engine.config.source import ModelSource
 from engine.serving.trace_record import TraceRecord
 from ops.measure.tiers import SLO, attainment_at, own_rate, slow_tier
-from ops.judge.capacity import capacity_search
+from ops.measure.capacity import capacity_search
 from ops.predict.cost_model import predicted_capacity, simulate
 from ops.measure.hardware import HardwareProfile
 from ops.measure.model_spec import ModelSpec

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from ops.judge.capacity import (Capacity, Probe, capacity_of, fit, looks, newcombe, outcome, search_capacity, sequential_stop,
+from ops.measure.capacity import (Capacity, Probe, capacity_of, fit, looks, newcombe, outcome, search_capacity, sequential_stop,
                           wilson)
 from ops.judge.rule import Arm, compare, confirm, decide, holm, verify_live
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ops.traffic.loadtest import board_faults, check_capture, closed_loop, kill_and_restart, start_server, swap_under_load
+from ops.release.loadtest import board_faults, check_capture, closed_loop, kill_and_restart, start_server, swap_under_load
 
 TINY = Path(__file__).resolve().parents[1] / "engine" / "tiny_moe"
 MODEL_ARGS = ["--model", str(TINY), "--synthetic", "--num-kv-blocks", "256", "--max-num-seqs", "32"]

@@ -12,7 +12,7 @@ import pytest
 
 from engine.config.variant import VariantSpec
 from ops.measure.tiers import _replay, own_rate
-from ops.judge.capacity import capacity_search
+from ops.measure.capacity import capacity_search
 from ops.predict.cost_model import predicted_capacity
 from ops.measure.hardware import probe
 from ops.judge.paired import ArmRun, JudgeConfig, PairedJudge
@@ -95,7 +95,7 @@ def test_each_arm_of_a_round_gets_its_share_of_a_short_budget(monkeypatch):
     what is left is not started."""
     import ops.judge.paired as paired
     from ops.measure.tiers import SLO
-    from ops.judge.capacity import Probe
+    from ops.measure.capacity import Probe
     from ops.traffic.traces import load_trace
 
     clock = [100.0]
@@ -130,7 +130,7 @@ def test_a_prediction_too_slow_for_the_budget_is_probed_at_the_slowest_affordabl
     not left unmeasured."""
     import ops.judge.paired as paired
     from ops.measure.tiers import SLO
-    from ops.judge.capacity import Probe
+    from ops.measure.capacity import Probe
     from ops.traffic.traces import load_trace
 
     clock = [100.0]

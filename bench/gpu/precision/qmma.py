@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from bench.gpu.harness import Llama8B, row, section
+from bench.gpu.harness import Llama8B, row, section, with_mma
 from engine.config.presets import QUANTIZED_MMA
 
 SHAPES = (("qkv", 6144, 4096, "norm"), ("o_proj", 4096, 4096, "plain"), ("gate_up", 28672, 4096, "norm"),
@@ -191,18 +191,6 @@ def qmma_sweep(budget_s: float = 200.0) -> None:
             + fmt(t_tuned, {**tuned, "split_k": tuned.get("split_k", 0)}))
 
 
-def _with_mma(spec, mma: int = 1, min_numel: int = 0):
-    """``spec`` with its quantized projections on the tensor-core kernel from ``mma`` rows (autotuned tiles);
-    ``min_numel``: at one row, only weights of that many elements (the smaller ones: the GEMV)."""
-    from engine.config.presets import TRITON_GEMV
-
-    params = {op: dict(p) for op, p in spec.kernel_params}
-    for op in TRITON_GEMV:
-        if dict(spec.kernels).get(op) == "triton":
-            params[op] = {**params.get(op, {}), "mma": mma, "mma_min_numel": min_numel}
-    return dataclasses.replace(spec, kernel_params=params)
-
-
 # batch 1: the tuner's own split (engine.config.presets.QUANTIZED_MMA: FP8 on the tensor cores for gate_up and lm_head, the
 # GEMV for QKV, o_proj and down; int8 down on the tensor cores too); the other split (down on the kernel: 32 Mi)
 MIXED = QUANTIZED_MMA["fp8"]["mma_min_numel"]
@@ -231,20 +219,20 @@ def qmma_decode(m: Llama8B, quick: bool = False, pin: bool = False) -> None:
     and the kernel as the tuner proposes, int8 with down on the GEMV, and (``pin``) FP8 with gate_up's tiles
     pinned (GATE_UP_TILES), each ratio against its round's bf16; then the kernels of one step of bf16 and of the
     tuner's FP8, and the step's greedy token against torch's). The tiles chosen are a row of their own."""
-    from bench.gpu.precision_step import _forms, _measure
+    from bench.gpu.precision.step import _forms, _measure
 
     eng = m.engine
     eng.config = dataclasses.replace(eng.config, async_decode=True)
     prompt, new = list(range(1, 129)), 96
     base = _forms(m)["dense-decode (pdl 1)"]
-    fp8_mixed = _with_mma(dataclasses.replace(base, weight_dtype="fp8"), min_numel=MIXED)
+    fp8_mixed = with_mma(dataclasses.replace(base, weight_dtype="fp8"), min_numel=MIXED)
     forms = (("bf16, dense-decode", base),
              ("fp8, dense-decode (GEMV)", dataclasses.replace(base, weight_dtype="fp8")),
-             ("fp8, dense-decode + tensor cores", _with_mma(dataclasses.replace(base, weight_dtype="fp8"))),
+             ("fp8, dense-decode + tensor cores", with_mma(dataclasses.replace(base, weight_dtype="fp8"))),
              ("fp8, dense-decode + tensor cores for gate_up and lm_head", fp8_mixed),
              ("int8, dense-decode (GEMV)", dataclasses.replace(base, weight_dtype="int8")),
              ("int8, dense-decode + tensor cores for gate_up, down, lm_head",
-              _with_mma(dataclasses.replace(base, weight_dtype="int8"), min_numel=MIXED_INT8)))
+              with_mma(dataclasses.replace(base, weight_dtype="int8"), min_numel=MIXED_INT8)))
     if quick:
         try:
             greedy_token_kernel()
@@ -254,10 +242,10 @@ def qmma_decode(m: Llama8B, quick: bool = False, pin: bool = False) -> None:
         rounds = (("bf16, dense-decode", base), ("fp8, the tuner's split", fp8_mixed),
                   *((f"fp8, the tuner's split, gate_up's tile {tile}", _pin_norm_linear(fp8_mixed, tile))
                     for tile in (GATE_UP_TILES if pin else ())),
-                  ("int8, the tuner's split", _with_mma(dataclasses.replace(base, weight_dtype="int8"),
+                  ("int8, the tuner's split", with_mma(dataclasses.replace(base, weight_dtype="int8"),
                                                         min_numel=MIXED_INT8)),
                   ("int8, down on the GEMV (64 Mi)",
-                   _with_mma(dataclasses.replace(base, weight_dtype="int8"), min_numel=64 << 20)))
+                   with_mma(dataclasses.replace(base, weight_dtype="int8"), min_numel=64 << 20)))
         forms = tuple((f"{label} (round {i + 1})", spec) for i in range(3) for label, spec in rounds)
     got = {}
     for label, spec in forms:
@@ -333,7 +321,7 @@ def qmma_step_tiles(m: Llama8B, budget_s: float = 240.0, sweep: bool = True) -> 
     FP8; then three rounds of bf16 against the best FP8 and int8 forms (and both with the splits that sped up bf16
     and FP8 alike), and the best form's launches."""
     from bench.gpu.harness import step_timeline
-    from bench.gpu.precision_step import _forms, _measure
+    from bench.gpu.precision.step import _forms, _measure
     from engine import SamplingParams
 
     eng = m.engine
@@ -343,7 +331,7 @@ def qmma_step_tiles(m: Llama8B, budget_s: float = 240.0, sweep: bool = True) -> 
     wide = MIXED
 
     def form(kind, min_numel=wide, tiles=None, splits=0):
-        spec = base if kind == "auto" else _with_mma(dataclasses.replace(base, weight_dtype=kind), min_numel=min_numel)
+        spec = base if kind == "auto" else with_mma(dataclasses.replace(base, weight_dtype=kind), min_numel=min_numel)
         params = {op: dict(p) for op, p in spec.kernel_params}
         for op, (bn, bk, nw) in (tiles or {}).items():
             params[op] = {**params.get(op, {}), "block_n": bn, "block_k": bk, "num_warps": nw}
@@ -401,7 +389,7 @@ def qmma_served(m: Llama8B, out=None, batches=(1, 8, 16, 32)) -> None:
     and its FP8 and int8 forms as the tuner proposes them (engine.config.presets.quantized_variant); the chosen tiles and
     the fastest form's change to ``out``/qmma_change.json (for bench/capacity_ab.py)."""
     import kernels.linear.qmma_triton as qm
-    from bench.gpu.precision_serve import served_steps
+    from bench.gpu.precision.serve import served_steps
     from engine.loader.model_source import resolve
     from engine.config.presets import quantized_variant
     from engine.config.static_best import lookup
@@ -413,7 +401,7 @@ def qmma_served(m: Llama8B, out=None, batches=(1, 8, 16, 32)) -> None:
         return
     fp8 = quantized_variant(base, "fp8", "cuda")
     forms = {"static-best bf16": base,
-             "fp8, tensor cores to 64 rows": _with_mma(fp8),
+             "fp8, tensor cores to 64 rows": with_mma(fp8),
              "fp8 as the tuner proposes it (GEMV for QKV, o_proj and down at 1 row, tensor cores otherwise)": fp8,
              "int8 as the tuner proposes it": quantized_variant(base, "int8", "cuda")}
     served_steps(eng, forms, batches, out, "qmma_change.json")

@@ -10,7 +10,7 @@ import traceback
 
 import torch
 
-from bench.gpu.harness import Llama8B, row, section
+from bench.gpu.harness import Llama8B, row, section, with_mma
 
 
 @section
@@ -67,9 +67,8 @@ def fp8_forms(base) -> dict:
     """static-best with FP8 weights in the forms compared here: {label: VariantSpec}."""
     from engine.config.presets import TRITON_GEMV, quantized_variant
 
-    from bench.gpu.qmma import _with_mma
 
-    pinned = _with_mma(quantized_variant(base, "fp8", "cuda"), 0)  # the GEMV form, before the tensor-core kernel
+    pinned = with_mma(quantized_variant(base, "fp8", "cuda"), 0)  # the GEMV form, before the tensor-core kernel
     params = {op: dict(p) for op, p in pinned.kernel_params}
     gemm_only = {**params, **{op: {**params.get(op, {}), "max_m": 0} for op in TRITON_GEMV}}
     return {"fp8, library GEMM (torch's activation quantization)": dataclasses.replace(base, weight_dtype="fp8"),

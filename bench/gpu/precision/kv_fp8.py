@@ -44,7 +44,7 @@ def _batch_decode_tps(eng, prompts, new) -> tuple[float, float]:
 @section
 def fp8_kv_cache(m: Llama8B, bw: float, length: int = 32000, batches=(1, 4), new: int = 64, splits: int = 16,
                  check: bool = True) -> None:
-    from bench.gpu.precision import _logits
+    from bench.gpu.precision.weights import _logits
     from engine import LLMEngine
 
     block = 16

@@ -1,4 +1,4 @@
-"""Triton rotary embedding (rotate-half layout); same signature as ``kernels.pointwise.rotary.rotary_ref``.
+"""Triton rotary embedding (rotate-half layout); same signature as ``kernels.attention.rotary.rotary_ref``.
 
 When k sits right after q in memory (the fused QKV projection's layout), one launch rotates
 the heads of both, writing one (T, H + KVH, D) buffer that q and k are returned as views of.
@@ -141,7 +141,7 @@ def rotary_store_kv_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, *, pdl: int = 0,
 ) -> torch.Tensor:
-    """Same signature as ``kernels.pointwise.rotary.rotary_store_kv_ref``: one launch replaces rotary + store_kv
+    """Same signature as ``kernels.attention.rotary.rotary_store_kv_ref``: one launch replaces rotary + store_kv
     (and the copy that made v contiguous). ``pdl``: programmatic dependent launch (kernels/pdl.py)."""
     return _rotary_store_kv(q, k, v, None, None, 0.0, positions, cos_sin, k_cache, v_cache, slot_mapping, pdl)
 
@@ -151,7 +151,7 @@ def norm_rotary_store_kv_triton(
     positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor, *, pdl: int = 0,
 ) -> torch.Tensor:
-    """Same signature as ``kernels.pointwise.rotary.norm_rotary_store_kv_ref``: the q and k head norms (Qwen3) in the
+    """Same signature as ``kernels.attention.rotary.norm_rotary_store_kv_ref``: the q and k head norms (Qwen3) in the
     same launch as rotary + store_kv."""
     return _rotary_store_kv(q, k, v, q_weight, k_weight, eps, positions, cos_sin, k_cache, v_cache, slot_mapping,
                             pdl)
