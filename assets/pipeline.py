@@ -1,4 +1,4 @@
-"""The continuous-compilation graph: thin assets over ops/ and checks/ (design section 1)."""
+"""The continuous-compilation graph: thin assets over ops/ and checks/."""
 
 import base64
 import json

@@ -132,8 +132,7 @@ class VariantSource(dg.ConfigurableResource):
     # default: the embedded replay's outputs (16 tokens) leave it little to gain for another slow-tier variant's time
     speculation: bool = False
     # static-best with quantized weights (int8, or FP8 on a GPU with FP8 tensor cores) on the slow tier too; the
-    # gates on the build judge its quality before it ships (measured on SmolLM2 on a CPU: int8 decodes 1.78x
-    # float32 and passes the gates)
+    # gates on the build judge its quality before it ships (figures: bench/RESULTS.md, "CPU: weight precision")
     precision: bool = True
     llm_base_url: str = ""
     llm_model: str = "polyinf"

@@ -1,4 +1,4 @@
-"""QualityReport: what the gates measured, their verdict and the reasons (design section 3)."""
+"""QualityReport: what the gates measured, their verdict and the reasons."""
 from __future__ import annotations
 
 import dataclasses

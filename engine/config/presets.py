@@ -199,18 +199,14 @@ def preset_variant(preset_name: str, /, hidden_size: int | None = None, base: Va
 
 
 # The projections' GEMV tiles of a quantized variant on a GPU, pinned: autotuning them for every captured batch size
-# costs 78-97 s per swap on an H200, more than a slow-tier measurement. (8, 1024, 8) measured there: 8B decode step
-# with FP8 weights 3.47 ms at batch 1 against bf16 static-best's 4.71 (1.36x); 0.97-0.98x at 8-16 sequences,
-# where the FP8 tensor-core GEMM takes over (bench/RESULTS.md).
+# costs more per swap than a slow-tier measurement; these tiles measured best on the 8B shape (bench/RESULTS.md,
+# "H200: weight precision").
 QUANTIZED_TILES = {"block_n": 8, "block_k": 1024, "num_warps": 8}
 # From 1 to 64 rows the projections run on the tensor-core kernel for one-byte weights (kernels/linear/qmma_triton.py,
-# its tiles autotuned: 5 per shape, 14 s of a swap on an H200), except at one row on weights under ``mma_min_numel``
-# elements, where the GEMV's one launch beats the kernel's two in the step. FP8: 64 Mi (8B: QKV, o_proj and down on
-# the GEMV, gate_up and lm_head on the kernel); int8: 32 Mi (down on the kernel too: the int8 GEMV converts at a
-# quarter rate). Measured there, 8B decode steps of static-best with FP8 weights: 2.95 / 3.40 / 5.17 ms at 8 / 16 /
-# 32 sequences against bf16 static-best's 5.13 / 5.11 / 6.05 (1.74x / 1.50x / 1.17x; the FP8 GEMM above 4 rows:
-# 0.99x / 0.96x / 0.99x); batch-1 decode FP8 1.61x bf16 with this split against 1.55x with down on the kernel too;
-# int8 1.55x against 1.51x with down on the GEMV (bench/RESULTS.md, 2026-12-04).
+# its tiles autotuned per shape), except at one row on weights under ``mma_min_numel`` elements, where the GEMV's one
+# launch beats the kernel's two in the step. FP8: 64 Mi (8B: QKV, o_proj and down on the GEMV, gate_up and lm_head
+# on the kernel); int8: 32 Mi (down on the kernel too: the int8 GEMV converts at a quarter rate). The split and its
+# figures against the alternatives: bench/RESULTS.md, "H200: weight precision".
 QUANTIZED_MMA = {"fp8": {"mma": 1, "mma_min_numel": 64 << 20}, "int8": {"mma": 1, "mma_min_numel": 32 << 20}}
 
 

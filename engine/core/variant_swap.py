@@ -98,15 +98,15 @@ def apply(engine: "LLMEngine", spec: VariantSpec, prepared: PreparedVariant | No
         if rebuilt is not None:
             engine.scheduler.preempt_all()  # running sequences are recomputed under the new layout
             engine.kv, engine.block_manager = rebuilt
-            engine.scheduler.block_manager = engine.block_manager
+            engine.scheduler.reconfigure(block_manager=engine.block_manager)
             engine.runner.set_kv(engine.kv)
         if SCHEDULER in scopes:
-            engine.scheduler.config = spec
+            engine.scheduler.reconfigure(config=spec)
         if FORWARD in scopes and rebuilt is None:
             engine.block_manager.reset_prefix_cache()  # cached KV came from the previous kernels
         if scopes & {FORWARD, KV_LAYOUT}:
-            engine.ops, engine.runner.forward_fn, engine.runner.graphs = prepared.ops, prepared.forward_fn, \
-                prepared.graphs
+            engine.ops = prepared.ops
+            engine.runner.install(prepared.forward_fn, prepared.graphs)
         engine.previous_variant, engine.variant = engine.variant, spec
         return SwapReport(spec.variant_id, sorted(scopes), time.perf_counter() - t0)
 
@@ -179,9 +179,8 @@ def _new_kv(engine: "LLMEngine", spec: VariantSpec) -> tuple[tuple[KVCache, Bloc
     old = (engine.kv.num_blocks, engine.kv.block_size, engine.kv.dtype)
     engine.scheduler.preempt_all()  # their keys and values are in the pool being released: recomputed
     engine.block_manager.reset_prefix_cache()
-    engine.runner.graphs = None  # captured over the old pool
-    engine.runner.kv_layers = []
-    engine.kv.pool = None
+    engine.runner.drop_kv()  # its views and the graphs captured over the old pool
+    engine.kv.release()
     if engine.device.type == "cuda":
         torch.cuda.empty_cache()
     try:
@@ -199,7 +198,7 @@ def _reallocate_kv(engine: "LLMEngine", num_blocks: int, block_size: int, dtype:
     engine.kv = KVCache(engine.model_config, num_blocks, block_size, engine.device, dtype)
     engine.runner.set_kv(engine.kv)
     try:
-        engine.runner.graphs = graphs_for(engine, engine.variant, engine.ops, engine.kv)
+        engine.runner.install(engine.runner.forward_fn, graphs_for(engine, engine.variant, engine.ops, engine.kv))
     except VariantError as e:  # the step runs eagerly instead: slower, not wrong
         engine.notes.append(f"decode graphs not captured again after a failed swap: {e}")
 

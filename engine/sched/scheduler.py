@@ -27,6 +27,14 @@ class Scheduler:
         self.num_preemptions = 0
         self.max_model_len = max_model_len  # a draft never runs past the context
 
+    def reconfigure(self, config: VariantSpec | None = None, block_manager: BlockManager | None = None) -> None:
+        """A swap's new knobs (taking effect at the next step) and, after a KV-layout change, the new pool's
+        block manager (every sequence was preempted first)."""
+        if config is not None:
+            self.config = config
+        if block_manager is not None:
+            self.block_manager = block_manager
+
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 

@@ -1,4 +1,4 @@
-"""TraceRecord: one served request as traces carry it (design section 3)."""
+"""TraceRecord: one served request as traces carry it."""
 from __future__ import annotations
 
 import dataclasses

@@ -29,6 +29,10 @@ class KVCache:
         """Fills blocks with garbage: a correct engine overwrites every slot before it reads it."""
         self.pool[:, :, block_ids] = value
 
+    def release(self) -> None:
+        """Frees the pool (a swap whose new pool does not fit beside it); the cache is unusable until replaced."""
+        self.pool = None
+
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(self.pool[i, 0], self.pool[i, 1]) for i in range(self.pool.shape[0])]
 
@@ -65,6 +69,14 @@ class ModelRunner:
 
     def set_kv(self, kv: KVCache) -> None:
         self.kv, self.kv_layers = kv, kv.layers()
+
+    def drop_kv(self) -> None:
+        """Lets go of the pool and what was captured over it (before the pool is released)."""
+        self.graphs, self.kv_layers = None, []
+
+    def install(self, forward_fn, graphs: "DecodeGraphs | None") -> None:
+        """A prepared variant's forward (the model or its compiled wrapper) and decode graphs, made active."""
+        self.forward_fn, self.graphs = forward_fn, graphs
 
     def capture_graphs(self, ops: ForwardOps, batch_sizes: tuple[int, ...], kv: KVCache | None = None) -> "DecodeGraphs":
         """Captures decode steps for ``batch_sizes`` with ``ops`` over ``kv`` (default: the current pool)."""

@@ -1,4 +1,4 @@
-"""Hardware probe: measured memory bandwidth, matmul FLOP/s per dtype, launch overhead (design section 3)."""
+"""Hardware probe: measured memory bandwidth, matmul FLOP/s per dtype, launch overhead."""
 from __future__ import annotations
 
 import time

@@ -1,4 +1,4 @@
-"""ModelSpec: the served model's shape and identity (design section 3)."""
+"""ModelSpec: the served model's shape and identity."""
 from __future__ import annotations
 
 import hashlib

@@ -1,5 +1,5 @@
 """The static-best sweep: the configuration a careful operator would set once for a model on a device,
-chosen without seeing any deployment's traffic (design section 5).
+chosen without seeing any deployment's traffic.
 
 The workload is fixed and synthetic: uniform prompts and outputs (``WORKLOADS``: 1,024 / 128 tokens on a
 GPU; 256 / 32 on a CPU, where a 1,024-token prefill alone takes seconds), Poisson arrivals replayed at

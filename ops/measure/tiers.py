@@ -1,7 +1,7 @@
 """Measuring variants: the slow tier (a trace slice replayed through the engine) and the fast tier
 (step times of the shape mix a traffic profile implies, on a few layers).
 
-Both return BenchResult (design section 3). A measurement is a median over repeats with its
+Both return BenchResult. A measurement is a median over repeats with its
 spread (max - min); a difference smaller than the spread is no difference.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The cost model (design section 6): roofline step times, composed over a simulated batching of
+"""The cost model: roofline step times, composed over a simulated batching of
 the traffic into throughput, TTFT, TPOT and goodput; calibrated against measured forward passes.
 
 Step time, uncalibrated: max(bytes moved / measured bandwidth, FLOPs / measured FLOP/s)

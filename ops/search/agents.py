@@ -1,4 +1,4 @@
-"""Agents that propose engine variants (design section 7).
+"""Agents that propose engine variants.
 
 Each agent reads the search's state (the cost model's plan, the traffic profile and the results
 on the board) and returns proposals, each with its rationale and the result ids it rests on.

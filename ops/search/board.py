@@ -1,4 +1,4 @@
-"""The message board and experiment queue agents and benchmark workers share (design section 7).
+"""The message board and experiment queue agents and benchmark workers share.
 
 A SQLite file in WAL mode (the embedded default), or a Postgres database every worker on every machine shares
 (a ``postgresql://`` URL: ops/search/board_store.py), safe across threads and processes:

@@ -1,5 +1,5 @@
 """A search: agents propose, workers measure on the fast tier, the best go to the slow tier, and the
-decision records why (design sections 5 to 7). ``polyinf tune`` and the pipeline's
+decision records why. ``polyinf tune`` and the pipeline's
 ``variant_candidates`` / bench assets run this code.
 
 Budget: at most ``experiments`` measurements (fast and slow together) and ``seconds`` of wall time;

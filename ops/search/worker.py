@@ -1,4 +1,4 @@
-"""Benchmark workers: drain a search's experiments from the board, one device each (design section 7).
+"""Benchmark workers: drain a search's experiments from the board, one device each.
 
 A worker keeps one engine per tier and hot-swaps each experiment's variant into it (weights
 load once); ``fresh=True`` builds a new engine per experiment instead, for comparison. While an
