@@ -4,7 +4,7 @@ Requests take their input/output lengths from the Azure conversation trace in tr
 to fit a CPU); prompts are random token ids of those lengths, so both sides see identical
 inputs. Prints figures; asserts nothing about speed.
 
-    python bench/engine_vs_hf.py [--trace PATH] [--requests 16] [--max-input 512] [--max-output 64]
+    python -m bench engine_vs_hf [--trace PATH] [--requests 16] [--max-input 512] [--max-output 64]
 """
 from __future__ import annotations
 

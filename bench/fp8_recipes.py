@@ -22,8 +22,8 @@ dequantized here ("fake quantization": the values the kernels would compute with
 the engine's reference kernels, so the figures are the recipe's numerics, not a kernel's. The weight error
 column is the relative RMS error over all dense projections (kept ones count as exact).
 
-    .venv/bin/python bench/fp8_recipes.py                 # SmolLM2 on the CPU, about 3 minutes
-    .venv/bin/python bench/fp8_recipes.py --json /tmp/fp8_recipes.json
+    .venv/bin/python -m bench fp8_recipes                 # SmolLM2 on the CPU, about 3 minutes
+    .venv/bin/python -m bench fp8_recipes --json /tmp/fp8_recipes.json
 """
 from __future__ import annotations
 
@@ -34,8 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[1]
 
 import torch  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Cold start (load weights, build the engine, warm up) against a `forward` hot swap, as a ratio.
 
-    python bench/hot_swap.py                                  # SmolLM2 on CPU
-    python bench/hot_swap.py --model llama-3.1-8b --device cuda --dtype bfloat16   # synthetic 8B on a GPU
+    python -m bench hot_swap                                  # SmolLM2 on CPU
+    python -m bench hot_swap --model llama-3.1-8b --device cuda --dtype bfloat16   # synthetic 8B on a GPU
 
 Each target variant is swapped to twice, from the same base, while a request is decoding:
 - inline: ``apply_variant(spec)`` builds, checks, warms up (and captures) and switches; its wall time;

@@ -5,12 +5,12 @@ layout given (``--layouts 1x1 2x1 1x2``: tp x dp; ops/bench.served_tier: the lay
 the slice replayed over HTTP in real time, capacity searched from the same guess). Ratios are against static-best
 served on one device (1x1), measured in the same run; the in-process row shows what the HTTP path costs.
 
-    .venv/bin/python bench/layouts.py --model smollm2 --layouts 1x1 1x2 --out /tmp/layouts      # this CPU
+    .venv/bin/python -m bench layouts --model smollm2 --layouts 1x1 1x2 --out /tmp/layouts      # this CPU
     # a two-GPU host without the web stack: carry a wheelhouse (bench/data/wheels, made here with
     # pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 ... fastapi uvicorn
     # openai prometheus-client httpx and their dependencies), then
     pip install -q --no-index --find-links bench/data/wheels --target /tmp/web fastapi uvicorn openai \\
-        prometheus-client httpx && PYTHONPATH=$PWD:/tmp/web python3 bench/layouts.py --model llama-3.1-8b \\
+        prometheus-client httpx && PYTHONPATH=$PWD:/tmp/web python3 -m bench layouts --model llama-3.1-8b \\
         --device cuda --dtype bfloat16 --traces bench/data --requests 64 --max-input 2048 --max-output 128 --out $OUT
 """
 from __future__ import annotations
@@ -23,8 +23,7 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[1]
 
 from engine import EngineConfig, LLMEngine, resolve  # noqa: E402
 from engine.loader.model_source import load_config  # noqa: E402

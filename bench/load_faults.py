@@ -1,7 +1,7 @@
 """Load and faults at size: 10,000 requests at 64 concurrent clients on loopback, SIGKILL mid-load and a
 restart, a hot swap and a rollback under load, and the board's processes killed mid-write.
 
-    .venv/bin/python bench/load_faults.py [--requests 10000 --concurrency 64 --json out.json]
+    .venv/bin/python -m bench load_faults [--requests 10000 --concurrency 64 --json out.json]
 
 The server serves a tiny synthetic Qwen3-MoE (tests/engine/tiny_moe) on CPU, so the figures measure the
 server, the capture and the board rather than a model. Prints one table: per scenario, requests sent,
@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 

@@ -8,8 +8,8 @@ variant with the precision's own thresholds (checks/report.py). The table gives 
 rounds), the ratio to the checkpoint's precision in the same run, the bytes of the dense weights a decode
 step reads, and the gate's figures.
 
-    .venv/bin/python bench/precision.py                       # SmolLM2 on the CPU, int8
-    .venv/bin/python bench/precision.py --kinds int8 fp8      # FP8 too (dequantized on a CPU: slow)
+    .venv/bin/python -m bench precision                       # SmolLM2 on the CPU, int8
+    .venv/bin/python -m bench precision --kinds int8 fp8      # FP8 too (dequantized on a CPU: slow)
 """
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[1]
 
 PROMPTS = ["Tell a short story about a lighthouse keeper who finds a message in a bottle.",
            "What are three good habits for writing maintainable software? Explain each briefly.",

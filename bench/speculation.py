@@ -8,8 +8,8 @@ Each prompt is answered greedily with speculation off and with each draft length
 ratio to speculation off in the same run, the acceptance rate and the tokens per verified draft, and checks
 that every speculative answer equals the plain one token for token.
 
-    .venv/bin/python bench/speculation.py                  # SmolLM2 on the CPU
-    PYTHONPATH=$PWD python3 bench/speculation.py --device cuda --model <dir with the gguf>   # a GPU host
+    .venv/bin/python -m bench speculation                  # SmolLM2 on the CPU
+    PYTHONPATH=$PWD python3 -m bench speculation --device cuda --model <dir with the gguf>   # a GPU host
 """
 from __future__ import annotations
 
@@ -22,8 +22,7 @@ import textwrap
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def prompts() -> dict[str, list[str]]:

@@ -1,1 +1,1 @@
-"""The GPU benchmark's sections (bench/gpu_bench.py runs them): one module each over ``harness``."""
+"""The GPU benchmark's sections (bench/gpu/suite.py runs them): one module each over ``harness``."""

@@ -16,7 +16,7 @@ ROWS: list[tuple[str, str]] = []
 OUT = Path("/tmp")  # set by the entry point (--out)
 LOG = "gpu_bench"  # rows go to OUT/LOG.jsonl as measured, the table to OUT/LOG.json at the end
 ROOT = Path(__file__).resolve().parents[2]
-ENTRY = ROOT / "bench" / "gpu_bench.py"  # the entry point; a fresh process of it measures the cold start
+ENTRY = "bench.gpu.suite"  # the entry module; a fresh process of it (python -m) measures the cold start
 DATASHEET_BF16 = 989e12  # H100/H200 SXM dense bf16, FLOP/s
 GRAPH_SIZES = (1, 2, 4, 8)  # the decode batches the 8B forms capture
 

@@ -1,5 +1,5 @@
 """The GPU benchmark's run: correctness first, then the figures, then one table (the sections' order and
-options; bench/gpu_bench.py is the command)."""
+options; bench/gpu/suite.py is the command)."""
 from __future__ import annotations
 
 import argparse
@@ -20,8 +20,8 @@ from bench.gpu.precision.weights import gemv_bandwidth_by_precision, llama8b_pre
 from bench.gpu.precision.serve import activation_quant_checks, served_decode_by_precision
 from bench.gpu.precision.step import decode_forms_by_precision, projections_alone
 from bench.gpu.precision.qmma import qmma_checks, qmma_decode, qmma_projections, qmma_served, qmma_step_tiles, qmma_sweep
-from bench.gpu.swap import cold_start_and_swap, cold_start_child
-from bench.gpu.throughput import llama8b_throughput
+from bench.gpu.serving.swap import cold_start_and_swap, cold_start_child
+from bench.gpu.serving.throughput import llama8b_throughput
 from engine.config.presets import preset_variant
 
 SECTIONS = ("attention", "gemv", "decode", "throughput", "swap", "moe", "experts", "precision", "precision-step",

@@ -6,7 +6,7 @@ Its ``measured`` field says where it was measured (the dated notes of bench/resu
 
 The kernel groups the presets are made of (``TRITON_ALL``, ``TRITON_GEMV``, ``TRITON_MOE_DECODE``) and the
 parameter helpers (``with_pdl``, ``moe_decode_params``) are public: ``KernelChoices`` (ops/search/agents.py) and the
-gates script (bench/gpu_gates.py) compose their forms from them.
+gates script (bench/gpu/gates.py) compose their forms from them.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ definition as the plain-torch path: scale = max(amax / 448, 1e-12), q = e4m3(x /
 kernels pass it to ``kernels.linear.quant.qlinear`` for the rows they leave to the GEMM.
 
 GPU only: the Triton interpreter converts to e4m3 differently from the hardware and torch (-126.9 becomes -64
-instead of -128), so the CPU cannot check this kernel; ``bench/gpu_bench.py --only precision-serve`` checks it
+instead of -128), so the CPU cannot check this kernel; ``bench/gpu/suite.py --only precision-serve`` checks it
 against the plain-torch path on the device first.
 """
 from __future__ import annotations

@@ -14,17 +14,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_bench_script_answers_help():
-    scripts = sorted(p for p in (ROOT / "bench").glob("*.py") if "argparse" in p.read_text())
-    assert len(scripts) >= 8
+    """Each benchmark with options, run as ``python -m bench NAME --help``; ``python -m bench`` lists them all."""
+    listing = subprocess.run([sys.executable, "-m", "bench"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    names = [line.split()[0] for line in listing.stdout.splitlines()[1:] if line.startswith("  ")]
+    scripts = [n for n in names if "argparse" in (ROOT / "bench" / (n.replace(".", "/") + ".py")).read_text()]
+    assert len(scripts) >= 8 and "tuning.tune_vs_static" in scripts and "gpu.suite" in names, listing.stdout
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
-    procs = {p.name: subprocess.Popen([sys.executable, str(p), "--help"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True) for p in scripts}
+    procs = {n: subprocess.Popen([sys.executable, "-m", "bench", n, "--help"], cwd=ROOT, env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in scripts}
     failed = {}
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=300)
         if proc.returncode != 0 or "usage:" not in out:
             failed[name] = (proc.returncode, err[-500:])
     assert not failed, failed
+    unknown = subprocess.run([sys.executable, "-m", "bench", "no_such"], cwd=ROOT, capture_output=True, text=True)
+    assert unknown.returncode == 2 and "unknown benchmark" in unknown.stderr
 
 
 @pytest.mark.slow
@@ -32,7 +37,7 @@ def test_gpu_scripts_smoke_run_on_the_cpu(tmp_path):
     """The GPU scripts that can take a CPU run there end to end on SmolLM2 (a slice of its layers): the gates on
     the reference form, and a served replay with the default variant, every request answered in full."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
-    gates = subprocess.run([sys.executable, "bench/gpu_gates.py", "--model", "smollm2", "--device", "cpu", "--dtypes",
+    gates = subprocess.run([sys.executable, "-m", "bench", "gpu.gates", "--model", "smollm2", "--device", "cpu", "--dtypes",
                             "float32", "--layers", "1", "--only", "reference"], cwd=ROOT, env=env, capture_output=True,
                            text=True, timeout=600)
     assert gates.returncode == 0, gates.stderr[-2000:]
@@ -40,7 +45,7 @@ def test_gpu_scripts_smoke_run_on_the_cpu(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    serve = subprocess.run([sys.executable, "bench/gpu_serve.py", "--out", str(tmp_path), "--model", "smollm2",
+    serve = subprocess.run([sys.executable, "-m", "bench", "gpu.serving.serve", "--out", str(tmp_path), "--model", "smollm2",
                             "--device", "cpu", "--dtype", "float32", "--reference-kernels", "--requests", "2", "--trace",
                             str(ROOT / "traces" / "AzureLLMInferenceTrace_conv.csv"),
                             "--max-input", "48", "--max-output", "4", "--vocab-size", "49152", "--num-kv-blocks", "256",

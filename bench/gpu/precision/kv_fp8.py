@@ -1,7 +1,7 @@
 """10. The FP8 (e4m3) KV cache on the 8B shape (random bf16 weights): its logits and greedy tokens against the
 bf16 cache on a 4,000-token prompt, then batch decode at long context (prompts of 32,000 tokens), where a
 step reads more cache than weights, and how many such sequences each cache holds in the same bytes. Capacity
-at the SLO on the long-context slice is bench/capacity_ab.py's (a run of its own)."""
+at the SLO on the long-context slice is bench/tuning/capacity_ab.py's (a run of its own)."""
 from __future__ import annotations
 
 import dataclasses

@@ -387,7 +387,7 @@ def qmma_step_tiles(m: Llama8B, budget_s: float = 240.0, sweep: bool = True) -> 
 def qmma_served(m: Llama8B, out=None, batches=(1, 8, 16, 32)) -> None:
     """Decode steps at 1-32 sequences: static-best bf16, its FP8 form on the tensor-core kernel at every row count,
     and its FP8 and int8 forms as the tuner proposes them (engine.config.presets.quantized_variant); the chosen tiles and
-    the fastest form's change to ``out``/qmma_change.json (for bench/capacity_ab.py)."""
+    the fastest form's change to ``out``/qmma_change.json (for bench/tuning/capacity_ab.py)."""
     import kernels.linear.qmma_triton as qm
     from bench.gpu.precision.serve import served_steps
     from engine.loader.model_source import resolve

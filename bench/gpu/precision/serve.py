@@ -80,7 +80,7 @@ def fp8_forms(base) -> dict:
 @section
 def served_decode_by_precision(m: Llama8B, out=None, batches=(1, 8, 16, 32)) -> None:
     """Decode steps by form; the fastest FP8 form's change to static-best goes to ``out``/fp8_change.json (for
-    bench/capacity_ab.py)."""
+    bench/tuning/capacity_ab.py)."""
 
     from engine.loader.model_source import resolve
     from engine.config.static_best import lookup
@@ -95,7 +95,7 @@ def served_decode_by_precision(m: Llama8B, out=None, batches=(1, 8, 16, 32)) -> 
 
 def served_steps(eng, forms: dict, batches, out, change_file: str) -> None:
     """Decode steps of each form (the first is the baseline) at each batch size, a row per form; the fastest other
-    form's change to the baseline (over the batches) to ``out``/``change_file`` (for bench/capacity_ab.py)."""
+    form's change to the baseline (over the batches) to ``out``/``change_file`` (for bench/tuning/capacity_ab.py)."""
     import json
 
     base_label = next(iter(forms))

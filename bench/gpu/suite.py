@@ -1,6 +1,6 @@
 """GPU benchmark: correctness first, then figures, then one table.
 
-    PYTHONPATH=$PWD python bench/gpu_bench.py [--out DIR] [--only SECTION,...]
+    PYTHONPATH=$PWD python3 -m bench gpu.suite [--out DIR] [--only SECTION,...]
 
 The sections live in bench/gpu/, one module each over a shared harness (bench/gpu/harness.py), and take
 their engine forms from the named presets of engine/config/presets.py:
@@ -34,14 +34,9 @@ Every row is appended to DIR/gpu_bench.jsonl as soon as it is measured.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch  # noqa: F401  (first: the cold start's child process times python start + import torch)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.gpu.main import main  # noqa: E402
+from bench.gpu.main import main
 
 if __name__ == "__main__":
     main(__doc__.split("\n\n")[0])

@@ -2,7 +2,7 @@
 and bfloat16, on a Llama-3.1-8B-shaped model with synthetic weights (a few layers): tells numeric
 divergence of bf16 from contamination (which float32 would show too).
 
-    PYTHONPATH=$PWD python3 bench/gpu_gates.py [--layers 4] [--model qwen3-30b-a3b]
+    PYTHONPATH=$PWD python3 -m bench gpu.gates [--layers 4] [--model qwen3-30b-a3b]
 """
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 from checks.gates import gate_variant  # noqa: E402
 from engine import EngineConfig, LLMEngine, resolve  # noqa: E402

@@ -79,9 +79,9 @@ def cold_start_and_swap(m: Llama8B, spec, tmp: Path):
     for label in ("empty Triton cache", "warm Triton cache"):
         env = {**os.environ, "TRITON_CACHE_DIR": cache, "PYTHONPATH": str(ROOT)}
         t0 = time.time()
-        proc = subprocess.run([sys.executable, str(ENTRY), "--cold-start", str(folder),
+        proc = subprocess.run([sys.executable, "-m", ENTRY, "--cold-start", str(folder),
                                "--variant", json.dumps(spec.to_json()), "--t0", repr(t0)],
-                              env=env, capture_output=True, text=True, timeout=240)
+                              env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("COLD_START ")), None)
         if line is None:
             row(f"8B cold start ({label}) FAILED", (proc.stderr or proc.stdout)[-300:])

@@ -1,8 +1,8 @@
 """Experiment throughput: variants evaluated per minute on the fast tier, hot-swapping each variant
 into one engine against building a fresh engine (weights loaded again) per variant.
 
-    .venv/bin/python bench/tune_throughput.py [--variants 6] [--model smollm2]
-    PYTHONPATH=$PWD python3 bench/tune_throughput.py --model llama-3.1-8b --device cuda --dtype bfloat16 \
+    .venv/bin/python -m bench tuning.tune_throughput [--variants 6] [--model smollm2]
+    PYTHONPATH=$PWD python3 -m bench tuning.tune_throughput --model llama-3.1-8b --device cuda --dtype bfloat16 \
         --trace bench/data/azure_conv_400.csv --fast-layers 2        # a GPU host
 """
 from __future__ import annotations
@@ -13,8 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 from engine.config.variant import VariantSpec  # noqa: E402
 from ops.search.board import Board  # noqa: E402

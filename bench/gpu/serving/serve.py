@@ -3,7 +3,7 @@ and the variant the tuner chose (Triton kernels + CUDA graphs), then `polyinf re
 conversation slice at three request rates. Each replay checks that every request was answered with
 exactly its requested number of output tokens.
 
-    PYTHONPATH=$PWD python3 bench/gpu_serve.py --out $OUT
+    PYTHONPATH=$PWD python3 -m bench gpu.serving.serve --out $OUT
 
 A GPU host without the serving packages installs them from wheels carried in bench/wheels
 (`pip download` them there first; the folder is ignored by git).
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def ensure_serving_packages(deps: Path) -> dict:
@@ -56,7 +56,6 @@ def main() -> int:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     env = ensure_serving_packages(Path("/tmp/polyinf-serving-deps"))
-    sys.path.insert(0, str(ROOT))
     from engine.config.presets import preset_variant
     from engine.config.variant import VariantSpec
 

@@ -6,7 +6,7 @@ float32); a kernel reading far past or before its input reads only zeros (its lo
 tensor's bounds); a kernel that never finishes fails its smoke run at the time limit; and a model
 forward pass with a generated kernel equals the reference forward. Prints one table.
 
-    PYTHONPATH=$PWD python3 bench/gpu_generated.py            # a GPU host
+    PYTHONPATH=$PWD python3 -m bench gpu.generated            # a GPU host
 """
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 import torch  # noqa: E402
+
+from bench.lib.table import Table  # noqa: E402
 
 from engine.errors import VariantError  # noqa: E402
 from engine.generated.source import load_kernel, materialize, prepare_generated, smoke_in_child  # noqa: E402
@@ -25,14 +26,10 @@ from engine.generated.grammar import check_kernel  # noqa: E402
 from kernels.generated.launch import REFERENCES, make_launcher, smoke_cases  # noqa: E402
 from ops.search.kernel_templates import DEFAULT_TILES, FORMS, KernelChoice  # noqa: E402
 
-ROWS: list[tuple[str, str]] = []
+TABLE = Table(width=70)
+row = TABLE.row
 DIMS = {"hidden": 4096, "intermediate": 14336,  # the 8B shape
         "projections": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]}
-
-
-def row(name: str, value: str) -> None:
-    ROWS.append((name, value))
-    print(f"{name:70} {value}", flush=True)
 
 
 def templates() -> None:
@@ -109,7 +106,7 @@ def main() -> int:
             section()
         except Exception as e:  # a failed section must not hide the others
             row(f"{section.__name__}: FAILED", f"{type(e).__name__}: {str(e)[:200]}")
-    print("\n| what | figure |\n|---|---|\n" + "\n".join(f"| {n} | {v} |" for n, v in ROWS))
+    print("\n" + TABLE.markdown())
     return 0
 
 

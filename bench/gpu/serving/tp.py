@@ -1,6 +1,6 @@
 """Tensor parallelism over two GPUs (NCCL): correctness against one GPU first, then throughput.
 
-    python bench/gpu_tp.py [--out DIR] [--trace CSV] [--requests N]
+    python -m bench gpu.serving.tp [--out DIR] [--trace CSV] [--requests N]
 
 1. Correctness, float32, Llama-3.1-8B shape cut to 4 layers, synthetic weights (the same on every
    rank, from the seed): greedy tokens of 4 prompts and the first step's logits, TP=2 against TP=1,
@@ -21,10 +21,10 @@ import torch
 
 from bench.gpu import harness as gb
 from bench.gpu.harness import row
-from bench.gpu.throughput import trace_requests
+from bench.gpu.serving.throughput import trace_requests
 from engine.config.presets import TRITON_ALL, TRITON_GEMV
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 TRITON = {**TRITON_ALL, **TRITON_GEMV}
 ATTN = {"attention": {"block_n": 128, "num_warps": 8}}
 

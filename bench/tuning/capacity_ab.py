@@ -5,8 +5,8 @@ with its interval), the decision rule (ratio interval, latency guard) and, when 
 confirmation on held-out windows. A gain a search reported can so be checked apart from the search that found
 it.
 
-    .venv/bin/python bench/capacity_ab.py --change '{"max_num_seqs": 4}'                 # SmolLM2 on the CPU
-    PYTHONPATH=$PWD python3 bench/capacity_ab.py --model llama-3.1-8b --device cuda --dtype bfloat16 \\
+    .venv/bin/python -m bench tuning.capacity_ab --change '{"max_num_seqs": 4}'                 # SmolLM2 on the CPU
+    PYTHONPATH=$PWD python3 -m bench tuning.capacity_ab --model llama-3.1-8b --device cuda --dtype bfloat16 \\
         --trace bench/data/mooncake_conversation_trace.jsonl --requests 64 --max-input 2048 --max-output 128 \\
         --num-kv-blocks 8192 --change '{"block_size": 32}'                                # a GPU host
 """
@@ -18,8 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 from ops.measure.hardware import probe  # noqa: E402
 from ops.judge.paired import ArmRun, JudgeConfig, PairedJudge, run_judgement  # noqa: E402

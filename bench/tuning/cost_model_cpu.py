@@ -7,7 +7,7 @@ predicted against measured output tokens/s, the MAPE (calibrated and plain roofl
 Spearman rank correlation on throughput; with ``--capacity`` also each variant's capacity at the SLO
 (measured by the slow tier's rate search, about four minutes a variant here) against the predicted one.
 
-    .venv/bin/python bench/cost_model_cpu.py [--trace FILE] [--requests 24] [--capacity]
+    .venv/bin/python -m bench tuning.cost_model_cpu [--trace FILE] [--requests 24] [--capacity]
 """
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 from engine.config.variant import VariantSpec  # noqa: E402
 from ops.search.board import Board  # noqa: E402

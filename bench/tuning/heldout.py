@@ -14,8 +14,8 @@ Wilson 95% interval and the difference with Newcombe's, and says whether the ver
 - chosen ("better"): the choice's attainment is higher (Newcombe's lower bound above 0);
 - kept ("no detectable difference", "worse", "censored"): the candidate is not significantly better.
 
-    .venv/bin/python bench/heldout.py                                     # after `bash scripts/main.sh`
-    .venv/bin/python bench/heldout.py --requests 60 --rounds 2 --rate 1.344
+    .venv/bin/python -m bench tuning.heldout                                     # after `bash scripts/main.sh`
+    .venv/bin/python -m bench tuning.heldout --requests 60 --rounds 2 --rate 1.344
 """
 from __future__ import annotations
 
@@ -28,8 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 import httpx  # noqa: E402
 

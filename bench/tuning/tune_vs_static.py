@@ -12,8 +12,8 @@ The bursty slice is built here from the Azure 2023 code trace's published shape 
 Poisson): gamma inter-arrival times of coefficient of variation ``--bursty-cv``, log-normal prompt and output
 lengths, written as an Azure-format CSV (``bursty_code.csv`` in --out).
 
-    .venv/bin/python bench/tune_vs_static.py --out /tmp/tvs --slices azure          # SmolLM2 on the CPU
-    PYTHONPATH=$PWD python3 bench/tune_vs_static.py --model llama-3.1-8b --device cuda --dtype bfloat16 \\
+    .venv/bin/python -m bench tuning.tune_vs_static --out /tmp/tvs --slices azure          # SmolLM2 on the CPU
+    PYTHONPATH=$PWD python3 -m bench tuning.tune_vs_static --model llama-3.1-8b --device cuda --dtype bfloat16 \\
         --traces bench/data --requests 64 --max-input 2048 --max-output 128 --first-look 300 --cap 600 \\
         --slices azure --out $OUT                                                  # a GPU host
 """
@@ -30,22 +30,15 @@ import traceback
 from datetime import datetime, timedelta
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
+from bench.lib.table import Table
 from ops.judge.rule import Judgement  # noqa: E402
 from ops.judge.paired import JudgeConfig  # noqa: E402
 from ops.search.tune import Budget, static_best_of, tune  # noqa: E402
 from ops.search.worker import SearchConfig  # noqa: E402
 
-ROWS: list[tuple[str, str]] = []
-
-
-def row(out: Path, name: str, value: str) -> None:
-    ROWS.append((name, value))
-    print(f"{name:60} {value}", flush=True)
-    with open(out / "rows.jsonl", "a") as f:
-        f.write(json.dumps({"name": name, "value": value}) + "\n")
+TABLE = Table()
 
 
 def bursty_code(path: Path, n: int, rate: float, cv: float, seed: int = 0) -> Path:
@@ -97,6 +90,7 @@ def main() -> int:
                     help="static-best with quantized weights on the slow tier")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    TABLE.jsonl = args.out / "rows.jsonl"
     board = args.out / "board.sqlite"
     t0 = time.time()
     traces = {"azure": next(iter(sorted(args.traces.glob("*zure*conv*"))), None),
@@ -121,7 +115,7 @@ def main() -> int:
     for name in args.slices:
         trace = traces.get(name)
         if trace is None:
-            row(args.out, f"{name}: FAILED", f"no trace for {name} under {args.traces}")
+            TABLE.row(f"{name}: FAILED", f"no trace for {name} under {args.traces}")
             continue
         try:
             t = time.time()
@@ -131,35 +125,35 @@ def main() -> int:
             (args.out / f"tune_{name}.json").write_text(json.dumps(rep.to_json(), indent=2, default=str))
             print(rep.text(), flush=True)
             static = static_best_of(cfg(trace))
-            row(args.out, f"{name}: static-best", f"{static.name} ({static.variant_id})")
-            row(args.out, f"{name}: SLO", f"TTFT {1e3 * rep.config['slo_ttft_s']:.0f} ms + "
+            TABLE.row(f"{name}: static-best", f"{static.name} ({static.variant_id})")
+            TABLE.row(f"{name}: SLO", f"TTFT {1e3 * rep.config['slo_ttft_s']:.0f} ms + "
                                           f"{1e3 * rep.config.get('slo_ttft_per_token_s', 0.0):.3f} ms per prompt "
                                           f"token, TPOT {1e3 * rep.config['slo_tpot_s']:.1f} ms "
                                           f"({rep.config['slo_source']})")
             j = Judgement.from_json(rep.decision["judgement"]) if rep.decision.get("judgement") else None
             if j is None:
-                row(args.out, f"{name}: judge", "not run: " + rep.decision.get("reason", ""))
+                TABLE.row(f"{name}: judge", "not run: " + rep.decision.get("reason", ""))
                 continue
             for line in j.lines():
                 print(line, flush=True)
             probes = [p for a in j.arms.values() if a.get("capacity") for p in a["capacity"]["probes"]]
             counted = [len(p["outcomes"]) for p in probes if p.get("outcomes")]
-            row(args.out, f"{name}: verdict", f"{j.verdict}; chosen {rep.chosen['name']}")
-            row(args.out, f"{name}: capacity ratio", j.headline())
-            row(args.out, f"{name}: probes", f"{len(probes)} probes, counted requests per probe min "
+            TABLE.row(f"{name}: verdict", f"{j.verdict}; chosen {rep.chosen['name']}")
+            TABLE.row(f"{name}: capacity ratio", j.headline())
+            TABLE.row(f"{name}: probes", f"{len(probes)} probes, counted requests per probe min "
                                              f"{min(counted, default=0)}, median "
                                              f"{statistics.median(counted) if counted else 0:.0f}")
             if j.confirmation:
-                row(args.out, f"{name}: out of sample", j.confirmation.line())
+                TABLE.row(f"{name}: out of sample", j.confirmation.line())
             if not math.isnan(j.simulator_error):
-                row(args.out, f"{name}: simulator's capacity error", f"{j.simulator_error:.0%}")
-            row(args.out, f"{name}: experiments, seconds", f"{len(rep.rows)}, {time.time() - t:.0f} "
+                TABLE.row(f"{name}: simulator's capacity error", f"{j.simulator_error:.0%}")
+            TABLE.row(f"{name}: experiments, seconds", f"{len(rep.rows)}, {time.time() - t:.0f} "
                                                            f"(judge {j.seconds:.0f})")
         except Exception as e:  # one failed search must not lose the others
-            row(args.out, f"{name}: FAILED", f"{type(e).__name__}: {e}")
+            TABLE.row(f"{name}: FAILED", f"{type(e).__name__}: {e}")
             traceback.print_exc()
-    row(args.out, "total seconds", f"{time.time() - t0:.0f}")
-    print("\n| what | figure |\n|---|---|\n" + "\n".join(f"| {n} | {v} |" for n, v in ROWS))
+    TABLE.row("total seconds", f"{time.time() - t0:.0f}")
+    print("\n" + TABLE.markdown())
     return 0
 
 
