@@ -169,15 +169,22 @@ class Router:
         return Response(content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
 
     async def _relay(self, r: Replica, resp: httpx.Response):
+        tail, failure = b"", ""
         try:
-            async for chunk in resp.aiter_raw():
-                yield chunk
-        except httpx.HTTPError as e:
-            r.failed += 1
-            r.up = False
-            error = {"error": {"message": f"engine replica {r.index} stopped while serving the request: "
-                                          f"{type(e).__name__}", "type": "server_error", "code": "replica_failed"}}
-            yield f"\n\ndata: {json.dumps(error)}\n\n".encode()
+            try:
+                async for chunk in resp.aiter_raw():
+                    tail = (tail + chunk)[-64:]
+                    yield chunk
+                if resp.status_code == 200 and b"[DONE]" not in tail and b"\"error\"" not in tail:  # cut short
+                    failure = "the stream ended early"
+            except httpx.HTTPError as e:
+                failure = type(e).__name__
+            if failure:
+                r.failed += 1
+                r.up = False
+                error = {"error": {"message": f"engine replica {r.index} stopped while serving the request: "
+                                              f"{failure}", "type": "server_error", "code": "replica_failed"}}
+                yield f"\n\ndata: {json.dumps(error)}\n\n".encode()
         finally:
             await resp.aclose()
             r.inflight -= 1
