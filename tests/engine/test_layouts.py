@@ -165,19 +165,23 @@ def test_dp2_router_balances_swaps_and_survives_a_killed_replica(model, referenc
 
         # kill a replica while both stream: its stream ends with an error event, the other finishes
         results: dict[int, tuple] = {}
+        streamed = [0, 0]
 
         def stream(i: int) -> None:
             n, err = 0, None
             with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
                     "model": str(model), "prompt": [i + 40, 2, 3], "max_tokens": 3000, "ignore_eos": True,
                     "temperature": 0, "stream": True}) as resp:
-                for line in resp.iter_lines():
+                if resp.status_code != 200:  # failed before its stream began: a JSON error body
+                    err = json.loads(resp.read())["error"]
+                for line in resp.iter_lines() if err is None else ():
                     if line.startswith("data: {"):
                         d = json.loads(line[6:])
                         if "error" in d:
                             err = d["error"]
                             break
                         n += 1
+                        streamed[i] = n
             results[i] = (n, err)
         # both replicas up first (a replica the router marked down under load comes back by its health check),
         # so the router spreads the two streams; the victim is a replica serving one of them, whichever it is
@@ -191,7 +195,7 @@ def test_dp2_router_balances_swaps_and_survives_a_killed_replica(model, referenc
         deadline = time.time() + 30
         while True:
             reps = httpx.get(url + "/health").json()["replicas"]
-            if sum(r["in_flight"] for r in reps) >= 2:
+            if sum(r["in_flight"] for r in reps) >= 2 and min(streamed) > 0:  # both mid-stream
                 break
             assert time.time() < deadline
             time.sleep(0.05)
