@@ -57,7 +57,7 @@ def _table(rows: list[dict]) -> dg.MetadataValue:
 def _plots(context, artifacts: ArtifactStore, search, results: list, cost: dict, judged=None) -> dict:
     """The slow tier's figures as PNGs: written to the artifacts (beside the build) and embedded in the
     asset's metadata as images; returns the metadata entries (the CLI prints the paths)."""
-    from ops.search.plots import attainment_vs_rate, predicted_vs_measured, throughput_vs_tpot
+    from assets.plots import attainment_vs_rate, predicted_vs_measured, throughput_vs_tpot
 
     pngs = {
         "throughput vs TPOT": throughput_vs_tpot([(v.name, r.output_tok_s, 1e3 * r.tpot_p50) for v, r in results],
@@ -197,7 +197,7 @@ def _variant_of(row: dict):
 def fast_bench_results(context: dg.AssetExecutionContext, variant_candidates: list, hardware_profile,
                        source: VariantSource, runner: EngineRunner, traffic: TrafficSource) -> list:
     runner = for_deployment(context, runner)
-    from ops.search.worker import FAST
+    from ops.search.config import FAST
 
     search = source.search(context, runner, traffic, hardware_profile)
     context.log.info(f"fast tier: {search.board.pending(search.id, FAST)} variants queued, "
@@ -221,7 +221,7 @@ def slow_bench_results(context: dg.AssetExecutionContext, fast_bench_results: li
                        source: VariantSource, runner: EngineRunner, traffic: TrafficSource,
                        artifacts: ArtifactStore) -> list:
     runner = for_deployment(context, runner)
-    from ops.search.worker import SLOW
+    from ops.search.config import SLOW
 
     search = source.search(context, runner, traffic, hardware_profile)
     chosen = search.queue_slow(source.slow_top, source.speculation, source.precision)

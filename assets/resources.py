@@ -188,7 +188,7 @@ class VariantSource(dg.ConfigurableResource):
 def search_config(runner: EngineRunner, traffic: TrafficSource, **tiers):
     """What a search measures, from the model and traffic resources; ``tiers``: SearchConfig's tier and SLO
     fields (slow_layers, slow_repeats, slo_ttft_s, ...). The CLI's ``tune`` and the assets both build it here."""
-    from ops.search.worker import SearchConfig
+    from ops.search.config import SearchConfig
 
     return SearchConfig(model=runner.model, trace=traffic.trace_file(), device=runner.device, dtype=runner.dtype,
                         requests=traffic.max_requests, max_input=traffic.max_input, max_output=traffic.max_output,

@@ -1,9 +1,10 @@
 """python -m bench NAME [options]: runs the benchmark bench/NAME.py (gpu.suite for bench/gpu/suite.py);
-without a name, lists them with their first lines."""
+without a name, lists them with their first lines. Each benchmark defines ``add_cli_args(parser)`` and
+``main(args)`` (bench/lib/cli.py)."""
 from __future__ import annotations
 
 import ast
-import runpy
+import importlib
 import sys
 from pathlib import Path
 
@@ -11,14 +12,15 @@ HERE = Path(__file__).resolve().parent
 
 
 def benchmarks() -> dict[str, str]:
-    """Name -> first line of its docstring, for every module with a ``__main__`` block."""
+    """Name -> first line of its docstring, for every benchmark module (one whose ``__main__`` block
+    runs ``cli.run(__doc__, add_cli_args, main)``)."""
     out = {}
     for p in sorted(HERE.rglob("*.py")):
         rel = p.relative_to(HERE)
         if p.name.startswith("_") or rel.parts[0] == "lib":
             continue
         text = p.read_text()
-        if '__name__ == "__main__"' not in text:
+        if "cli.run(__doc__, add_cli_args, main)" not in text:  # its __main__ block: a benchmark to run
             continue
         doc = ast.get_docstring(ast.parse(text)) or ""
         out[".".join(rel.with_suffix("").parts)] = doc.split("\n")[0]
@@ -36,9 +38,10 @@ def main() -> int:
     if name not in known:
         print(f"unknown benchmark {name!r}; known: {', '.join(known)}", file=sys.stderr)
         return 2
-    sys.argv = [f"python -m bench {name}", *sys.argv[2:]]
-    runpy.run_module(f"bench.{name}", run_name="__main__", alter_sys=True)
-    return 0
+    from bench.lib import cli
+
+    module = importlib.import_module(f"bench.{name}")
+    return cli.run(module.__doc__, module.add_cli_args, module.main, sys.argv[2:], prog=f"python -m bench {name}")
 
 
 if __name__ == "__main__":

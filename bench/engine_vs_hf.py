@@ -9,6 +9,7 @@ inputs. Prints figures; asserts nothing about speed.
 from __future__ import annotations
 
 import argparse
+import sys
 import csv
 import json
 import os
@@ -17,6 +18,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from bench.lib import cli
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "traces" / "AzureLLMInferenceTrace_conv.csv"
 
@@ -31,14 +34,15 @@ def azure_lengths(path: Path, n: int, max_in: int, max_out: int) -> list[tuple[i
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-input", type=int, default=512)
     ap.add_argument("--max-output", type=int, default=64)
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
-    args = ap.parse_args()
+
+
+def main(args: argparse.Namespace) -> int | None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -92,4 +96,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(__doc__, add_cli_args, main))

@@ -38,6 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 import torch  # noqa: E402
 
+from bench.lib import cli
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
@@ -123,14 +125,15 @@ class Recipes:
         return (math.sqrt(err / tot) if tot else 0.0), quantized / max(1, elements)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-tokens", type=int, default=12, help="tokens per gate prompt (the gate's own)")
     ap.add_argument("--max-keep", type=int, default=6, help="most decoder layers kept in the checkpoint's precision")
     ap.add_argument("--json", type=Path, help="also write the figures here")
-    args = ap.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
 
     from checks.engines import GateSettings, factory_for, generate_tokens
     from checks.prompts import shipped_prompts
@@ -213,4 +216,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(__doc__, add_cli_args, main))

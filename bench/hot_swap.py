@@ -13,6 +13,7 @@ warm-up step. Prints figures; asserts nothing about speed.
 from __future__ import annotations
 
 import argparse
+import sys
 import dataclasses
 import json
 import threading
@@ -21,6 +22,7 @@ import time
 import torch
 
 from ops.search.kernel_templates import KernelChoice
+from bench.lib import cli
 
 GEN_SILU = KernelChoice("silu_and_mul", "silu_tile", (("BLOCK_D", 1024),))  # a generated Triton kernel
 
@@ -30,13 +32,14 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+
+
+def main(args: argparse.Namespace) -> int | None:
 
     from engine import EngineConfig, LLMEngine, SamplingParams, resolve
 
@@ -107,4 +110,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(__doc__, add_cli_args, main))

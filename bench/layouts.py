@@ -34,6 +34,8 @@ from ops.search.optimize import capacity_ratio  # noqa: E402
 from ops.traffic.replay import synthesize_prompts  # noqa: E402
 from ops.measure.static_best_sweep import derive_slo, unloaded_latency  # noqa: E402
 from ops.traffic.traces import load_trace  # noqa: E402
+from bench.lib import cli  # noqa: E402
+from bench.lib.table import Table  # noqa: E402
 
 
 def layout(text: str) -> tuple[int, int]:
@@ -46,8 +48,7 @@ def layout(text: str) -> tuple[int, int]:
     return tp, dp
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/layouts"))
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--device", default="cpu")
@@ -61,18 +62,15 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2, help="replays per rate (a rate passes only if every one does)")
     ap.add_argument("--probes", type=int, default=5, help="rates the capacity search may replay")
     ap.add_argument("--num-kv-blocks", type=int, default=1024)
-    args = ap.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     source = resolve(args.model)
     base = lookup(source, args.device, args.dtype) or VariantSpec(name="default (no static-best recorded)")
     vocab = load_config(source).vocab_size
-    rows: list[tuple[str, str]] = []
-
-    def row(name: str, value: str) -> None:
-        rows.append((name, value))
-        print(f"{name:64} {value}", flush=True)
-        with open(args.out / "rows.jsonl", "a") as f:
-            f.write(json.dumps({"name": name, "value": value}) + "\n")
+    table = Table(args.out / "rows.jsonl", width=64)
+    row = table.row
 
     def cfg(v: VariantSpec) -> EngineConfig:
         return EngineConfig(source=source, device=args.device, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks,
@@ -117,11 +115,9 @@ def main() -> int:
                                     f"{1e3 * r.tpot_p50:.1f} ms" + (f", started in {r.start_s:.1f} s" if r.start_s else "")
                                     + ratio)
         (args.out / f"{name}.json").write_text(json.dumps({k: v.to_json() for k, v in got.items()}, indent=2))
-    print("\n| what | figure |\n|---|---|")
-    for name, value in rows:
-        print(f"| {name} | {value} |")
+    print("\n" + table.markdown())
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(__doc__, add_cli_args, main))

@@ -21,19 +21,21 @@ ROOT = Path(__file__).resolve().parents[1]
 import httpx  # noqa: E402
 
 from ops.release.loadtest import board_faults, check_capture, closed_loop, kill_and_restart, start_server, swap_under_load  # noqa: E402
+from bench.lib import cli  # noqa: E402
 
 TINY = ROOT / "tests" / "engine" / "tiny_moe"
 MODEL_ARGS = ["--model", str(TINY), "--synthetic", "--num-kv-blocks", "1024", "--max-num-seqs", "64"]
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=10_000)
-    p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--experiments", type=int, default=200, help="board experiments for the kill test")
-    p.add_argument("--kills", type=int, default=30, help="worker kills in the board test")
-    p.add_argument("--json", default=None)
-    args = p.parse_args()
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--requests", type=int, default=10_000)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--experiments", type=int, default=200, help="board experiments for the kill test")
+    ap.add_argument("--kills", type=int, default=30, help="worker kills in the board test")
+    ap.add_argument("--json", default=None)
+
+
+def main(args: argparse.Namespace) -> int:
     n, c = args.requests, args.concurrency
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,4 +91,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(__doc__, add_cli_args, main))

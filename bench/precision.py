@@ -17,8 +17,10 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
+
+from bench.lib import cli
+from bench.lib.timing import alternate, decode_rate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,20 +29,7 @@ PROMPTS = ["Tell a short story about a lighthouse keeper who finds a message in 
            "Why is the sky blue? Explain it to a curious ten-year-old."]
 
 
-def decode_rate(eng, text: str, max_tokens: int) -> tuple[int, float]:
-    """(tokens after the first, seconds they took) for one greedy answer at batch 1."""
-    from engine import SamplingParams
-
-    eng.add_request(text, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    eng.step()  # the prefill and the first token
-    t0 = time.perf_counter()
-    while eng.has_unfinished():
-        eng.step()
-    return max_tokens - 1, time.perf_counter() - t0
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
@@ -49,7 +38,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-gate", action="store_true", help="skip the gates (speed only)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
-    args = ap.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
 
     from checks.gates import gate_variant
     from engine import EngineConfig, LLMEngine, SamplingParams, VariantSpec, resolve
@@ -63,14 +54,11 @@ def main() -> int:
     for eng in engines.values():  # warm-up (and the quantization, once per precision)
         eng.generate(["Hello"], SamplingParams(max_tokens=4))
     texts = [base.encode_prompt(p, chat=base.tokenizer is not None) for p in PROMPTS]
-    rates: dict[str, list[float]] = {k: [] for k in kinds}
-    for _ in range(args.rounds):
-        for k, eng in engines.items():
-            tokens, seconds = 0, 0.0
-            for text in texts:
-                n, s = decode_rate(eng, text, args.max_tokens)
-                tokens, seconds = tokens + n, seconds + s
-            rates[k].append(tokens / seconds)
+    def rate(eng) -> float:
+        runs = [decode_rate(eng, text, args.max_tokens) for text in texts]
+        return sum(n for n, _ in runs) / sum(s for _, s in runs)
+
+    rates = alternate({k: (lambda eng=eng: rate(eng)) for k, eng in engines.items()}, args.rounds)
     checkpoint_bytes = sum(w.numel() * w.element_size() for w in dense_weights(base.model))
     rows = []
     off = statistics.median(rates["auto"])
@@ -98,4 +86,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(__doc__, add_cli_args, main))

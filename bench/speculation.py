@@ -22,6 +22,9 @@ import textwrap
 import time
 from pathlib import Path
 
+from bench.lib import cli
+from bench.lib.timing import alternate
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -47,8 +50,7 @@ def prompts() -> dict[str, list[str]]:
     return {"edit": edit, "summary": summary, "chat": chat}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
@@ -56,7 +58,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", type=Path, help="also write the figures here")
-    args = ap.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
 
     from engine import EngineConfig, LLMEngine, SamplingParams, VariantSpec, resolve
 
@@ -73,12 +77,11 @@ def main() -> int:
         eng.generate(["Hello"], SamplingParams(max_tokens=4), chat=True)
     rows = []
     for kind, texts in prompts().items():
-        tps: dict[int, list[float]] = {k: [] for k in engines}
         stats: dict[int, list[int]] = {k: [0, 0, 0] for k in engines}
-        equal = True
-        for _ in range(args.rounds):
-            plain = None
-            for k, eng in engines.items():
+        answers: dict[int, list[list]] = {k: [] for k in engines}  # per round, each prompt's tokens
+
+        def arm(k: int, eng, texts=texts, stats=stats, answers=answers):
+            def measure() -> float:
                 tokens, seconds = 0, 0.0
                 s0 = (eng.stats.spec_drafts, eng.stats.spec_draft_tokens, eng.stats.spec_accepted_tokens)
                 outs = []
@@ -88,14 +91,15 @@ def main() -> int:
                     seconds += time.perf_counter() - t0
                     tokens += len(out.token_ids)
                     outs.append(out.token_ids)
-                tps[k].append(tokens / seconds)
                 st = eng.stats
                 for i, (now, was) in enumerate(zip((st.spec_drafts, st.spec_draft_tokens, st.spec_accepted_tokens), s0)):
                     stats[k][i] += now - was
-                if k == 0:
-                    plain = outs
-                elif outs != plain:
-                    equal = False
+                answers[k].append(outs)
+                return tokens / seconds
+            return measure
+
+        tps = alternate({k: arm(k, eng) for k, eng in engines.items()}, args.rounds)
+        equal = all(answers[k] == answers[0] for k in engines)
         off = statistics.median(tps[0])
         for k in engines:
             drafts, drafted, accepted = stats[k]
@@ -117,4 +121,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(__doc__, add_cli_args, main))

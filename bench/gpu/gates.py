@@ -18,16 +18,18 @@ from checks.gates import gate_variant  # noqa: E402
 from engine import EngineConfig, LLMEngine, resolve  # noqa: E402
 from engine.config.presets import preset_variant  # noqa: E402
 from engine.config.variant import REFERENCE_VARIANT  # noqa: E402
+from bench.lib import cli  # noqa: E402
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--only", default="", help="gate only the variants whose name contains this text")
-    args = ap.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
     graphs = (1, 2, 4, 8, 16, 32)
     # the validated forms of engine/config/presets.py (each gated on either model; the MoE form with its whole-row tiles
     # sized to the MoE shape's hidden 2,048, as measured best there)
@@ -66,4 +68,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(__doc__, add_cli_args, main))

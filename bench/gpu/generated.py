@@ -10,6 +10,7 @@ forward pass with a generated kernel equals the reference forward. Prints one ta
 """
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 import torch  # noqa: E402
 
+from bench.lib import cli  # noqa: E402
 from bench.lib.table import Table  # noqa: E402
 
 from engine.errors import VariantError  # noqa: E402
@@ -100,7 +102,11 @@ def forward() -> None:
         f"{same}/{len(ref)} requests identical")
 
 
-def main() -> int:
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
+    """No options: the three sections run in order."""
+
+
+def main(args: argparse.Namespace) -> int:
     for section in (templates, bounds, forward):
         try:
             section()
@@ -111,4 +117,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(__doc__, add_cli_args, main))

@@ -12,7 +12,10 @@ from pathlib import Path
 
 import torch
 
-ROWS: list[tuple[str, str]] = []
+from bench.lib.table import Table
+from bench.lib.timing import decode_rate
+
+TABLE: Table | None = None  # made at the first row, once OUT and LOG are set
 OUT = Path("/tmp")  # set by the entry point (--out)
 LOG = "gpu_bench"  # rows go to OUT/LOG.jsonl as measured, the table to OUT/LOG.json at the end
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,18 +25,17 @@ GRAPH_SIZES = (1, 2, 4, 8)  # the decode batches the 8B forms capture
 
 
 def row(name: str, value: str) -> None:
-    ROWS.append((name, value))
-    print(f"{name:70} {value}", flush=True)
-    with open(OUT / f"{LOG}.jsonl", "a") as f:
-        f.write(json.dumps([name, value]) + "\n")
+    global TABLE
+    if TABLE is None:
+        TABLE = Table(OUT / f"{LOG}.jsonl", width=70, as_object=False)
+    TABLE.row(name, value)
 
 
 def finish() -> None:
     """Prints every row as one table and writes them to OUT/LOG.json."""
-    print("\n| what | figure |\n|---|---|")
-    for n, v in ROWS:
-        print(f"| {n} | {v} |")
-    (OUT / f"{LOG}.json").write_text(json.dumps(ROWS, indent=1))
+    rows = TABLE.rows if TABLE is not None else []
+    print("\n" + (TABLE.markdown() if TABLE is not None else "(no rows)"))
+    (OUT / f"{LOG}.json").write_text(json.dumps(rows, indent=1))
 
 
 def timed(fn, iters=10, warmup=3) -> float:
@@ -87,15 +89,10 @@ def section(fn):
     return run
 
 
-def decode_tps(eng, prompt, new, SamplingParams) -> float:
-    eng.add_request(prompt, SamplingParams(max_tokens=new, ignore_eos=True))
-    eng.step()  # prefill
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    while eng.has_unfinished():
-        eng.step()
-    torch.cuda.synchronize()
-    return (new - 1) / (time.perf_counter() - t)
+def decode_tps(eng, prompt, new, SamplingParams=None) -> float:
+    """Batch-1 decode tokens/s after the first token (bench/lib/timing.py), the GPU's queue drained around it."""
+    tokens, seconds = decode_rate(eng, prompt, new, torch.cuda.synchronize)
+    return tokens / seconds
 
 
 def _profiled(fn, steps: int) -> tuple[list, float]:

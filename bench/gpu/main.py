@@ -28,8 +28,7 @@ SECTIONS = ("attention", "gemv", "decode", "throughput", "swap", "moe", "experts
             "kv-fp8", "precision-serve", "qmma")  # --only
 
 
-def parser(description: str) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=description)
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp"))
     ap.add_argument("--only", default="", help=f"comma-separated: {','.join(SECTIONS)}")
     ap.add_argument("--trace", type=Path, default=ROOT / "bench" / "data" / "azure_conv_400.csv")
@@ -68,11 +67,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--cold-start", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--t0", type=float, default=None, help=argparse.SUPPRESS)
-    return ap
 
 
-def main(description: str = __doc__.split("\n\n")[0]) -> None:
-    args = parser(description).parse_args()
+def main(args: argparse.Namespace) -> None:
     if args.cold_start:
         cold_start_child(args.cold_start, args.variant, args.t0)
         return
@@ -145,6 +142,3 @@ def main(description: str = __doc__.split("\n\n")[0]) -> None:
             experts_alone()
     finish()
 
-
-if __name__ == "__main__":
-    main()

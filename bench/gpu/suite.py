@@ -36,7 +36,10 @@ from __future__ import annotations
 
 import torch  # noqa: F401  (first: the cold start's child process times python start + import torch)
 
-from bench.gpu.main import main
+import sys
+
+from bench.gpu.main import add_cli_args, main
+from bench.lib import cli
 
 if __name__ == "__main__":
-    main(__doc__.split("\n\n")[0])
+    sys.exit(cli.run(__doc__, add_cli_args, main))

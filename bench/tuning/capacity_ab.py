@@ -23,11 +23,12 @@ ROOT = Path(__file__).resolve().parents[2]
 from ops.measure.hardware import probe  # noqa: E402
 from ops.judge.paired import ArmRun, JudgeConfig, PairedJudge, run_judgement  # noqa: E402
 from ops.traffic.traces import Windows  # noqa: E402
-from ops.search.worker import SLOW, SearchConfig, Workbench, static_best_of  # noqa: E402
+from ops.search.config import SLOW, SearchConfig, static_best_of  # noqa: E402
+from ops.search.worker import Workbench  # noqa: E402
+from bench.lib import cli  # noqa: E402
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--trace", default=str(ROOT / "traces" / "AzureLLMInferenceTrace_conv.csv"))
     ap.add_argument("--device", default="cpu")
@@ -45,13 +46,15 @@ def main() -> int:
     ap.add_argument("--slo-ttft-ms", type=float)
     ap.add_argument("--slo-tpot-ms", type=float)
     ap.add_argument("--out", type=Path, help="a JSON file for the judgement")
-    args = ap.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
     try:
         change = json.loads(args.change)
         if not isinstance(change, dict):
             raise ValueError("--change must be a JSON object")
     except ValueError as e:
-        ap.error(f"--change: {e}")
+        sys.exit(f"capacity_ab: --change: {e}")
     cfg = SearchConfig(model=args.model, trace=args.trace, device=args.device, dtype=args.dtype,
                        requests=args.requests, max_input=args.max_input, max_output=args.max_output,
                        time_scale=args.time_scale, num_kv_blocks=args.num_kv_blocks,
@@ -61,7 +64,7 @@ def main() -> int:
     try:
         b = dataclasses.replace(a, name=f"static-best + {args.change}", **change)
     except Exception as e:  # an unknown field (TypeError) or a value the spec refuses (ConfigError)
-        ap.error(f"--change: {type(e).__name__}: {e}")
+        sys.exit(f"capacity_ab: --change: {type(e).__name__}: {e}")
     bench = Workbench(cfg, probe(cfg.device, size_mb=64 if cfg.device == "cpu" else 256))
     cfg = bench.with_slo(a)
     print(f"A: {a.name} ({a.variant_id}); B: {b.name} ({b.variant_id}): {b.changes_from(a)}")
@@ -89,4 +92,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(__doc__, add_cli_args, main))

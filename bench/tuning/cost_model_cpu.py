@@ -25,7 +25,9 @@ from ops.search.board import Board  # noqa: E402
 from ops.predict.cost_model import ROOFLINE, mape, predicted_capacity, simulate, spearman  # noqa: E402
 from ops.search.tune import Search  # noqa: E402
 from ops.measure.hardware import probe  # noqa: E402
-from ops.search.worker import SLOW, SearchConfig, Workbench  # noqa: E402
+from ops.search.config import SLOW, SearchConfig  # noqa: E402
+from ops.search.worker import Workbench  # noqa: E402
+from bench.lib import cli  # noqa: E402
 
 BASE = VariantSpec(name="baseline (default)")
 VARIANTS = [BASE] + [dataclasses.replace(BASE, name=n, **kw) for n, kw in [
@@ -39,8 +41,7 @@ VARIANTS = [BASE] + [dataclasses.replace(BASE, name=n, **kw) for n, kw in [
 ]]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--trace", default=str(ROOT / "traces/AzureLLMInferenceTrace_conv.csv"))
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--max-input", type=int, default=128)
@@ -49,7 +50,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--capacity", action="store_true", help="also measure and predict the capacity at the SLO")
     ap.add_argument("--json", type=Path, help="also write the figures here")
-    args = ap.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
     cfg = SearchConfig(trace=args.trace, requests=args.requests, max_input=args.max_input,
                        max_output=args.max_output, time_scale=args.time_scale, slow_repeats=args.repeats,
                        capacity_probes=6 if args.capacity else 0)
@@ -104,4 +107,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(__doc__, add_cli_args, main))

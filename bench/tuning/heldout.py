@@ -42,7 +42,8 @@ from ops.judge.rule import Judgement  # noqa: E402
 from ops.traffic.corpus import corpus_for  # noqa: E402
 from ops.traffic.replay import synthesize_prompts  # noqa: E402
 from ops.traffic.traces import Windows, load_trace  # noqa: E402
-from ops.search.worker import SearchConfig  # noqa: E402
+from ops.search.config import SearchConfig  # noqa: E402
+from bench.lib import cli  # noqa: E402
 
 
 def newest_build(artifacts: Path) -> Path:
@@ -60,15 +61,16 @@ def poisson(records: list, rate: float, seed: int) -> list:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--artifacts", type=Path, default=ROOT / ".polyinf" / "artifacts")
     ap.add_argument("--build", type=Path, help="an engine build JSON (default: the newest under --artifacts)")
     ap.add_argument("--requests", type=int, default=120, help="requests per arm and round")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--rate", type=float, help="req/s (default: the traffic's observed rate)")
     ap.add_argument("--out", type=Path, help="JSON of the figures")
-    args = ap.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
     path = args.build or newest_build(args.artifacts)
     build = json.loads(path.read_text())
     j = Judgement.from_json(build["judgement"])
@@ -145,4 +147,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(__doc__, add_cli_args, main))

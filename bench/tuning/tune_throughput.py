@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 from engine.config.variant import VariantSpec  # noqa: E402
 from ops.search.board import Board  # noqa: E402
 from ops.measure.hardware import probe  # noqa: E402
-from ops.search.worker import FAST, SearchConfig, Workbench, work  # noqa: E402
+from ops.search.config import FAST, SearchConfig  # noqa: E402
+from ops.search.worker import Workbench, work  # noqa: E402
+from bench.lib import cli  # noqa: E402
 
 
 def variants(n: int) -> list[VariantSpec]:
@@ -41,8 +43,7 @@ def run(cfg: SearchConfig, vs: list[VariantSpec], fresh: bool, board_path: str) 
     return time.perf_counter() - t, stats.evaluated
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--trace", default=str(ROOT / "traces/AzureLLMInferenceTrace_conv.csv"))
     ap.add_argument("--variants", type=int, default=6)
@@ -53,7 +54,9 @@ def main() -> int:
     ap.add_argument("--max-input", type=int, default=128)
     ap.add_argument("--max-output", type=int, default=16)
     ap.add_argument("--board", default="/tmp/polyinf-throughput.sqlite")
-    args = ap.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
     cfg = SearchConfig(model=args.model, trace=args.trace, device=args.device, dtype=args.dtype,
                        requests=args.requests, max_input=args.max_input, max_output=args.max_output,
                        fast_layers=args.fast_layers, fast_repeats=3)
@@ -71,4 +74,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(__doc__, add_cli_args, main))

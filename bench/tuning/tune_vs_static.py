@@ -36,7 +36,8 @@ from bench.lib.table import Table
 from ops.judge.rule import Judgement  # noqa: E402
 from ops.judge.paired import JudgeConfig  # noqa: E402
 from ops.search.tune import Budget, static_best_of, tune  # noqa: E402
-from ops.search.worker import SearchConfig  # noqa: E402
+from ops.search.config import SearchConfig  # noqa: E402
+from bench.lib import cli  # noqa: E402
 
 TABLE = Table()
 
@@ -57,8 +58,7 @@ def bursty_code(path: Path, n: int, rate: float, cv: float, seed: int = 0) -> Pa
     return path
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/tune_vs_static"))
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--device", default="cpu")
@@ -88,7 +88,9 @@ def main() -> int:
                     help="static-best with prompt-lookup speculation on the slow tier")
     ap.add_argument("--precision", action=argparse.BooleanOptionalAction, default=True,
                     help="static-best with quantized weights on the slow tier")
-    args = ap.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     TABLE.jsonl = args.out / "rows.jsonl"
     board = args.out / "board.sqlite"
@@ -158,4 +160,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(__doc__, add_cli_args, main))

@@ -153,9 +153,11 @@ class LLMEngine:
         self.variant: VariantSpec = variant
         self.previous_variant: VariantSpec | None = None
         self.notes: list[str] = []  # what the engine skipped or could not honour, for the operator
-        self.ops: ForwardOps = variant_swap.build_ops_for(self, self.variant)
-        self.runner.forward_fn = variant_swap.forward_fn(self, self.variant)
-        self.runner.graphs = variant_swap.graphs_for(self, self.variant, self.ops, self.kv)
+        self.ops: ForwardOps | None = None  # the context below reads it; set at once
+        ctx = variant_swap.context(self)
+        self.ops = variant_swap.build_ops_for(ctx, self.variant)
+        self.runner.forward_fn = variant_swap.forward_fn(ctx, self.variant)
+        self.runner.graphs = variant_swap.graphs_for(ctx, self.variant, self.ops, self.kv, self.notes)
         self.lock = threading.RLock()  # a swap happens between two steps, never inside one
         self._inflight: _Launched | None = None  # a step launched ahead, not yet collected
         self._drained: list[RequestOutput] = []  # outputs of an ahead step collected by a swap, for the next step
@@ -471,7 +473,7 @@ class LLMEngine:
 
     # ---- variants (engine/core/variant_swap.py) --------------------------------------------------------
     def prepare_variant(self, spec: VariantSpec, kv: KVCache | None = None) -> PreparedVariant:
-        return variant_swap.prepare(self, spec, kv)
+        return variant_swap.prepare(variant_swap.context(self), spec, kv)
 
     def apply_variant(self, spec: VariantSpec, prepared: PreparedVariant | None = None) -> SwapReport:
         return variant_swap.apply(self, spec, prepared)

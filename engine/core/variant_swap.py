@@ -6,13 +6,18 @@ graphs), a ``kv_layout`` change drains and rebuilds the KV pool; weights are nev
 ``parallel`` change needs a restart. Everything that can fail runs before anything is committed, so a
 failure leaves the previous variant active. ``swap`` (the server's path) prepares a forward change
 first, while the engine keeps serving, then switches it in.
+
+``prepare`` reads the engine only through a ``ModelContext`` (the weights, the shapes, the active variant's
+table, the pool) and changes none of it; each owner changes its own state at the commit
+(``Scheduler.reconfigure``, ``ModelRunner.install``/``set_kv``/``drop_kv``, ``KVCache.release``), the engine
+keeps the lock, the drain and the order. What a swap skipped comes back in its report's notes.
 """
 from __future__ import annotations
 
 import time
 import traceback
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +38,30 @@ class SwapReport:
     variant_id: str
     scopes: list[str]  # the scopes the swap touched
     seconds: float
+    notes: tuple[str, ...] = ()  # what the swap skipped or could not honour (also kept in the engine's notes)
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    """What preparing a variant reads of a running engine. Building, compiling, warming up and capturing a
+    variant reads the weights and shapes here and writes only the pool's scratch block and the runner's
+    capture buffers: nothing of the active variant."""
+
+    model: Any
+    model_config: Any
+    device: torch.device
+    dtype: torch.dtype
+    tokenizer: Any
+    max_model_len: int
+    runner: Any  # ModelRunner: warm_up and capture_graphs only
+    variant: VariantSpec  # the active one
+    ops: ForwardOps  # the active one's table
+    kv: KVCache  # the active pool
+
+
+def context(engine: "LLMEngine") -> ModelContext:
+    return ModelContext(engine.model, engine.model_config, engine.device, engine.dtype, engine.tokenizer,
+                        engine.max_model_len, engine.runner, engine.variant, engine.ops, engine.kv)
 
 
 @dataclass(frozen=True)
@@ -44,27 +73,29 @@ class PreparedVariant:
     forward_fn: object  # the model, or its torch.compile'd wrapper
     graphs: object  # DecodeGraphs, or None
     seconds: float
+    notes: tuple[str, ...] = ()
 
 
-def prepare(engine: "LLMEngine", spec: VariantSpec, kv: KVCache | None = None) -> PreparedVariant:
+def prepare(ctx: ModelContext, spec: VariantSpec, kv: KVCache | None = None) -> PreparedVariant:
     """Builds, compiles, warms up and captures ``spec``'s forward pass without touching the active one.
 
-    Safe to call from another thread while the engine serves: it reads the weights and writes only
-    the KV pool's scratch block. Raises VariantError when any part fails.
+    Safe to call from another thread while the engine serves: it reads the context and writes only the KV
+    pool's scratch block. Raises VariantError when any part fails.
     """
     t0 = time.perf_counter()
-    kv = kv or engine.kv
-    rebuild = FORWARD in spec.changed_scopes(engine.variant) or spec.kv_cache_dtype != engine.variant.kv_cache_dtype
-    ops = build_ops_for(engine, spec) if rebuild else engine.ops
+    kv = kv or ctx.kv
+    rebuild = FORWARD in spec.changed_scopes(ctx.variant) or spec.kv_cache_dtype != ctx.variant.kv_cache_dtype
+    ops = build_ops_for(ctx, spec) if rebuild else ctx.ops
     try:
-        fn = forward_fn(engine, spec)
-        engine.runner.warm_up(ops, kv, fn)
+        fn = forward_fn(ctx, spec)
+        ctx.runner.warm_up(ops, kv, fn)
     except VariantError:
         raise
     except Exception as e:
         raise VariantError(f"variant {spec.variant_id} failed its warm-up: {type(e).__name__}: {e}") from None
-    graphs = graphs_for(engine, spec, ops, kv)
-    return PreparedVariant(spec, ops, fn, graphs, time.perf_counter() - t0)
+    notes: list[str] = []
+    graphs = graphs_for(ctx, spec, ops, kv, notes)
+    return PreparedVariant(spec, ops, fn, graphs, time.perf_counter() - t0, tuple(notes))
 
 
 def apply(engine: "LLMEngine", spec: VariantSpec, prepared: PreparedVariant | None = None) -> SwapReport:
@@ -87,7 +118,7 @@ def apply(engine: "LLMEngine", spec: VariantSpec, prepared: PreparedVariant | No
         rebuilt, released = _new_kv(engine, spec) if KV_LAYOUT in scopes else (None, False)
         if scopes & {FORWARD, KV_LAYOUT} and (prepared is None or rebuilt is not None):
             try:
-                prepared = prepare(engine, spec, rebuilt[0] if rebuilt else None)
+                prepared = prepare(context(engine), spec, rebuilt[0] if rebuilt else None)
             except VariantError as e:
                 if released:  # the new pool goes (with the failed attempt's frames, which hold it) before the old returns
                     rebuilt = None
@@ -108,7 +139,9 @@ def apply(engine: "LLMEngine", spec: VariantSpec, prepared: PreparedVariant | No
             engine.ops = prepared.ops
             engine.runner.install(prepared.forward_fn, prepared.graphs)
         engine.previous_variant, engine.variant = engine.variant, spec
-        return SwapReport(spec.variant_id, sorted(scopes), time.perf_counter() - t0)
+        notes = prepared.notes if prepared is not None and scopes & {FORWARD, KV_LAYOUT} else ()
+        engine.notes.extend(notes)
+        return SwapReport(spec.variant_id, sorted(scopes), time.perf_counter() - t0, notes)
 
 
 def swap(engine: "LLMEngine", spec: VariantSpec) -> SwapReport:
@@ -118,7 +151,7 @@ def swap(engine: "LLMEngine", spec: VariantSpec) -> SwapReport:
     scopes = spec.changed_scopes(engine.variant)
     prepared = None
     if FORWARD in scopes and not scopes & {KV_LAYOUT, PARALLEL}:
-        prepared = prepare(engine, spec)
+        prepared = prepare(context(engine), spec)
     return apply(engine, spec, prepared)
 
 
@@ -128,39 +161,40 @@ def rollback(engine: "LLMEngine") -> SwapReport:
     return swap(engine, engine.previous_variant)
 
 
-def build_ops_for(engine: "LLMEngine", spec: VariantSpec) -> ForwardOps:
+def build_ops_for(ctx: ModelContext, spec: VariantSpec) -> ForwardOps:
     """``spec``'s operation table; generated kernels smoke-run at this model's shapes on its device; with a
     weight precision of its own, fed the quantized weights (made once per model, engine/model/precision.py)."""
     if spec.weight_dtype != precision.CHECKPOINT:
         precision.check_kernels(spec.weight_dtype, dict(spec.kernels))  # before any generated code is smoke-run
-    ops = build_ops(spec, engine.model_config.kernel_dims(), str(engine.device))
+    ops = build_ops(spec, ctx.model_config.kernel_dims(), str(ctx.device))
     if spec.weight_dtype != precision.CHECKPOINT:
-        ops = precision.quantized_ops(ops, engine.model, spec.weight_dtype, dict(spec.kernels))
+        ops = precision.quantized_ops(ops, ctx.model, spec.weight_dtype, dict(spec.kernels))
     if spec.kv_cache_dtype != precision.CHECKPOINT:  # an FP8 cache: keys and values scaled per layer
-        ops = precision.fp8_kv_ops(ops, kv_calibration.kv_scales(engine, ops, spec.weight_dtype))
+        ops = precision.fp8_kv_ops(ops, kv_calibration.kv_scales(ctx, ops, spec.weight_dtype))
     return ops
 
 
-def forward_fn(engine: "LLMEngine", spec: VariantSpec):
+def forward_fn(ctx: ModelContext, spec: VariantSpec):
     """The eager forward for ``spec``: the model, or torch.compile of it (GPU only)."""
-    if spec.compile_mode == "none" or engine.device.type != "cuda":
-        return engine.model
-    return torch.compile(engine.model, mode=spec.compile_mode, dynamic=True)
+    if spec.compile_mode == "none" or ctx.device.type != "cuda":
+        return ctx.model
+    return torch.compile(ctx.model, mode=spec.compile_mode, dynamic=True)
 
 
-def graphs_for(engine: "LLMEngine", spec: VariantSpec, ops: ForwardOps, kv: KVCache):
-    """Captured decode graphs for the spec, or None. On a CPU, graphs and compile modes are skipped with a note."""
+def graphs_for(ctx: ModelContext, spec: VariantSpec, ops: ForwardOps, kv: KVCache, notes: list[str]):
+    """Captured decode graphs for the spec, or None. On a CPU, graphs and compile modes are skipped with a note
+    (appended to ``notes``)."""
     if not (spec.cuda_graph_batch_sizes or spec.compile_mode != "none"):
         return None
-    if engine.device.type != "cuda":
-        engine.notes.append(f"variant {spec.variant_id}: CUDA graphs and compile mode skipped on {engine.device.type}")
+    if ctx.device.type != "cuda":
+        notes.append(f"variant {spec.variant_id}: CUDA graphs and compile mode skipped on {ctx.device.type}")
         return None
     if not spec.cuda_graph_batch_sizes:
         return None
     if not spec.impl("attention").startswith("triton"):
         raise VariantError("CUDA graphs need a Triton attention kernel (the reference loops over host values)")
     try:
-        return engine.runner.capture_graphs(ops, spec.cuda_graph_batch_sizes, kv)
+        return ctx.runner.capture_graphs(ops, spec.cuda_graph_batch_sizes, kv)
     except Exception as e:
         raise VariantError(f"CUDA graph capture failed: {type(e).__name__}: {e}") from None
 
@@ -198,7 +232,8 @@ def _reallocate_kv(engine: "LLMEngine", num_blocks: int, block_size: int, dtype:
     engine.kv = KVCache(engine.model_config, num_blocks, block_size, engine.device, dtype)
     engine.runner.set_kv(engine.kv)
     try:
-        engine.runner.install(engine.runner.forward_fn, graphs_for(engine, engine.variant, engine.ops, engine.kv))
+        engine.runner.install(engine.runner.forward_fn,
+                              graphs_for(context(engine), engine.variant, engine.ops, engine.kv, engine.notes))
     except VariantError as e:  # the step runs eagerly instead: slower, not wrong
         engine.notes.append(f"decode graphs not captured again after a failed swap: {e}")
 

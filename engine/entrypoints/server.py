@@ -388,7 +388,8 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
             report = await asyncio.to_thread(aengine.swap_variant, spec)  # prepared while serving
         except (VariantError, EngineError) as e:
             raise APIError(422, f"variant refused, previous variant stays active: {e}", code="variant_refused") from None
-        return {"variant_id": report.variant_id, "scopes": report.scopes, "seconds": report.seconds}
+        return {"variant_id": report.variant_id, "scopes": report.scopes, "seconds": report.seconds,
+                "notes": list(report.notes)}
 
     @app.post("/admin/rollback")
     async def rollback(request: Request):
@@ -397,7 +398,8 @@ def build_app(aengine: AsyncEngine, model_name: str, admin_token: str | None = N
             report = await asyncio.to_thread(aengine.rollback)
         except (VariantError, EngineError) as e:
             raise APIError(422, str(e), code="rollback_refused") from None
-        return {"variant_id": report.variant_id, "scopes": report.scopes, "seconds": report.seconds}
+        return {"variant_id": report.variant_id, "scopes": report.scopes, "seconds": report.seconds,
+                "notes": list(report.notes)}
 
     return app
 

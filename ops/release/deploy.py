@@ -11,6 +11,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -45,12 +46,13 @@ class ServerProcess:
         # the token goes in its environment, not on its command line (which any local user can read)
         env = {**without_secrets(), "POLYINF_ADMIN_TOKEN": self.token,
                "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
-                                     cwd=root)
+        # its stderr goes to a file: a pipe nobody reads while it serves would stall it once full
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="polyinf-serve-", suffix=".log")
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=self.log, text=True, env=env, cwd=root)
         deadline = time.time() + startup_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"polyinf serve exited: {self.proc.stderr.read()[-2000:]}")
+                raise RuntimeError(f"polyinf serve exited: {self.log_text()[-2000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -67,6 +69,13 @@ class ServerProcess:
                 self.proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait()
+
+    def log_text(self) -> str:
+        """What the server wrote to its stderr so far."""
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
 
 
 @dataclass

@@ -9,7 +9,7 @@ from engine.config.variant import VariantSpec
 from ops.judge import rule as judge
 from ops.judge.paired import ArmRun, JudgeConfig, PairedJudge, run_judgement
 from ops.measure.tiers import own_rate
-from ops.search.worker import SLOW
+from ops.search.config import SLOW
 from ops.traffic.traces import Windows
 
 

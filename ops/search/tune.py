@@ -25,7 +25,8 @@ from ops.predict.cost_model import (ROOFLINE, Calibration, CostModelPlan, calibr
 from ops.measure.hardware import HardwareProfile, probe
 from ops.search.optimize import Choice
 from ops.search.tune_report import TuneReport
-from ops.search.worker import FAST, SLOW, SearchConfig, Workbench, bench_from, reference_from, static_best_of, work
+from ops.search.config import FAST, SLOW, SearchConfig, bench_from, static_best_of
+from ops.search.worker import Workbench, reference_from, work
 
 if TYPE_CHECKING:
     from ops.judge.rule import Judgement
@@ -443,7 +444,7 @@ def tune(cfg: SearchConfig, board_path: str | Path, agents: list[Agent] | None =
     deadline = t0 + budget.seconds
     agents = default_agents() if agents is None else agents
     s = Search.start(cfg, board_path, search, hardware, baseline, log=log)
-    if hasattr(log, "attach"):  # a progress display (ops/search/progress.py) reads the search's counts
+    if hasattr(log, "attach"):  # a progress display (pipelines/cli/progress.py) reads the search's counts
         log.attach(s)
     log(f"search {s.id}: cost model ranked {len(s.plan.entries)} knob variants; ranges {s.plan.ranges}")
     # the slow tier's share: static-best, the fast tier's best and, where the replay is real text, two settings

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ops.search.worker import SLOW
+from ops.search.config import SLOW
 
 
 @dataclass

@@ -107,7 +107,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         key = os.environ.get(args.llm_api_key_env, "") if args.llm_api_key_env else ""
         llm = LLMAgent(base_url=args.llm_base_url, model=args.llm_model, api_key=key or "none", board=board,
                        timeout_s=args.llm_timeout, max_tokens=args.llm_max_tokens)
-    from ops.search.progress import SearchProgress
+    from pipelines.cli.progress import SearchProgress
 
     # the log lines, and on a terminal a live line below them: stage, experiments per tier, best, time left
     progress = SearchProgress(args.budget_seconds)
@@ -145,7 +145,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from engine.errors import ConfigError
     from ops.search.board import Board
     from ops.measure.hardware import probe
-    from ops.search.worker import SearchConfig, Workbench, work
+    from ops.search.config import SearchConfig
+    from ops.search.worker import Workbench, work
 
     board = Board(args.board, lease_s=args.lease_s)
     try:

@@ -90,7 +90,7 @@ def test_the_server_keeps_its_token_out_of_children_logs_captures_and_errors(tmp
         bodies.append(r.text)
     finally:
         server.stop()
-    log = server.proc.stderr.read()
+    log = server.log_text()
     for text in (*bodies, log, *(p.read_text() for p in cap.iterdir())):
         assert server.token not in text
         assert not any(v in text for v in SECRETS.values())

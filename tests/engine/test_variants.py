@@ -267,8 +267,26 @@ def _knobs(spec: VariantSpec) -> dict:
 
 def test_graph_modes_are_skipped_with_a_note_on_cpu():
     eng = _tiny()
-    eng.apply_variant(VariantSpec(**_knobs(eng.variant), cuda_graph_batch_sizes=(1, 2, 4), compile_mode="default"))
-    assert any("skipped on cpu" in n for n in eng.notes)
+    report = eng.apply_variant(VariantSpec(**_knobs(eng.variant), cuda_graph_batch_sizes=(1, 2, 4),
+                                           compile_mode="default"))
+    assert any("skipped on cpu" in n for n in report.notes)  # the swap's report says so, and the engine keeps it
+    assert all(n in eng.notes for n in report.notes)
+
+
+def test_prepare_reads_a_context_and_changes_nothing_until_the_commit():
+    from engine.core import variant_swap
+
+    eng = _tiny()
+    before = (eng.variant, eng.ops, eng.runner.forward_fn, eng.runner.graphs, eng.kv, list(eng.notes))
+    spec = VariantSpec(**_knobs(eng.variant), compile_mode="default", cuda_graph_batch_sizes=(1,))
+    ctx = variant_swap.context(eng)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.ops = None
+    prepared = variant_swap.prepare(ctx, spec)
+    assert (eng.variant, eng.ops, eng.runner.forward_fn, eng.runner.graphs, eng.kv, eng.notes) == before
+    assert prepared.ops is not eng.ops and any("skipped on cpu" in n for n in prepared.notes)
+    report = eng.apply_variant(spec, prepared)
+    assert eng.variant == spec and eng.ops is prepared.ops and report.notes == prepared.notes
 
 
 def test_cli_variants_show_and_generate_with_a_variant_file(tmp_path, capsys):

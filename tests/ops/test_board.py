@@ -177,7 +177,8 @@ def test_the_wrong_password_is_refused_without_echoing_it(postgres_url, monkeypa
 def test_killed_worker_process_experiment_is_requeued_and_counted_once(board_at):
     """A real `polyinf worker` is SIGKILLed mid-experiment; a second worker finishes the queue."""
     from ops.measure.hardware import probe
-    from ops.search.worker import SearchConfig, Workbench, work
+    from ops.search.config import SearchConfig
+    from ops.search.worker import Workbench, work
 
     path = board_at
     cfg = SearchConfig(trace=str(TRACE), requests=4, max_input=32, max_output=4, fast_layers=1, fast_repeats=2)

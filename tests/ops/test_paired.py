@@ -17,7 +17,8 @@ from ops.predict.cost_model import predicted_capacity
 from ops.measure.hardware import probe
 from ops.judge.paired import ArmRun, JudgeConfig, PairedJudge
 from ops.traffic.traces import Windows
-from ops.search.worker import SLOW, SearchConfig, Workbench, calibration_from, static_best_of
+from ops.search.config import SLOW, SearchConfig, static_best_of
+from ops.search.worker import Workbench, calibration_from
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT / "traces" / "AzureLLMInferenceTrace_conv.csv"

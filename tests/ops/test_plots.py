@@ -6,7 +6,7 @@ import random
 
 from PIL import Image
 
-from ops.search.plots import attainment_vs_rate, pareto_front, predicted_vs_measured, throughput_vs_tpot
+from assets.plots import attainment_vs_rate, pareto_front, predicted_vs_measured, throughput_vs_tpot
 
 
 def _brute_front(points):

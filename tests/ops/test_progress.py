@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from rich.console import Console
 
 from engine.config.variant import VariantSpec
-from ops.search.progress import SearchProgress
+from pipelines.cli.progress import SearchProgress
 
 
 class _Board:

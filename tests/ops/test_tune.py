@@ -11,7 +11,7 @@ import pytest
 
 from ops.search.board import DONE, Board
 from ops.search.tune import Budget, default_agents, tune
-from ops.search.worker import SearchConfig
+from ops.search.config import SearchConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT / "traces" / "AzureLLMInferenceTrace_conv.csv"

@@ -92,7 +92,7 @@ def test_asset_graph_in_the_dagster_ui(tmp_path):
     import dagster as dg
 
     from assets.pipeline import plot_metadata
-    from ops.search.plots import attainment_vs_rate, throughput_vs_tpot
+    from assets.plots import attainment_vs_rate, throughput_vs_tpot
 
     home = tmp_path / "dagster_home"
     home.mkdir()

@@ -15,8 +15,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from bench.lib import cli
+from bench.lib.server import Server  # noqa: E402
+from bench.lib.table import Table
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -38,8 +41,7 @@ def ensure_serving_packages(deps: Path) -> dict:
     return env
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp"))
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--trace", type=Path, default=ROOT / "bench/data/azure_conv_400.csv")
@@ -53,7 +55,9 @@ def main() -> int:
     ap.add_argument("--vocab-size", type=int, default=128256)
     ap.add_argument("--num-kv-blocks", type=int, default=8192)
     ap.add_argument("--reference-kernels", action="store_true", help="the default variant (a CPU smoke run)")
-    args = ap.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     env = ensure_serving_packages(Path("/tmp/polyinf-serving-deps"))
     from engine.config.presets import preset_variant
@@ -65,30 +69,18 @@ def main() -> int:
         variant = VariantSpec(name="default")
     vfile = args.out / "variant.json"
     vfile.write_text(json.dumps(variant.to_json()))
-    url = f"http://127.0.0.1:{args.port}"
-    server = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "serve", "--model", args.model, "--device",
-                               args.device, "--dtype", args.dtype, "--variant", str(vfile),
-                               "--num-kv-blocks", str(args.num_kv_blocks), "--port", str(args.port),
-                               "--served-model-name", "llama8b"], cwd=ROOT, env=env,
-                              stdout=subprocess.DEVNULL, stderr=open(args.out / "server.log", "w"))
-    rows: list[tuple[str, str]] = []
+    server = Server(["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--variant", str(vfile),
+                     "--num-kv-blocks", str(args.num_kv_blocks), "--served-model-name", "llama8b"],
+                    args.out / "server.log", env=env, port=args.port)
+    url = server.url
+    table = Table()
     try:
-        import urllib.error
-        import urllib.request
-
-        t0 = time.time()
-        while True:
-            if server.poll() is not None:
-                print((args.out / "server.log").read_text()[-3000:])
-                return 1
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1)
-        rows.append(("server ready (load synthetic 8B, warm-up, graph capture)", f"{time.time() - t0:.1f} s"))
+        server.start()
+    except RuntimeError as e:
+        print(e)
+        return 1
+    try:
+        table.row("server ready (load synthetic 8B, warm-up, graph capture)", f"{server.ready_s:.1f} s")
         from ops.traffic.traces import load_trace
 
         records = load_trace(args.trace)[: args.requests]
@@ -103,27 +95,21 @@ def main() -> int:
             print(p.stdout, p.stderr[-2000:], flush=True)
             d = json.loads(res.read_text())
             ok = d["completed"] == d["requests"] == len(records) and d["total_output_tokens"] == expected_out
-            rows.append((f"replay x{ts}: every request answered with its requested output length",
+            table.row(f"replay x{ts}: every request answered with its requested output length",
                          f"{'OK' if ok else 'NO'} ({d['completed']}/{d['requests']}, {d['total_output_tokens']}"
-                         f"/{expected_out} tokens)"))
-            rows.append((f"replay x{ts} arrivals: served req/s, output tok/s",
+                         f"/{expected_out} tokens)")
+            table.row(f"replay x{ts} arrivals: served req/s, output tok/s",
                          f"{d['completed']}/{d['requests']} done; {d['request_throughput']:.2f} req/s, "
-                         f"{d['output_throughput']:.0f} tok/s, goodput {d['goodput']:.2f}"))
-            rows.append((f"replay x{ts}: TTFT p50/p90/p99 ms",
-                         "/".join(f"{d['ttft_ms'][k]:.0f}" for k in ("p50", "p90", "p99"))))
-            rows.append((f"replay x{ts}: TPOT p50/p90/p99 ms",
-                         "/".join(f"{d['tpot_ms'][k]:.1f}" for k in ("p50", "p90", "p99"))))
+                         f"{d['output_throughput']:.0f} tok/s, goodput {d['goodput']:.2f}")
+            table.row(f"replay x{ts}: TTFT p50/p90/p99 ms",
+                         "/".join(f"{d['ttft_ms'][k]:.0f}" for k in ("p50", "p90", "p99")))
+            table.row(f"replay x{ts}: TPOT p50/p90/p99 ms",
+                         "/".join(f"{d['tpot_ms'][k]:.1f}" for k in ("p50", "p90", "p99")))
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-    print("\n| what | figure |\n|---|---|")
-    for a, b in rows:
-        print(f"| {a} | {b} |")
+        server.stop()
+    print("\n" + table.markdown())
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(__doc__, add_cli_args, main))

@@ -14,6 +14,7 @@ Rows go to DIR/gpu_tp.jsonl as they are measured, the table to DIR/gpu_tp.json.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from bench.gpu import harness as gb
 from bench.gpu.harness import row
 from bench.gpu.serving.throughput import trace_requests
 from engine.config.presets import TRITON_ALL, TRITON_GEMV
+from bench.lib import cli
 
 ROOT = Path(__file__).resolve().parents[3]
 TRITON = {**TRITON_ALL, **TRITON_GEMV}
@@ -110,16 +112,17 @@ def _with_globals(rank: int, model: str, device: str, job, *args) -> dict:
     return job(rank, *args)
 
 
-def main() -> None:
-    global MODEL, DEVICE
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp"))
     ap.add_argument("--trace", type=Path, default=ROOT / "bench" / "data" / "azure_conv_400.csv")
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--skip-check", action="store_true", help="throughput only (the check passed in an earlier run)")
     ap.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
     ap.add_argument("--device", default=DEVICE, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+
+
+def main(args: argparse.Namespace) -> int | None:
+    global MODEL, DEVICE
     MODEL, DEVICE = args.model, args.device
     gb.OUT, gb.LOG = args.out, "gpu_tp"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -158,4 +161,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(__doc__, add_cli_args, main))
