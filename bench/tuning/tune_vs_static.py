@@ -72,7 +72,9 @@ def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-output", type=int, default=8)
     ap.add_argument("--fast-layers", type=int, default=4)
     ap.add_argument("--budget", type=int, default=6, help="experiments per search")
-    ap.add_argument("--budget-seconds", type=float, default=600)
+    ap.add_argument("--budget-seconds", type=float, default=600,
+                    help="each search's wall time, its judge included (the judge gets what the stages before it "
+                         "leave, at least 60 s, at most --judge-seconds)")
     ap.add_argument("--num-kv-blocks", type=int, default=1024)
     ap.add_argument("--slow-top", type=int, default=1, help="the fast tier's best measured on the slow tier")
     ap.add_argument("--first-look", type=int, help="counted requests at a probe's first look (the judge's default: "

@@ -44,11 +44,18 @@ def entries() -> list[dict]:
 
 
 def lookup(source: ModelSource, device: str, dtype: str) -> VariantSpec | None:
-    """The recorded static-best variant for this model, device and dtype, or None."""
+    """The recorded static-best variant for this model, device and dtype; on a GPU without an entry of its own,
+    the same model's on another GPU (named so); or None."""
     key = (model_name(source), device_label(device), dtype)
-    for e in entries():
+    found = entries()
+    for e in found:
         if (e["model"], e["device"], e["dtype"]) == key:
             return VariantSpec.from_json({**e["variant"], "name": "static-best"})
+    if key[1] != "cpu":  # a GPU without its own sweep: another GPU's static-best is a far stronger baseline than
+        # the engine's plain default (the name says where it was found; `polyinf static-best --write` records one)
+        for e in found:
+            if (e["model"], e["dtype"]) == (key[0], dtype) and e["device"] != "cpu":
+                return VariantSpec.from_json({**e["variant"], "name": f"static-best (recorded on {e['device']})"})
     return None
 
 

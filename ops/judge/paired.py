@@ -156,7 +156,11 @@ class PairedJudge:
                 err = sim_error if not math.isnan(sim_error) else 0.2
                 step = min(2.0, max(1.15, 1 + 2 * err))
             floor = sat / (5 * max(1, a.variant.max_num_seqs))  # requests rarely overlap below this
-            if affordable > max(floor, start):
+            if affordable > sat:  # not even a probe at saturation fits: the arm stays unmeasured, and says why
+                self.log(f"judge: {a.variant.name}: the {max(0.0, left):.0f} s left afford no first look "
+                         f"({self.cfg.first_look} requests per arm, twice) at or below its saturation {sat:.3f} "
+                         f"req/s")
+            elif affordable > max(floor, start):
                 self.log(f"judge: {a.variant.name}: the budget affords probes no slower than {affordable:.3f} "
                          f"req/s (start {start:.3f}, floor {floor:.3f} raised to it)")
             floor = min(max(floor, affordable), 4 * sat)

@@ -122,7 +122,8 @@ def derive_slo(unloaded) -> SLO:
     prompt of its length: a line a + b x tokens through the points (least squares, b >= 0) at the median of
     their residuals, so that one request slowed by a moment of contention does not move the SLO (every
     measured request still meets its target alone: the line is raised where one would not). Prompts of one
-    length (within 1.5x) give a flat target."""
+    length (within 1.5x) give a flat target. The intercept is never negative (a convex curve gets the line through
+    0 that clears every point)."""
     if isinstance(unloaded, tuple):
         return SLO(ttft_s=TTFT_FACTOR * unloaded[0], tpot_s=TPOT_FACTOR * unloaded[1])
     lengths = [float(x[0]) for x in unloaded]
@@ -135,6 +136,9 @@ def derive_slo(unloaded) -> SLO:
         slope = max(0.0, sum((x - ml) * (y - mt) for x, y in zip(lengths, ttfts)) / var) if var else 0.0
     resid = [y - slope * x for x, y in zip(lengths, ttfts)]
     base = max(statistics.median(resid), max(resid) / TTFT_FACTOR)
+    if base < 0:  # a convex curve (a GPU's prefill: flat for short prompts, then linear): no negative intercept,
+        # which would set a short prompt a target below its own TTFT; the line through 0 that clears every point
+        base, slope = 0.0, max(y / x for x, y in zip(lengths, ttfts) if x > 0)
     return SLO(ttft_s=TTFT_FACTOR * base, tpot_s=TPOT_FACTOR * tpot, ttft_per_token_s=TTFT_FACTOR * slope)
 
 

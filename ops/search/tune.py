@@ -479,7 +479,11 @@ def tune(cfg: SearchConfig, board_path: str | Path, agents: list[Agent] | None =
     from ops.judge.paired import JudgeConfig
 
     jcfg = jcfg or (JudgeConfig.for_cpu() if cfg.device == "cpu" else JudgeConfig())
+    asked = jcfg.seconds
     jcfg = replace(jcfg, seconds=min(jcfg.seconds, max(60.0, deadline - time.time())))
+    if jcfg.seconds < asked:
+        log(f"the judge gets {jcfg.seconds:.0f} s of the {asked:.0f} s asked: the stages before it used "
+            f"{time.time() - t0:.0f} s of the search's {budget.seconds:.0f} s (the budget includes the judge)")
     choice, decision = s.decide(jcfg=jcfg)
     chosen = choice.variant if choice else s.baseline
     quality = None

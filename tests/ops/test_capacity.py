@@ -168,3 +168,34 @@ def test_a_derived_slo_grows_with_the_prompt_and_ignores_one_slowed_request():
     flat = derive_slo([(64, t, 0.06) for t in (0.15, 0.14, 0.15, 0.16, 0.15, 1.5)])
     assert flat.ttft_per_token_s == 0 and flat.ttft_limit(64) >= 1.5 and flat.ttft_limit(64) < 1.6
     assert 0.7 < derive_slo([(64, t, 0.06) for t in (0.15, 0.14, 0.15, 0.16, 0.15, 0.2)]).ttft_s < 0.8
+
+
+def test_a_convex_ttft_curve_gets_no_negative_intercept():
+    """A GPU's prefill: flat for the shortest prompts, then linear, so the measured points lie on a line that
+    crosses zero at a positive length (an H100 run derived "TTFT <= -8 ms + 0.355 ms per token"). The SLO's line
+    goes through 0 instead, and every measured request keeps the factor's headroom."""
+    from ops.measure.static_best_sweep import TTFT_FACTOR, derive_slo
+
+    rng = random.Random(11)
+    pts = [(n, max(0.004, 7e-5 * (n - 30)) * rng.uniform(0.99, 1.01), 0.02) for n in (60, 250, 700, 1200, 1700, 2048)]
+    slo = derive_slo(pts)
+    assert slo.ttft_s == 0 and slo.ttft_limit(1) > 0
+    assert all(slo.ttft_limit(n) >= TTFT_FACTOR * t * 0.999 for n, t, _ in pts)
+    assert slo.ttft_limit(2048) < 1.1 * TTFT_FACTOR * max(t for _, t, _ in pts)  # and no looser than it needs
+
+
+def test_a_gpu_without_its_own_static_best_takes_another_gpus_named_so(tmp_path, monkeypatch):
+    from engine.config import static_best
+
+    monkeypatch.setenv("POLYINF_STATIC_BEST", str(tmp_path / "static_best.json"))
+    source = ModelSource("synthetic", TINY, seed=0)
+    h200 = VariantSpec(max_num_seqs=64, cuda_graph_batch_sizes=(1, 2, 4))
+    labels = {"cuda:0": "NVIDIA H200"}
+    monkeypatch.setattr(static_best, "device_label", lambda d: labels.get(str(d), str(d)))
+    static_best.record(source, "cuda:0", "bfloat16", h200, {"rows": []})
+    assert static_best.lookup(source, "cuda:0", "bfloat16").name == "static-best"
+    labels["cuda:0"] = "NVIDIA H100 80GB HBM3"  # another machine, no sweep of its own
+    found = static_best.lookup(source, "cuda:0", "bfloat16")
+    assert found.name == "static-best (recorded on NVIDIA H200)" and found.variant_id == h200.variant_id
+    assert static_best.lookup(source, "cuda:0", "float16") is None  # the dtype still has to match
+    assert static_best.lookup(source, "cpu", "bfloat16") is None  # a CPU never takes a GPU's
