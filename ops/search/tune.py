@@ -473,16 +473,13 @@ def tune(cfg: SearchConfig, board_path: str | Path, agents: list[Agent] | None =
         s.measure(SLOW)  # the speculation policy's second setting, chosen from the first one's acceptance
     log(f"slow tier: {len(s.results(SLOW))} measured")
     cost = s.cost_model_error(cal)
-    # the choice is gated after the judge chose it and it held out of sample; a precision form always on real
-    # weights, anything else with ``gate``; a failed gate keeps static-best. The judge gets what is left of the
-    # search's time (at least a minute: a decision needs its probes)
-    from ops.judge.paired import JudgeConfig
-
+    # the choice is gated after the judge chose it and it held out of sample (a precision form always on real
+    # weights, anything else with ``gate``; a failure keeps static-best); the judge gets what the search left
+    from ops.judge.paired import JudgeConfig  # (at least a minute: a decision needs its probes)
     jcfg = jcfg or (JudgeConfig.for_cpu() if cfg.device == "cpu" else JudgeConfig())
-    asked = jcfg.seconds
-    jcfg = replace(jcfg, seconds=min(jcfg.seconds, max(60.0, deadline - time.time())))
+    asked, jcfg = jcfg.seconds, replace(jcfg, seconds=min(jcfg.seconds, max(60.0, deadline - time.time())))
     if jcfg.seconds < asked:
-        log(f"the judge gets {jcfg.seconds:.0f} s of the {asked:.0f} s asked: the stages before it used "
+        log(f"the judge gets {jcfg.seconds:.0f} s of the {asked:.0f} s asked: the stages before it took "
             f"{time.time() - t0:.0f} s of the search's {budget.seconds:.0f} s (the budget includes the judge)")
     choice, decision = s.decide(jcfg=jcfg)
     chosen = choice.variant if choice else s.baseline
