@@ -66,7 +66,7 @@ def llama8b_decode(m: Llama8B, bw: float, quick: bool = False):
             eng.apply_variant(spec)
             eng.block_manager.reset_prefix_cache()  # a cached prompt would be computed by other kernel shapes
             got = eng.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
-            tps = max(decode_tps(eng, prompt, new, SamplingParams) for _ in range(2))
+            tps = max(decode_tps(eng, prompt, new) for _ in range(2))
         except Exception as e:  # report the form and go on with the next
             traceback.print_exc()
             row(f"8B decode b=1 [{name}]", f"FAILED {type(e).__name__}: {str(e)[:160]}")

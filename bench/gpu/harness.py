@@ -89,7 +89,7 @@ def section(fn):
     return run
 
 
-def decode_tps(eng, prompt, new, SamplingParams=None) -> float:
+def decode_tps(eng, prompt, new) -> float:
     """Batch-1 decode tokens/s after the first token (bench/lib/timing.py), the GPU's queue drained around it."""
     tokens, seconds = decode_rate(eng, prompt, new, torch.cuda.synchronize)
     return tokens / seconds

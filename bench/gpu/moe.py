@@ -70,7 +70,7 @@ def moe_decode(bw: float, layers: int | None, sweep_tiles: bool = False):
             eng.block_manager.reset_prefix_cache()
             got = eng.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
             agree = sum(a == b for a, b in zip(got, want))
-            tps = max(decode_tps(eng, prompt, new, SamplingParams) for _ in range(3))
+            tps = max(decode_tps(eng, prompt, new) for _ in range(3))
             graph, _ = eng.runner.graphs.graphs[1]
             replay = timed(graph.replay, iters=30)
         except Exception as e:  # report the form and go on with the next

@@ -121,7 +121,7 @@ def _measure(eng, spec, prompt, new) -> float:
     eng.block_manager.reset_prefix_cache()
     eng.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
     prepared = time.perf_counter() - t
-    tps = max(decode_tps(eng, prompt, new, SamplingParams) for _ in range(2))
+    tps = max(decode_tps(eng, prompt, new) for _ in range(2))
     print(f"[prepared in {prepared:.1f} s, measured in {time.perf_counter() - t - prepared:.1f} s]", flush=True)
     return tps
 

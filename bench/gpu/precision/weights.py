@@ -121,7 +121,7 @@ def llama8b_precision(m: Llama8B, bw: float, prefill: bool = True, profile: bool
             step_bytes = dense + other + kv_bytes  # the embedding table not counted: one row is read
             roofline = bw / step_bytes
             eng.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
-            tps = max(decode_tps(eng, prompt, new, SamplingParams) for _ in range(2))
+            tps = max(decode_tps(eng, prompt, new) for _ in range(2))
             logits = _logits(eng, prompt)
         except Exception as e:
             traceback.print_exc()
