@@ -16,6 +16,7 @@ from bench.gpu.harness import GRAPH_SIZES, ROOT, Llama8B, finish, row, section
 from bench.gpu.machine import attention_bandwidth, gemv_bandwidth, l2_survival, machine
 from bench.gpu.moe import moe_decode
 from bench.gpu.precision.kv_fp8 import fp8_kv_cache
+from bench.gpu.precision.prefill import w8a8_checks, w8a8_prefill, w8a8_projections, w8a8_served
 from bench.gpu.precision.weights import gemv_bandwidth_by_precision, llama8b_precision, quantized_kernel_checks
 from bench.gpu.precision.serve import activation_quant_checks, served_decode_by_precision
 from bench.gpu.precision.step import decode_forms_by_precision, projections_alone
@@ -25,7 +26,7 @@ from bench.gpu.serving.throughput import llama8b_throughput
 from engine.config.presets import preset_variant
 
 SECTIONS = ("attention", "gemv", "decode", "throughput", "swap", "moe", "experts", "precision", "precision-step",
-            "kv-fp8", "precision-serve", "qmma")  # --only
+            "kv-fp8", "precision-serve", "qmma", "w8a8")  # --only
 
 
 def add_cli_args(ap: argparse.ArgumentParser) -> None:
@@ -101,13 +102,16 @@ def main(args: argparse.Namespace) -> None:
             qmma_projections()
         if args.qmma_sweep:
             qmma_sweep()
+    if want("w8a8"):
+        w8a8_checks()  # its rows say what failed; the model figures go on (they print their own logit error)
+        w8a8_projections()
     if want("decode") or want("moe"):
         l2_survival()
     if not (ok and ok2):
         row("model figures", "skipped: correctness checks failed")
     else:
         if any(want(s) for s in ("decode", "throughput", "swap", "precision", "precision-step", "kv-fp8",
-                                        "precision-serve", "qmma")):
+                                        "precision-serve", "qmma", "w8a8")):
             m = section(Llama8B)()
             if m is not None:
                 if want("precision"):
@@ -125,6 +129,9 @@ def main(args: argparse.Namespace) -> None:
                     qmma_decode(m, quick=args.qmma_sweep or args.qmma_quick, pin=args.qmma_pin)
                     if not args.qmma_no_served:
                         qmma_served(m, args.out)
+                if want("w8a8"):
+                    w8a8_prefill(m)
+                    w8a8_served(m, args.out)
                 if want("kv-fp8"):
                     fp8_kv_cache(m, bw, args.kv_length, check=not args.skip_checks)
                 best = llama8b_decode(m, bw, args.decode_quick) if want("decode") else None

@@ -29,6 +29,8 @@ their engine forms from the named presets of engine/config/presets.py:
 11. Quantized weights as the tuner serves them (precision_serve.py): the activations' one-launch FP8
     quantization against the plain-torch path, then decode steps at 1-32 sequences for static-best in bf16 and
     with FP8 weights through the library's GEMM and through the Triton projections.
+12. W8A8 FP8 prefill (precision/prefill.py): the activations' codes made by the norm and activation kernels, each
+    projection at 32-8,192 rows in every FP8 form against cuBLAS bf16, the 8B's prefill and decode at 32-64 rows.
 
 Every row is appended to DIR/gpu_bench.jsonl as soon as it is measured.
 """

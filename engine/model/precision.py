@@ -12,7 +12,9 @@ again.
 ``quantized_ops`` wraps a ForwardOps table: each linear operation receives the quantized copy of the
 weight the model passes (looked up by the parameter's identity), and the prefetch hint reads the bytes
 the kernels will read. A generated linear kernel cannot take quantized weights, so such a variant is
-refused.
+refused. FP8 weights on a GPU with FP8 tensor cores take the W8A8 GEMM from ``W8A8_MIN_ROWS`` rows (prefill and
+chunked-prefill steps): the activations' e4m3 codes made by the norm or activation kernel that computes them
+(kernels/linear/w8a8.py); the same numbers as the FP8 GEMM's own per-row quantization, without the bf16 round trip.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from engine.errors import VariantError
 from engine.model.forward_ops import ForwardOps
 from engine.model.transformer import MLP, CausalLM
 from kernels.linear.quant import WEIGHT_DTYPES, QuantizedWeight, quantize
+from kernels.linear.w8a8 import MAX_NORM_D
 
 CHECKPOINT = "auto"  # the checkpoint's own precision
 
@@ -143,9 +146,57 @@ def quantized_ops(ops: ForwardOps, model: CausalLM, kind: str, impls: dict[str, 
     def q_prefetch(weights, rows, site="o_proj"):
         return prefetch(tuple(w.q if isinstance(w, QuantizedWeight) else w for w in map(q, weights)), rows, site)
 
+    if kind == "fp8":
+        q_linear, q_norm_linear, q_act_linear = _w8a8(q_linear, q_norm_linear, q_act_linear, q)
     # norm_moe composed from the parts keeps its router at the checkpoint's precision: the router weight is
     # not in the table, so the wrapped linear passes it through unchanged
     return ops.replace(linear=q_linear, norm_linear=q_norm_linear, act_linear=q_act_linear, prefetch=q_prefetch)
+
+
+W8A8_MIN_ROWS = 65  # rows from which FP8 projections take the W8A8 GEMM (to 64: the decode kernels' own forms)
+
+
+def w8a8_device(x: torch.Tensor) -> bool:
+    """Whether ``x``'s rows can take the W8A8 path: FP8 tensor cores and Triton (kernels/linear/w8a8_triton.py)."""
+    from kernels.linear.quant import fp8_gemm_supported
+
+    return fp8_gemm_supported(x.device)
+
+
+def _w8a8(linear, norm_linear, act_linear, q):
+    """The three linear operations with FP8 weights of ``W8A8_MIN_ROWS`` rows or more through the W8A8 GEMM, the
+    activations' codes made by the kernel that computes them (kernels/linear/w8a8.py); fewer rows, or a device
+    without FP8 tensor cores, keep the operations given."""
+    def takes(x, weight) -> bool:
+        from kernels.linear.w8a8 import supports
+
+        return x.shape[0] >= W8A8_MIN_ROWS and supports(x, weight) and w8a8_device(x)
+
+    def w_linear(x, weight, bias=None):
+        qw = q(weight)
+        if takes(x, qw):
+            from kernels.linear.w8a8_triton import linear_w8a8
+
+            return linear_w8a8(x, qw, bias)
+        return linear(x, weight, bias)
+
+    def w_norm_linear(x, residual, norm_weight, eps, weight, bias=None):
+        qw = q(weight)
+        if takes(x, qw) and x.shape[1] <= MAX_NORM_D:
+            from kernels.linear.w8a8_triton import norm_linear_w8a8
+
+            return norm_linear_w8a8(x, residual, norm_weight, eps, qw, bias)
+        return norm_linear(x, residual, norm_weight, eps, weight, bias)
+
+    def w_act_linear(x, weight):
+        qw = q(weight)
+        if takes(x, qw):
+            from kernels.linear.w8a8_triton import act_linear_w8a8
+
+            return act_linear_w8a8(x, qw)
+        return act_linear(x, weight)
+
+    return w_linear, w_norm_linear, w_act_linear
 
 
 # ---- the KV cache's precision (its per-layer scales are calibrated in engine/worker/kv_calibration.py) ----

@@ -1,0 +1,188 @@
+"""12. W8A8 FP8 prefill (kernels/linear/w8a8.py): the activations' e4m3 codes made by the norm and activation kernels
+checked against the plain-torch references in bf16; each 8B projection at 32-8,192 rows through every form of its
+FP8 path (the codes made by the producing kernel, by a one-launch pass after it, by torch's passes, and bare
+``torch._scaled_mm`` on codes made beforehand: the ceiling) against cuBLAS bf16 after the same bf16 producer; the
+8B's prefill of 8 x 2,048 tokens in 8,192-token steps in bf16, FP8 without and with W8A8, where each step's time
+goes and the last position's logits against bf16's; decode steps at 1, 32 and 64 sequences, static-best bf16
+against its FP8 form as the tuner proposes it."""
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+from bench.gpu.harness import Llama8B, graph_timed, kernel_profile, row, section
+
+# (name, N, K, producer) of the 8B's projections
+SHAPES = (("qkv", 6144, 4096, "norm"), ("o_proj", 4096, 4096, "plain"), ("gate_up", 28672, 4096, "norm"),
+          ("down", 4096, 14336, "act"))
+
+
+@section
+def w8a8_checks() -> bool:
+    """The fused producers' codes against the plain-torch references in bf16 (the GPU rounds as torch does: the
+    codes should equal but for ties moved by the statistics' summation order), the projections against theirs."""
+    from kernels.linear import w8a8
+    from kernels.linear import w8a8_triton as wt
+    from kernels.linear.quant import quantize, quantize_rows
+
+    torch.manual_seed(11)
+    ok = True
+    for t, k in ((1, 4096), (300, 4096), (2048, 14336)):
+        x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16) * 3
+        r = torch.randn_like(x)
+        nw = (torch.rand(k, device="cuda") + 0.5).bfloat16()
+        gu = torch.randn(t, 2 * k, device="cuda", dtype=torch.bfloat16) * 2
+        qw = quantize(torch.randn(4096, k, device="cuda", dtype=torch.bfloat16) * 0.02, "fp8")
+        for label, got, want in (
+                ("norm", wt.add_rms_norm_fp8(x, r, nw, 1e-5)[:2], w8a8.add_rms_norm_fp8_ref(x, r, nw, 1e-5)[:2]),
+                ("silu-mul", wt.silu_and_mul_fp8(gu), w8a8.silu_and_mul_fp8_ref(gu)),
+                ("rows", wt.quantize_rows_e4m3(x), quantize_rows(x))):
+            (q, s), (q0, s0) = got, want
+            same = (q.float() == q0.float()).float().mean().item()
+            s_err = ((s - s0).abs() / s0).max().item()
+            step = (q0.float().abs() * 2.0 ** -3).clamp(min=2.0 ** -9)
+            worst = ((q.float() - q0.float()).abs() / step).max().item()
+            good = same > 0.995 and s_err < 1e-5 and worst <= 1.0
+            ok &= good
+            row(f"W8A8 codes, {label}, {t}x{k} bf16", f"{'OK' if good else 'ERROR'}: {same:.4%} of codes equal to the "
+                f"reference's, the rest within {worst:.2f} step; scales within {s_err:.1g}")
+        out = wt.norm_linear_w8a8(x, r, nw, 1e-5, qw)[0].float()
+        ref = w8a8.norm_linear_w8a8_ref(x, r, nw, 1e-5, qw)[0].float()
+        err = ((out - ref).abs().max() / ref.abs().max()).item()
+        ok &= err < 0.02
+        row(f"W8A8 norm_linear {t}x{k} -> 4096", f"{'OK' if err < 0.02 else 'ERROR'}: {err:.2g} of the output's scale "
+            "against the plain-torch W8A8 path")
+    return ok
+
+
+def _forms(name: str, producer: str, m: int, n: int, k: int) -> dict:
+    """{label: a call} of one projection at ``m`` rows: bf16 first (the baseline), then the FP8 forms."""
+    import kernels.linear.qmma_triton as qm
+    from kernels.linear import w8a8_triton as wt
+    from kernels.linear.quant import quantize, quantize_rows
+    from kernels.linear.quant_triton import quantize_rows_fp8
+    from kernels.linear.w8a8 import fp8_rows_mm
+    from kernels.pointwise.activation_triton import silu_and_mul_triton
+    from kernels.pointwise.norm_triton import fused_add_rms_norm_triton
+
+    dev = "cuda"
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+    qw = quantize(w, "fp8")
+    x = torch.randn(m, 2 * k if producer == "act" else k, device=dev, dtype=torch.bfloat16)
+    r, nw = torch.randn(m, k, device=dev, dtype=torch.bfloat16), (torch.rand(k, device=dev) + 0.5).bfloat16()
+    if producer == "norm":
+        bf16_in = lambda: fused_add_rms_norm_triton(x, r, nw, 1e-5)[0]  # noqa: E731
+        fused = lambda: wt.norm_linear_w8a8(x, r, nw, 1e-5, qw)  # noqa: E731
+        mma_kw, prologue = dict(r=r, norm_weight=nw, eps=1e-5), qm.ADD_RMS_NORM
+    elif producer == "act":
+        bf16_in = lambda: silu_and_mul_triton(x)  # noqa: E731
+        fused = lambda: wt.act_linear_w8a8(x, qw)  # noqa: E731
+        mma_kw, prologue = dict(k=k), qm.SILU_MUL
+    else:
+        bf16_in = lambda: x  # noqa: E731
+        fused = lambda: wt.linear_w8a8(x, qw)  # noqa: E731
+        mma_kw, prologue = {}, qm.NONE
+    codes = quantize_rows(bf16_in())
+    forms = {"bf16 cuBLAS": lambda: F.linear(bf16_in(), w),
+             "W8A8 (codes from the producer)": fused,
+             "bare _scaled_mm (codes made beforehand)": lambda: fp8_rows_mm(*codes, qw),
+             "producer, one-launch quantization, _scaled_mm": lambda: fp8_rows_mm(*quantize_rows_fp8(bf16_in()), qw),
+             "producer, torch's quantization, _scaled_mm": lambda: fp8_rows_mm(*quantize_rows(bf16_in()), qw)}
+    if m <= qm.MAX_M:
+        forms["tensor-core kernel (default tiles)"] = lambda: qm.qmma(x, qw, None, prologue, dict(qm.DEFAULT_TILES),
+                                                                      **mma_kw)
+    return forms
+
+
+@section
+def w8a8_projections(rows=(32, 64, 512, 2048, 8192)) -> None:
+    torch.manual_seed(2)
+    for name, n, k, producer in SHAPES:
+        for m in rows:
+            try:
+                forms = _forms(name, producer, m, n, k)
+                times = {label: graph_timed(fn, calls=10 if m >= 2048 else 20) for label, fn in forms.items()}
+            except Exception as e:
+                traceback.print_exc()
+                row(f"{name} {m}x{n}x{k}", f"FAILED {type(e).__name__}: {str(e)[:160]}")
+                continue
+            base = times["bf16 cuBLAS"]
+            flops = 2 * m * n * k
+            row(f"{name} {m}x{n}x{k} ({producer} producer)",
+                f"bf16 {1e6 * base:.1f} us ({flops / base / 1e12:.0f} TFLOP/s); " + "; ".join(
+                    f"{label} {1e6 * t:.1f} us = {base / t:.2f}x" for label, t in times.items() if label != "bf16 cuBLAS"))
+            del forms
+            torch.cuda.empty_cache()
+
+
+@section
+def w8a8_prefill(m: Llama8B, profile: bool = True) -> None:
+    """8 x 2,048-token prompts in 8,192-token steps (one output token each), bf16 / FP8 without W8A8 (its GEMM's
+    input quantized in a launch of its own after the bf16 norm or activation) / FP8 W8A8, each timed after the
+    same batch ran once; the last position's logits of one 2,048-token prompt against bf16's."""
+    from bench.gpu.precision.weights import _logits
+    from engine import SamplingParams
+    from engine.config.presets import preset_variant
+    from engine.model import precision
+
+    eng = m.engine
+    n_p, length = 8, 2048
+    gen = torch.Generator().manual_seed(0)
+    pp = [torch.randint(0, 128000, (length,), generator=gen).tolist() for _ in range(n_p)]
+    form = preset_variant("triton-paged", max_num_seqs=64, max_num_batched_tokens=8192)
+    rates, ref_logits, keep = {}, None, precision.W8A8_MIN_ROWS
+    arms = (("bf16", "auto", keep), ("fp8 without W8A8", "fp8", 1 << 30), ("fp8 W8A8", "fp8", keep))
+
+    def step():
+        eng.block_manager.reset_prefix_cache()
+        eng.generate(pp[:4], SamplingParams(max_tokens=1, ignore_eos=True))
+
+    for label, kind, min_rows in arms:
+        precision.W8A8_MIN_ROWS = min_rows
+        try:
+            eng.apply_variant(dataclasses.replace(form, weight_dtype=kind))
+            for _ in range(2):
+                eng.block_manager.reset_prefix_cache()
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                eng.generate(pp, SamplingParams(max_tokens=1, ignore_eos=True))
+                torch.cuda.synchronize()
+                dt = time.perf_counter() - t
+            eng.block_manager.reset_prefix_cache()
+            logits = _logits(eng, pp[0])
+            if profile and label != "fp8 without W8A8":
+                kernel_profile(f"8B prefill step of 8192 tokens, {label}", step, steps=3, top=10)
+        except Exception as e:
+            traceback.print_exc()
+            row(f"8B prefill, {label}", f"FAILED {type(e).__name__}: {str(e)[:200]}")
+            continue
+        finally:
+            precision.W8A8_MIN_ROWS = keep
+        rates[label] = n_p * length / dt
+        ref_logits = logits if ref_logits is None else ref_logits
+        err = (logits - ref_logits).abs().max().item()
+        row(f"8B prefill {n_p} x {length} tokens, 8192-token steps, {label}",
+            f"{rates[label]:,.0f} tok/s" + (f" = {rates[label] / rates['bf16']:.2f}x bf16; last-position logits vs "
+                                            f"bf16: max |d| {err:.3g} (max |logit| {ref_logits.abs().max():.2f})"
+                                            if "bf16" in rates and label != "bf16" else ""))
+    eng.block_manager.reset_prefix_cache()
+
+
+@section
+def w8a8_served(m: Llama8B, out=None, batches=(1, 32, 64)) -> None:
+    """Decode steps of static-best bf16 and its FP8 form as the tuner proposes it, at 1, 32 and 64 sequences."""
+    from bench.gpu.precision.serve import served_steps
+    from engine.config.presets import quantized_variant
+    from engine.config.static_best import lookup
+    from engine.loader.model_source import resolve
+
+    base = lookup(resolve("llama-3.1-8b"), "cuda", "bfloat16")
+    if base is None:
+        row("W8A8 served", "skipped: no static-best recorded for the 8B on this device")
+        return
+    served_steps(m.engine, {"static-best bf16": base, "fp8 as the tuner proposes it":
+                            quantized_variant(base, "fp8", "cuda")}, batches, out, "w8a8_change.json")
