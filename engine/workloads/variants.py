@@ -1,0 +1,222 @@
+"""WorkloadVariant: one form of a workload's forward pass, content-hashed into a stable ``variant_id`` like the
+LLM's VariantSpec; and the runner that serves requests with it.
+
+Each field carries its scope: ``forward`` changes swap the forward callable (hot swap, the module and its weights
+stay), ``scheduler`` changes how requests are grouped. ``matmul_precision`` other than "highest" changes the
+arithmetic on purpose, so such a variant is judged by the gate's tolerance mode (``needs_tolerance``); every
+other variant must match the reference bit for bit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.workloads.workload import Workload, WorkloadRequest
+
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune-no-cudagraphs")
+MATMUL_PRECISIONS = ("highest", "tf32", "bf16")
+FORWARD, SCHEDULER = "forward", "scheduler"
+
+
+def _f(scope: str, default, **kw):
+    return field(default=default, metadata={"scope": scope}, **kw)
+
+
+@dataclass(frozen=True)
+class WorkloadVariant:
+    name: str = field(default="eager", metadata={"scope": None})  # a label; not part of the id
+    compile_mode: str | None = _f(FORWARD, None)  # torch.compile mode; None: eager
+    cuda_graphs: bool = _f(FORWARD, False)  # replay captured CUDA graphs, one per input shape (GPU only)
+    channels_last: bool = _f(FORWARD, False)  # image inputs in NHWC memory order
+    matmul_precision: str = _f(FORWARD, "highest")  # "highest" (IEEE float32), "tf32", "bf16" (autocast)
+    max_batch: int | None = _f(SCHEDULER, None)  # most requests per forward pass; None: the workload's policy
+    # batch buckets: a group of n requests runs padded up to the smallest bucket >= n (the padding repeats its
+    # last request, whose copies' outputs are dropped), so compiled and captured forms see few batch shapes;
+    # empty: every group runs at its own size
+    bucket_sizes: tuple[int, ...] = _f(SCHEDULER, ())
+
+    def __post_init__(self) -> None:
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {self.matmul_precision!r}")
+        if self.max_batch is not None and (isinstance(self.max_batch, bool) or self.max_batch < 1):
+            raise ValueError(f"max_batch must be a positive integer or None, got {self.max_batch!r}")
+        buckets = tuple(sorted(set(self.bucket_sizes)))
+        if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in buckets):
+            raise ValueError(f"bucket_sizes must be positive integers, got {list(self.bucket_sizes)}")
+        object.__setattr__(self, "bucket_sizes", buckets)
+        if buckets and self.max_batch is not None and buckets[-1] < self.max_batch:
+            raise ValueError(f"the largest bucket ({buckets[-1]}) must hold max_batch ({self.max_batch}) requests")
+
+    @property
+    def variant_id(self) -> str:
+        body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata.get("scope")}
+        return hashlib.sha256(json.dumps(body, sort_keys=True, default=list).encode()).hexdigest()[:16]
+
+    @property
+    def needs_tolerance(self) -> bool:
+        """Whether the variant changes precision on purpose (judged by the gate's tolerance mode)."""
+        return self.matmul_precision != "highest"
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["bucket_sizes"] = list(self.bucket_sizes)
+        d["variant_id"] = self.variant_id
+        return d
+
+    def changed_scopes(self, other: "WorkloadVariant") -> set[str]:
+        return {f.metadata["scope"] for f in dataclasses.fields(self)
+                if f.metadata.get("scope") and getattr(self, f.name) != getattr(other, f.name)}
+
+    def describe(self) -> str:
+        """The fields that differ from eager float32 at the workload's batch, e.g. ``compile=default, batch 8``."""
+        parts = []
+        if self.compile_mode:
+            parts.append(f"compile={self.compile_mode}")
+        if self.cuda_graphs:
+            parts.append("cuda graphs")
+        if self.channels_last:
+            parts.append("channels-last")
+        if self.matmul_precision != "highest":
+            parts.append(self.matmul_precision)
+        if self.max_batch is not None:
+            parts.append(f"batch {self.max_batch}")
+        if self.bucket_sizes:
+            parts.append("buckets " + "/".join(map(str, self.bucket_sizes)))
+        return ", ".join(parts) or "eager"
+
+
+def refusal(workload: Workload, variant: WorkloadVariant, device: str | torch.device) -> str | None:
+    """Why ``variant`` cannot run ``workload`` on ``device`` (None: it can)."""
+    cuda = torch.device(device).type == "cuda"
+    if variant.cuda_graphs and not cuda:
+        return "cuda_graphs needs a CUDA device (graphs are captured on a CUDA stream)"
+    if variant.compile_mode == "reduce-overhead" and not cuda:
+        return "compile_mode reduce-overhead captures CUDA graphs; on a CPU it is the default mode under another name"
+    if variant.matmul_precision == "tf32" and not cuda:
+        return "matmul_precision tf32 is a tensor-core format of NVIDIA GPUs; a CPU has none"
+    if variant.channels_last and not workload.image_input:
+        return f"channels_last applies to image inputs [B, C, H, W]; {workload.name}'s are not images"
+    return None
+
+
+@contextmanager
+def precision(name: str, device_type: str) -> Iterator[None]:
+    """Runs the block in ``name``'s arithmetic: "highest" forces IEEE float32 in matmuls and convolutions (cuDNN
+    would take TF32 for convolutions by default), "tf32" allows TF32 in both, "bf16" autocasts to bfloat16."""
+    if name == "bf16":
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            yield
+        return
+    fp32 = "tf32" if name == "tf32" else "ieee"
+    knobs = [torch.backends.cuda.matmul, torch.backends.cudnn.conv]
+    before = [k.fp32_precision for k in knobs]
+    try:
+        for k in knobs:
+            k.fp32_precision = fp32
+        yield
+    finally:
+        for k, b in zip(knobs, before):
+            k.fp32_precision = b
+
+
+class _Graphed:
+    """CUDA graphs of ``fn``, one per input shape: the first call of a shape warms up and captures, later calls
+    copy the inputs into the captured buffers and replay. Outputs are cloned (the buffers are reused)."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], context: Callable[[], object]) -> None:
+        self.fn, self.context = fn, context
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], torch.Tensor]] = {}
+
+    def __call__(self, **inputs: torch.Tensor) -> torch.Tensor:
+        key = tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(inputs.items()))
+        if key not in self.graphs:
+            static = {k: v.clone() for k, v in inputs.items()}
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), self.context():
+                for _ in range(2):  # warm-up: lazy initialisation and compilation stay out of the capture
+                    self.fn(**static)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph), self.context():
+                out = self.fn(**static)
+            self.graphs[key] = (graph, static, out)
+        graph, static, out = self.graphs[key]
+        for k, v in inputs.items():
+            static[k].copy_(v)
+        graph.replay()
+        return out.clone()
+
+
+class WorkloadRunner:
+    """Serves lists of requests with one variant over one module: groups them by the workload's batch policy
+    (the variant's batch size), pads each group to its bucket, runs the variant's forward callable, and returns
+    each request's output in request order. ``install`` swaps the forward callable; the module stays."""
+
+    def __init__(self, workload: Workload, variant: WorkloadVariant, module: torch.nn.Module,
+                 device: str | torch.device) -> None:
+        why = refusal(workload, variant, device)
+        if why:
+            raise ValueError(f"variant {variant.name} ({variant.describe()}) cannot run {workload.name} on "
+                             f"{device}: {why}")
+        self.workload, self.module, self.device = workload, module, torch.device(device)
+        self.variant = variant
+        self.forward = self._forward_of(variant)
+
+    def _forward_of(self, variant: WorkloadVariant) -> Callable[..., torch.Tensor]:
+        # channels_last lays out the inputs only: the convolutions follow their input's layout, and the module's
+        # parameters, shared with the reference and every other variant, stay as they are
+        fn: Callable[..., torch.Tensor] = self.module
+        if variant.compile_mode:
+            fn = torch.compile(self.module, mode=variant.compile_mode)
+        if variant.cuda_graphs:
+            fn = _Graphed(fn, lambda: precision(variant.matmul_precision, self.device.type))
+        return fn
+
+    def install(self, variant: WorkloadVariant) -> None:
+        """Hot swap: the next call runs ``variant``; a variant that cannot run here leaves the current one."""
+        why = refusal(self.workload, variant, self.device)
+        if why:
+            raise ValueError(f"cannot swap to {variant.name} ({variant.describe()}): {why}")
+        self.forward, self.variant = self._forward_of(variant), variant
+
+    def _bucket(self, n: int) -> int:
+        return next((b for b in self.variant.bucket_sizes if b >= n), n)
+
+    def __call__(self, requests: list[WorkloadRequest]) -> list[torch.Tensor]:
+        if not requests:
+            raise ValueError(f"{self.workload.name}: an empty batch (no requests) has nothing to run")
+        variant, out = self.variant, [None] * len(requests)
+        cap = variant.max_batch or self.workload.batch.max_batch
+        if variant.bucket_sizes:
+            cap = min(cap, variant.bucket_sizes[-1])
+        for idx in self.workload.batch.plan([r.size for r in requests], cap):
+            group = [requests[i].tensors for i in idx]
+            padded = group + [group[-1]] * (self._bucket(len(group)) - len(group))
+            batch = self.workload.collate(padded)
+            if variant.channels_last:
+                batch = {k: v.contiguous(memory_format=torch.channels_last) if v.dim() == 4 else v
+                         for k, v in batch.items()}
+            with torch.inference_mode():
+                if variant.cuda_graphs:  # the graph was captured under the variant's precision
+                    y = self.forward(**batch)
+                else:
+                    with precision(variant.matmul_precision, self.device.type):
+                        y = self.forward(**batch)
+            for i, o in zip(idx, self.workload.split(y, padded)):
+                out[i] = o
+        return out
+
+
+def build_runner(workload: Workload, variant: WorkloadVariant, module: torch.nn.Module,
+                 device: str | torch.device) -> WorkloadRunner:
+    """A runner of ``variant`` over ``module`` (already on ``device``; never reloaded)."""
+    return WorkloadRunner(workload, variant, module, device)
