@@ -61,7 +61,9 @@ def print_optimize_report(result) -> None:
     print(judged.headline())
     print(f"decision: {build.reason}")
     if kept:
-        print(f"kept static-best, nothing deployed ({judged.verdict})")
+        held = judged.confirmation is None or judged.confirmation.holds
+        print(f"kept static-best, nothing deployed ({judged.verdict}"
+              + ("" if held else ": better on the search's windows, did not hold on held-out traffic") + ")")
     else:
         print(f"chosen: {build.variant.name} ({build.variant.variant_id}): {build.variant.changes_from(static_best)}")
     prov = build.provenance
