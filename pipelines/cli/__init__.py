@@ -1,4 +1,5 @@
-"""The ``polyinf`` command line: one module per command group (engine_cmds, traffic_cmds, tuning_cmds).
+"""The ``polyinf`` command line: one module per command group (engine_cmds, traffic_cmds, tuning_cmds,
+workload_serve_cmds).
 
 Every subcommand turns bad input into one clear line on stderr and a non-zero exit: ``main`` handles
 the project's errors once. Heavy imports (torch, transformers, dagster) happen inside the subcommands.
@@ -9,7 +10,7 @@ import argparse
 import os
 import sys
 
-from pipelines.cli import engine_cmds, traffic_cmds, tuning_cmds
+from pipelines.cli import engine_cmds, traffic_cmds, tuning_cmds, workload_serve_cmds
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Polymorphic Inference: an LLM inference engine kept tuned to its traffic, model and hardware.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for group in (engine_cmds, traffic_cmds, tuning_cmds):
+    for group in (engine_cmds, traffic_cmds, tuning_cmds, workload_serve_cmds):
         group.add_parsers(sub)
     return parser
 
