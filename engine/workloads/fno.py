@@ -32,10 +32,11 @@ class SpectralConv2d(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [B, C_in, H, W]; the FFT runs in float32 whatever the autocast dtype (no half-precision FFT of any
-        # size on every device), as neuraloperator does
+        # size on every device), as neuraloperator does, and on a contiguous copy: on a channels-last input the
+        # CPU FFT plans a batch of one and a batch of several differently (other bits at some sizes)
         b, _, h, w = x.shape
         m = self.modes
-        x_ft = torch.fft.rfft2(x.float())  # [B, C_in, H, W // 2 + 1] complex
+        x_ft = torch.fft.rfft2(x.float().contiguous())  # [B, C_in, H, W // 2 + 1] complex
         out_ft = torch.zeros(b, self.weight1.shape[1], h, w // 2 + 1, dtype=torch.cfloat, device=x.device)
         out_ft[:, :, :m, :m] = compl_mul(x_ft[:, :, :m, :m], self.weight1)
         out_ft[:, :, -m:, :m] = compl_mul(x_ft[:, :, -m:, :m], self.weight2)

@@ -42,8 +42,11 @@ class Convolution(nn.Module):
         super().__init__()
         o3, enn, _ = _e3nn()
         self.n_basis = n_basis
-        self.irreps_sh = o3.Irreps.spherical_harmonics(lmax)
-        self.tp = o3.FullyConnectedTensorProduct(irreps_in, self.irreps_sh, irreps_out, shared_weights=False)
+        # the harmonics' degrees as plain ints: an Irreps attribute on the module breaks torch.compile's guards
+        # (Irrep raises on len())
+        self.sh_degrees = list(range(lmax + 1))
+        irreps_sh = o3.Irreps.spherical_harmonics(lmax)
+        self.tp = o3.FullyConnectedTensorProduct(irreps_in, irreps_sh, irreps_out, shared_weights=False)
         self.radial = enn.FullyConnectedNet([n_basis, 32, self.tp.weight_numel], torch.nn.functional.silu)
         self.self_interaction = o3.Linear(irreps_in, irreps_out)
 
@@ -51,7 +54,7 @@ class Convolution(nn.Module):
         o3, _, soft_one_hot_linspace = _e3nn()
         src, dst = edge_index
         vec = pos[dst] - pos[src]  # [E, 3]
-        sh = o3.spherical_harmonics(self.irreps_sh, vec, normalize=True, normalization="component")
+        sh = o3.spherical_harmonics(self.sh_degrees, vec, normalize=True, normalization="component")
         basis = soft_one_hot_linspace(vec.norm(dim=1), 0.0, CUTOFF, self.n_basis, basis="smooth_finite",
                                       cutoff=True) * self.n_basis ** 0.5
         weight = self.radial(basis)  # the radial MLP follows autocast (bfloat16 under a bf16 variant)

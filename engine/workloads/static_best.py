@@ -1,8 +1,10 @@
 """Static-best for a workload: the libraries' recommended fast setup, fixed once without seeing any traffic.
 
-- **compile**: ``torch.compile`` in its default mode, the setup PyTorch, torch-geometric and e3nn recommend for
-  inference speed, wherever Inductor can build code: on a CUDA device always, on a CPU when a C++ compiler is
-  on the PATH (Inductor's CPU backend writes C++); eager otherwise.
+- **compile**: on a CUDA device, ``torch.compile`` in its default mode, the setup PyTorch, torch-geometric and e3nn
+  recommend for inference speed. On a CPU, eager: Inductor's CPU backend writes no code for complex operators
+  (the FNO's spectral weights run as eager fallbacks), every new request shape costs a compile of tens of seconds
+  on a small CPU, and none of the libraries names it their CPU inference setup; a compiled form stays a
+  candidate the tuner measures there (where a C++ compiler is on the PATH).
 - **dtype and layout**: the model's own float32 with IEEE matmuls and the default (contiguous) layout: none of the
   four libraries recommends a lower precision for inference of these models, and a precision change is the
   tolerance gate's to allow, not a default's.
@@ -12,25 +14,16 @@
 """
 from __future__ import annotations
 
-import shutil
-
 import torch
 
 from engine.workloads.variants import WorkloadVariant
 from engine.workloads.workload import Workload
 
 
-def compile_available(device: str | torch.device) -> bool:
-    """Whether torch.compile can build code for ``device``: any CUDA device; a CPU with a C++ compiler."""
-    if torch.device(device).type == "cuda":
-        return True
-    return any(shutil.which(cc) for cc in ("c++", "g++", "clang++"))
-
-
 def static_best(workload: Workload, device: str | torch.device, max_batch: int | None = None,
                 compile: bool | None = None) -> WorkloadVariant:
     """The static-best variant of ``workload`` on ``device`` (module docstring). ``max_batch``: the swept best
-    fixed batch (default: the policy's); ``compile``: force compile on or off (default: where available)."""
-    use_compile = compile_available(device) if compile is None else compile
+    fixed batch (default: the policy's); ``compile``: force compile on or off (default: on a CUDA device)."""
+    use_compile = torch.device(device).type == "cuda" if compile is None else compile
     return WorkloadVariant(name="static-best", compile_mode="default" if use_compile else None,
                            max_batch=max_batch or workload.batch.max_batch)

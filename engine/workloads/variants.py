@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -93,9 +94,19 @@ class WorkloadVariant:
         return ", ".join(parts) or "eager"
 
 
+def compile_available(device: str | torch.device) -> bool:
+    """Whether torch.compile can build code for ``device``: any CUDA device; a CPU with a C++ compiler (Inductor's
+    CPU backend writes C++)."""
+    if torch.device(device).type == "cuda":
+        return True
+    return any(shutil.which(cc) for cc in ("c++", "g++", "clang++"))
+
+
 def refusal(workload: Workload, variant: WorkloadVariant, device: str | torch.device) -> str | None:
     """Why ``variant`` cannot run ``workload`` on ``device`` (None: it can)."""
     cuda = torch.device(device).type == "cuda"
+    if variant.compile_mode and not compile_available(device):
+        return "torch.compile needs a C++ compiler on the PATH to build CPU code"
     if variant.cuda_graphs and not cuda:
         return "cuda_graphs needs a CUDA device (graphs are captured on a CUDA stream)"
     if variant.compile_mode == "reduce-overhead" and not cuda:
@@ -188,6 +199,13 @@ class WorkloadRunner:
             raise ValueError(f"cannot swap to {variant.name} ({variant.describe()}): {why}")
         self.forward, self.variant = self._forward_of(variant), variant
 
+    @property
+    def batch_cap(self) -> int:
+        """Most requests in one forward pass: the variant's batch (the workload's by default), within its largest
+        bucket."""
+        cap = self.variant.max_batch or self.workload.batch.max_batch
+        return min(cap, self.variant.bucket_sizes[-1]) if self.variant.bucket_sizes else cap
+
     def _bucket(self, n: int) -> int:
         return next((b for b in self.variant.bucket_sizes if b >= n), n)
 
@@ -195,10 +213,7 @@ class WorkloadRunner:
         if not requests:
             raise ValueError(f"{self.workload.name}: an empty batch (no requests) has nothing to run")
         variant, out = self.variant, [None] * len(requests)
-        cap = variant.max_batch or self.workload.batch.max_batch
-        if variant.bucket_sizes:
-            cap = min(cap, variant.bucket_sizes[-1])
-        for idx in self.workload.batch.plan([r.size for r in requests], cap):
+        for idx in self.workload.batch.plan([r.size for r in requests], self.batch_cap):
             group = [requests[i].tensors for i in idx]
             padded = group + [group[-1]] * (self._bucket(len(group)) - len(group))
             batch = self.workload.collate(padded)

@@ -111,11 +111,11 @@ class WeatherGNN(nn.Module):
         self._graphs: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}
 
     def graphs(self, n_lat: int) -> tuple[torch.Tensor, ...]:
-        """(grid positions, grid->mesh edges, mesh->grid edges, their 4-feature geometry), built on the CPU once
-        per resolution and device (the same graph everywhere; index ties broken the same way)."""
-        key = (n_lat, self.mesh_pos.device)
+        """(grid positions, grid->mesh edges, mesh->grid edges, their 4-feature geometry), built on the CPU in
+        float32 once per resolution, device and dtype (the same graph everywhere; index ties broken the same way)."""
+        key = (n_lat, self.mesh_pos.device, self.mesh_pos.dtype)
         if key not in self._graphs:
-            grid, mesh = latlon_grid(n_lat), self.mesh_pos.cpu()
+            grid, mesh = latlon_grid(n_lat), self.mesh_pos.cpu().float()
             near = torch.topk(grid @ mesh.t(), K_NEAREST, dim=1).indices  # [G, k] nearest mesh nodes
             g = torch.arange(grid.shape[0]).repeat_interleave(K_NEAREST)
             g2m = torch.stack([g, near.reshape(-1)])  # source grid point -> destination mesh node
@@ -125,8 +125,8 @@ class WeatherGNN(nn.Module):
                 d = dst - src
                 return torch.cat([d, d.norm(dim=-1, keepdim=True)], -1)
 
-            dev = self.mesh_pos.device
-            self._graphs[key] = tuple(t.to(dev) for t in (
+            dev, dtype = self.mesh_pos.device, self.mesh_pos.dtype
+            self._graphs[key] = tuple(t.to(dev, dtype) if t.is_floating_point() else t.to(dev) for t in (
                 grid, g2m, m2g, geometry(grid[g2m[0]], mesh[g2m[1]]), geometry(mesh[m2g[0]], grid[m2g[1]])))
         return self._graphs[key]
 
