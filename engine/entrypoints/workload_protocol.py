@@ -41,6 +41,13 @@ MAX_SEED = 2**63 - 1
 
 
 def short(text: object, limit: int = 60) -> str:
+    """``text`` when short; else only its length (a long name or value may be a pasted secret or a whole input)."""
+    s = str(text)
+    return s if len(s) <= limit else f"<{len(s)} characters>"
+
+
+def clip(text: object, limit: int = 300) -> str:
+    """A message of the server's own (an exception's), cut to ``limit`` characters."""
     s = str(text)
     return s if len(s) <= limit else s[:limit] + "..."
 
@@ -243,6 +250,8 @@ def variant_from_json(body: object) -> tuple[WorkloadVariant, str]:
         raise APIError(400, f"unknown variant field(s) {', '.join(short(k, 30) for k in extra[:5])}; known: "
                             f"{', '.join(sorted(fields))}, variant_id, gate", param=short(extra[0], 30),
                        code="invalid_variant")
+    if isinstance(body.get("name"), str) and len(body["name"]) > 64:
+        raise APIError(400, "variant field name must be at most 64 characters", param="name", code="invalid_variant")
     kw = {}
     for k in fields & set(body):
         types, what = _VARIANT_TYPES.get(k, ((object,), "any"))
@@ -253,7 +262,7 @@ def variant_from_json(body: object) -> tuple[WorkloadVariant, str]:
     try:
         variant = WorkloadVariant(**kw)
     except (ValueError, TypeError) as e:
-        raise APIError(400, f"invalid variant: {short(e, 300)}", code="invalid_variant") from None
+        raise APIError(400, f"invalid variant: {clip(e)}", code="invalid_variant") from None
     if "variant_id" in body and body["variant_id"] != variant.variant_id:
         raise APIError(400, f"variant_id {short(body['variant_id'], 20)!r} does not match the fields sent (their id "
                             f"is {variant.variant_id})", param="variant_id", code="invalid_variant")

@@ -34,7 +34,7 @@ from engine.entrypoints.http_base import error_response, secure
 from engine.entrypoints.openai_protocol import APIError
 from engine.entrypoints.workload_batcher import NoPrevious, QueueFull, WorkloadBatcher
 from engine.entrypoints.workload_protocol import (
-    Generated, check_size, input_specs, output_json, parse_request, short, variant_from_json,
+    Generated, check_size, clip, input_specs, output_json, parse_request, short, variant_from_json,
 )
 from engine.workloads.static_best import static_best
 from engine.workloads.variants import WorkloadRunner, WorkloadVariant, build_runner
@@ -158,9 +158,9 @@ def build_workload_app(runner: WorkloadRunner, admin_token: str | None = None, a
         try:
             served = await future
         except ValueError as e:
-            raise APIError(400, f"{workload.name} refused the request: {short(e, 300)}", code="model_refused") from None
+            raise APIError(400, f"{workload.name} refused the request: {clip(e)}", code="model_refused") from None
         except Exception as e:  # noqa: BLE001 - the server stays up; the client learns what failed
-            raise APIError(500, f"inference failed: {type(e).__name__}: {short(e, 300)}", "server_error") from None
+            raise APIError(500, f"inference failed: {type(e).__name__}: {clip(e)}", "server_error") from None
         outputs = await asyncio.to_thread(output_json, served.output)
         latency = time.perf_counter() - t0
         metrics.latency.labels(workload.name).observe(latency)
@@ -209,7 +209,7 @@ def build_workload_app(runner: WorkloadRunner, admin_token: str | None = None, a
             await batcher.swap(variant)
         except ValueError as e:
             raise APIError(400, f"variant refused on {runner.device}, the previous variant stays active: "
-                                f"{short(e, 300)}", param="variant", code="variant_refused") from None
+                                f"{clip(e)}", param="variant", code="variant_refused") from None
         return {**_variant_answer(), "gate": gate}
 
     @app.post("/admin/rollback")
@@ -220,7 +220,7 @@ def build_workload_app(runner: WorkloadRunner, admin_token: str | None = None, a
         except NoPrevious as e:
             raise APIError(409, str(e), code="rollback_refused") from None
         except ValueError as e:
-            raise APIError(400, f"rollback refused, the active variant stays: {short(e, 300)}",
+            raise APIError(400, f"rollback refused, the active variant stays: {clip(e)}",
                            code="rollback_refused") from None
         return _variant_answer()
 
