@@ -11,10 +11,10 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYERS = ["kernels", "engine", "checks", "ops", "assets", "pipelines"]
 # inside a layer, each subpackage (or top-level module) imports only those before it in its list
 SUBLAYERS = {
-    "engine": ["errors", "disk_cache", "config", "generated", "model", "loader", "sched", "worker", "core", "serving",
-               "entrypoints"],
+    "engine": ["errors", "disk_cache", "config", "workloads", "generated", "model", "loader", "sched", "worker", "core",
+               "serving", "entrypoints"],
     "kernels": ["pdl", "counters", "timing", "pointwise", "attention", "linear", "moe", "generated"],
-    "ops": ["traffic", "measure", "predict", "judge", "search", "release"],
+    "ops": ["traffic", "measure", "predict", "judge", "workloads", "search", "release"],
 }
 MAX_LINES = 500
 MAX_FLAT = 12
