@@ -3,7 +3,9 @@ thread takes the group the workload's batch policy would run first (the oldest r
 its forward pass), runs ``runner(group)`` and resolves each request's future with its own output.
 
 Variant swaps and rollbacks go through the same thread, so they land between two batches, never during one; the
-variants swapped away from are kept, newest last, for rollback. A batch that raises is run again one request at a
+variants swapped away from are kept, newest last, for rollback. With ``warmup`` (requests to run right after an
+install), a variant whose first pass fails (a compile error, say) is taken out again before any client request
+reaches it: the previous variant stays. A batch that raises is run again one request at a
 time, so one request's failure is only its own.
 """
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import collections
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.workloads.variants import WorkloadRunner, WorkloadVariant
@@ -69,11 +72,12 @@ def _resolve(fut: asyncio.Future, loop: asyncio.AbstractEventLoop, result=None, 
 
 class WorkloadBatcher:
     def __init__(self, runner: WorkloadRunner, max_queue: int = 256, max_wait_s: float = 0.002,
-                 on_batch=None) -> None:
+                 on_batch=None, warmup: Callable[[], list[WorkloadRequest]] | None = None) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be at least 1, got {max_queue}")
         self.runner, self.max_queue, self.max_wait_s = runner, max_queue, max_wait_s
         self.on_batch = on_batch  # called with each batch's size (the server's metrics)
+        self.warmup = warmup
         self.history: list[WorkloadVariant] = []  # variants swapped away from, newest last
         self.stats = BatchStats()
         self._cond = threading.Condition()
@@ -181,6 +185,12 @@ class WorkloadBatcher:
                 self.history.pop()
             else:
                 self.runner.install(op.variant)
+                if self.warmup is not None:
+                    try:
+                        self.runner(self.warmup())
+                    except Exception as e:
+                        self.runner.install(before)
+                        raise ValueError(f"its first forward pass failed ({type(e).__name__}: {e})") from e
                 self.history.append(before)
             _resolve(op.future, op.loop, self.runner.variant)
         except Exception as e:  # noqa: BLE001 - the swap's caller gets it; the worker goes on

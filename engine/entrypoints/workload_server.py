@@ -110,7 +110,8 @@ def build_workload_app(runner: WorkloadRunner, admin_token: str | None = None, a
     specs = input_specs(workload)
     metrics = WorkloadMetrics(workload.name)
     batcher = WorkloadBatcher(runner, max_queue=max_queue, max_wait_s=max_wait_s,
-                              on_batch=lambda n: metrics.batch.labels(workload.name).observe(n))
+                              on_batch=lambda n: metrics.batch.labels(workload.name).observe(n),
+                              warmup=lambda: workload.make_inputs([workload.min_size], 0, runner.device))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):

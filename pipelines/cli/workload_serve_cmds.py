@@ -19,7 +19,7 @@ answer: {"id", "workload", "variant_id", "outputs": {"shape", "data"}, "latency_
 example (patchtst: a request of 2 series of 336 hourly samples each):
 
   polyinf serve-workload patchtst --port 8100 --admin-token secret &
-  curl -s localhost:8100/v1/workloads?size=2
+  curl -s 'localhost:8100/v1/workloads?size=2'
   curl -s localhost:8100/v1/workloads/patchtst/infer -H 'Content-Type: application/json' \\
        -d '{"size": 2, "seed": 7}'
   python -c 'import json; print(json.dumps({"inputs": {"series": {"shape": [1, 336], "data": [0.5] * 336}}}))' |

@@ -322,3 +322,28 @@ def test_cli_serve_workload_serves_and_swaps():
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_a_variant_whose_first_pass_fails_is_taken_out_before_any_request_reaches_it(served):
+    """A planted fault: the variant named "broken" builds a forward that raises (as a failed compile would)."""
+    url, runner = served["url"], served["runner"]
+    active = runner.variant.variant_id
+    real = runner._forward_of
+
+    def planted(variant):
+        if variant.name != "broken":
+            return real(variant)
+
+        def fails(**_):
+            raise RuntimeError("planted compile failure")
+        return fails
+
+    runner._forward_of = planted
+    try:
+        r = httpx.post(url + "/admin/variant", headers=ADMIN, json={"name": "broken", "max_batch": 3})
+    finally:
+        runner._forward_of = real
+    assert r.status_code == 400 and r.json()["error"]["code"] == "variant_refused"
+    assert "first forward pass failed" in r.json()["error"]["message"]
+    assert runner.variant.variant_id == active
+    assert _infer(url, {"size": 1, "seed": 4}).json()["variant_id"] == active
