@@ -62,10 +62,8 @@ class WorkloadMetrics:
                             registry=self.registry)
         self.workload = workload
 
-    def answered(self, status: int, seconds: float | None) -> None:
+    def answered(self, status: int) -> None:
         self.requests.labels(self.workload, str(status)).inc()
-        if seconds is not None:
-            self.latency.labels(self.workload).observe(seconds)
 
 
 async def read_json(request: Request, limit: int):
@@ -128,7 +126,7 @@ def build_workload_app(runner: WorkloadRunner, admin_token: str | None = None, a
     async def _count(request: Request, call_next):
         response = await call_next(request)
         if request.method == "POST" and request.url.path.endswith("/infer"):
-            metrics.answered(response.status_code, None)
+            metrics.answered(response.status_code)
         return response
 
     def _check_name(name: str) -> None:

@@ -347,3 +347,25 @@ def test_a_variant_whose_first_pass_fails_is_taken_out_before_any_request_reache
     assert "first forward pass failed" in r.json()["error"]["message"]
     assert runner.variant.variant_id == active
     assert _infer(url, {"size": 1, "seed": 4}).json()["variant_id"] == active
+
+
+@pytest.mark.parametrize("name", ["fno", "weather_gnn", "protein_e3nn", "patchtst"])
+def test_the_described_inputs_are_what_each_generator_makes_and_parse_back_to_its_size(name):
+    """What GET /v1/workloads tells a client to send, at every size level, is what the workload's own generator
+    makes; such a body parses back to the same size and tensors (derived ones recomputed)."""
+    from engine.entrypoints.workload_protocol import input_specs, parse_request
+
+    w = get_workload(name)
+    specs = input_specs(w)
+    for size in w.size_levels[:3]:
+        req = w.make_inputs([size], seed=size)[0]
+        assert {s.name: s.shape(size) for s in specs} == {
+            k: list(v.shape) for k, v in req.tensors.items() if k in {s.name for s in specs}}
+        parsed = parse_request(w, specs, _explicit_subset(req, {s.name for s in specs}))
+        assert parsed.size == size and parsed.tensors.keys() == req.tensors.keys()
+        assert all(torch.equal(parsed.tensors[k], v) for k, v in req.tensors.items())
+
+
+def _explicit_subset(request, names: set[str]) -> dict:
+    return {"inputs": {k: {"shape": list(v.shape), "data": v.flatten().tolist()}
+                       for k, v in request.tensors.items() if k in names}}
