@@ -23,7 +23,6 @@ N_TYPES = 20
 HIDDEN = "16x0e + 8x1o + 4x2e"
 OUTPUT = "1x0e + 1x1o"
 SEED = 47
-AVG_NEIGHBORS = 12.0  # a C-alpha trace has about this many residues within 10 A; messages are scaled by its root
 
 
 @functools.cache
@@ -64,7 +63,13 @@ class Convolution(nn.Module):
             x = x.float()
             msg = self.tp(x[src], sh.float(), weight.float())  # [E, irreps_out.dim]
             summed = torch.zeros(x.shape[0], msg.shape[1], dtype=msg.dtype, device=msg.device).index_add_(0, dst, msg)
-            return self.self_interaction(x) + summed / AVG_NEIGHBORS ** 0.5
+            degree = torch.zeros(x.shape[0], dtype=msg.dtype, device=msg.device).index_add_(
+                0, dst, torch.ones_like(dst, dtype=msg.dtype))
+            # a residue's messages over the root of its own neighbour count, and the two halves' sum scaled back
+            # to unit variance: the features keep their scale through the layers whatever the protein's packing
+            # (an output of order 1, like a trained model's)
+            summed = summed / degree.clamp_min(1).sqrt().unsqueeze(1)
+            return (self.self_interaction(x) + summed) / 2 ** 0.5
 
 
 class ProteinE3NN(nn.Module):
@@ -114,13 +119,13 @@ def build() -> ProteinE3NN:
 
 
 def make_request(size: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """A C-alpha trace: a random walk of 3.8 A steps that turns by about 90-120 degrees (helix- and strand-like),
-    residue types uniform; the edges of its 10 A radius graph."""
+    """A C-alpha trace: a persistent random walk of 3.8 A steps, residue types uniform; the edges of its 10 A
+    radius graph."""
     steps = torch.randn(size, 3, generator=gen)
     steps = steps / steps.norm(dim=1, keepdim=True)
     d = steps.clone()
-    for i in range(1, size):  # each step leans back on the previous one, so the chain folds instead of diffusing
-        d[i] = steps[i] - 0.4 * d[i - 1]
+    for i in range(1, size):  # each step keeps some of the previous direction: a chain, not a diffusing cloud
+        d[i] = steps[i] + 0.5 * d[i - 1]
         d[i] = d[i] / d[i].norm()
     pos = torch.cumsum(3.8 * d, 0)
     pos = pos - pos.mean(0)
