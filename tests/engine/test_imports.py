@@ -13,10 +13,10 @@ def test_engine_and_kernels_import_without_optional_packages():
     code = textwrap.dedent("""
         import builtins, pkgutil, importlib, sys
         blocked = ("transformers", "gguf", "fastapi", "uvicorn", "dagster", "accelerate", "tokenizers", "jinja2",
-                   "prometheus_client", "starlette", "openai")
+                   "prometheus_client", "starlette", "openai", "torch_geometric", "e3nn")
         # the serving modules need the web stack by design; everything else must import without it
         serving = {"engine.entrypoints.server", "engine.serving.metrics", "engine.serving.async_engine", "engine.entrypoints.router",
-                   "engine.entrypoints.http_base"}
+                   "engine.entrypoints.http_base", "engine.entrypoints.workload_server"}
         real_import = builtins.__import__
         def guarded(name, *a, **k):
             if name.split(".")[0] in blocked:
