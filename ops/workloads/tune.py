@@ -12,7 +12,8 @@ compared with static-best in paired rounds, and the best gated one chosen only w
    and the fastest that passes tolerance mode go on.
 5. **slow tier, paired**: each of those and static-best replay the request-size trace in alternation, A B A B;
    the throughput ratio's 95% interval (bootstrap over rounds) gives the verdict.
-6. **choice**: the bit-exact candidate replaces static-best only when its ratio's lower bound exceeds 1.0
+6. **choice**: the bit-exact candidate replaces static-best only when its verdict is "better" and its ratio's lower
+   bound exceeds the judge's minimum gain (``ops.judge.rule.MIN_GAIN``, 1.05: the LLM loop's rule)
    (``allow_tolerance``: the tolerance-mode one may too); otherwise static-best stays.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ from checks.workload_gate import BIT_EXACT, TOLERANCE, GateResult, gate_workload
 from engine.workloads.static_best import static_best
 from engine.workloads.variants import WorkloadRunner, WorkloadVariant, build_runner, refusal
 from engine.workloads.workload import Workload, get_workload
+from ops.judge.rule import MIN_GAIN
 from ops.workloads.tiers import BETTER, CENSORED, Ratio, SlowResult, fast_tier, mix_requests, paired, slow_tier
 from ops.workloads.traffic import SizeTrace, size_trace
 
@@ -215,7 +217,8 @@ def tune_workload(name: str, device: str = "cpu", cfg: TuneConfig = TuneConfig()
     static_slow = exact_cmp.base_slow[-1] if exact_cmp else tol_cmp.base_slow[-1] if tol_cmp else None
     chosen, verdict, reason = static_variant, exact_cmp.ratio.verdict if exact_cmp else CENSORED, ""
     pick = [c for c in ([exact_cmp] + ([tol_cmp] if cfg.allow_tolerance else [])) if c is not None]
-    pick = max((c for c in pick if c.ratio.verdict == BETTER), key=lambda c: c.ratio.low, default=None)
+    pick = max((c for c in pick if c.ratio.verdict == BETTER and c.ratio.low > MIN_GAIN), key=lambda c: c.ratio.low,
+               default=None)
     if pick is not None:
         chosen, verdict = pick.arm.variant, BETTER
         reason = (f"{pick.arm.variant.name} ({pick.arm.variant.describe()}) {pick.ratio.line()} static-best's "
@@ -224,6 +227,7 @@ def tune_workload(name: str, device: str = "cpu", cfg: TuneConfig = TuneConfig()
         reason = "no candidate passed the bit-exact gate: static-best stays"
     else:
         reason = (f"the fastest bit-exact candidate, {exact.variant.name} ({exact.variant.describe()}), is "
-                  f"{exact_cmp.ratio.line()} static-best's: its lower bound does not exceed 1.0, static-best stays")
+                  f"{exact_cmp.ratio.line()} static-best's: its lower bound does not exceed {MIN_GAIN} (the judge's "
+                  "minimum gain), static-best stays")
     return WorkloadTuning(workload.name, str(device), f"{trace.source}", static, static_slow, arms, exact_cmp,
                           tol_cmp, replace(chosen), verdict, reason, time.perf_counter() - t0)
