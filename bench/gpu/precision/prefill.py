@@ -8,7 +8,6 @@ against its FP8 form as the tuner proposes it."""
 from __future__ import annotations
 
 import dataclasses
-import time
 import traceback
 
 import torch
@@ -124,7 +123,7 @@ def w8a8_prefill(m: Llama8B, profile: bool = True) -> None:
     """8 x 2,048-token prompts in 8,192-token steps (one output token each), bf16 / FP8 without W8A8 (its GEMM's
     input quantized in a launch of its own after the bf16 norm or activation) / FP8 W8A8, each timed after the
     same batch ran once; the last position's logits of one 2,048-token prompt against bf16's."""
-    from bench.gpu.precision.weights import _logits
+    from bench.gpu.precision.weights import _logits, prefill_seconds
     from engine import SamplingParams
     from engine.config.presets import preset_variant
     from engine.model import precision
@@ -145,14 +144,7 @@ def w8a8_prefill(m: Llama8B, profile: bool = True) -> None:
         precision.W8A8_MIN_ROWS = min_rows
         try:
             eng.apply_variant(dataclasses.replace(form, weight_dtype=kind))
-            for _ in range(2):
-                eng.block_manager.reset_prefix_cache()
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                eng.generate(pp, SamplingParams(max_tokens=1, ignore_eos=True))
-                torch.cuda.synchronize()
-                dt = time.perf_counter() - t
-            eng.block_manager.reset_prefix_cache()
+            dt = prefill_seconds(eng, pp)
             logits = _logits(eng, pp[0])
             if profile and label != "fp8 without W8A8":
                 kernel_profile(f"8B prefill step of 8192 tokens, {label}", step, steps=3, top=10)

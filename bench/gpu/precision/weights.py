@@ -96,6 +96,22 @@ def _logits(eng, prompt) -> torch.Tensor:
     return sink[0][-1]
 
 
+def prefill_seconds(eng, prompts) -> float:
+    """Seconds to prefill ``prompts`` (one output token each), the second of two runs (the first compiles and
+    tunes the kernels of its shapes), the prefix cache emptied before each."""
+    from engine import SamplingParams
+
+    for _ in range(2):
+        eng.block_manager.reset_prefix_cache()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        eng.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+    eng.block_manager.reset_prefix_cache()
+    return dt
+
+
 @section
 def llama8b_precision(m: Llama8B, bw: float, prefill: bool = True, profile: bool = True):
     from engine import SamplingParams
@@ -157,14 +173,7 @@ def llama8b_precision(m: Llama8B, bw: float, prefill: bool = True, profile: bool
         for kind in KINDS:
             try:
                 eng.apply_variant(dataclasses.replace(prefill_form, weight_dtype=kind))
-                for _ in range(2):
-                    eng.block_manager.reset_prefix_cache()
-                    torch.cuda.synchronize()
-                    t = time.perf_counter()
-                    eng.generate(pp, SamplingParams(max_tokens=1, ignore_eos=True))
-                    torch.cuda.synchronize()
-                    dt = time.perf_counter() - t
-                eng.block_manager.reset_prefix_cache()
+                dt = prefill_seconds(eng, pp)
             except Exception as e:
                 traceback.print_exc()
                 row(f"8B prefill, {kind} weights", f"FAILED {type(e).__name__}: {str(e)[:200]}")
