@@ -74,6 +74,11 @@ def for_deployment(context, runner, endpoint=None):
     if not context.has_partition_key:
         return runner if endpoint is None else (runner, endpoint)
     dep = Deployment.parse(context.partition_key)
+    from engine.workloads.workload import WORKLOADS
+
+    if dep.model in WORKLOADS:
+        raise dg.Failure(f"deployment {dep.key!r} is a workload's ({dep.model!r}), not an LLM's: the "
+                         "'optimize_workload' job tunes it, not 'reoptimize'")
     runner = runner.model_copy(update={"model": dep.model, "device": dep.device})
     if endpoint is None:
         return runner

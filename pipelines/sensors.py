@@ -16,8 +16,10 @@ import dagster as dg
 
 from assets.resources import TrafficSource
 
-OPTIMIZE_JOB = dg.define_asset_job("reoptimize", selection=dg.AssetSelection.all(),
-                                   description="Re-run the whole optimization graph for one deployment.")
+WORKLOAD_GROUP = "workloads"  # assets/workloads.py's group: the non-LLM workloads' graph, its own job
+OPTIMIZE_JOB = dg.define_asset_job("reoptimize",
+                                   selection=dg.AssetSelection.all() - dg.AssetSelection.groups(WORKLOAD_GROUP),
+                                   description="Re-run the whole optimization graph for one LLM deployment.")
 
 WINDOW = 2000  # the newest records since the last build (or the last firing) that the traffic sensor profiles
 
@@ -97,7 +99,10 @@ def _since_build(record, traffic: TrafficSource, min_requests: int) -> tuple[dic
 @dg.schedule(job=OPTIMIZE_JOB, cron_schedule="0 3 * * *", name="nightly_reoptimization",
              description="Re-optimize every deployment every night on the traffic captured since its last build.")
 def nightly(context: dg.ScheduleEvaluationContext, drift: DriftConfig, traffic: TrafficSource):
-    keys = context.instance.get_dynamic_partitions("deployments")
+    from engine.workloads.workload import WORKLOADS
+
+    # the LLM deployments (a workload's key, model = a workload's name, is the optimize_workload job's)
+    keys = [k for k in context.instance.get_dynamic_partitions("deployments") if k.split("|")[0] not in WORKLOADS]
     if not keys:
         return dg.SkipReason("no deployments yet")
     requests = []

@@ -21,9 +21,16 @@ def test_definitions_load():
     keys = {k.to_user_string() for k in defs.resolve_asset_graph().get_all_asset_keys()}
     assert keys == {"traffic_traces", "traffic_profile", "model_spec", "hardware_profile", "cost_model_plan",
                     "variant_candidates", "fast_bench_results", "slow_bench_results", "engine_build",
-                    "deployed_endpoint"}
+                    "deployed_endpoint",
+                    # the non-LLM workloads' group (assets/workloads.py), its own job
+                    "workload_traffic", "workload_tuning", "workload_deployment"}
     assert {k.name for k in defs.resolve_asset_graph().asset_check_keys} == {
-        "engine_build_gates", "traffic_traces_expectations", "fast_bench_expectations", "slow_bench_expectations"}
+        "engine_build_gates", "traffic_traces_expectations", "fast_bench_expectations", "slow_bench_expectations",
+        "workload_gate"}
+    assert {n.name for n in defs.resolve_job_def("optimize_workload").graph.node_defs} == {
+        "workload_traffic", "workload_tuning", "workload_deployment", "workload_tuning_workload_gate"}
+    assert not {n.name for n in defs.resolve_job_def("reoptimize").graph.node_defs} & {
+        "workload_traffic", "workload_tuning", "workload_deployment", "workload_tuning_workload_gate"}
     assert {s.name for s in defs.sensors} == {"traffic_drift_sensor", "model_drift_sensor", "hardware_drift_sensor",
                                              "deployments_sensor"}
     assert [s.cron_schedule for s in defs.schedules] == ["0 3 * * *"]
