@@ -150,11 +150,13 @@ class WorkloadServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = secrets.token_hex(16)
-        env = {**without_secrets(), "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        # the server gets its own token and none of this process's secrets; the token in its environment, not on
+        # its command line (which any local user can read), as ops/release/deploy.py's ServerProcess does
+        env = {**without_secrets(), "POLYINF_ADMIN_TOKEN": self.token,
+               "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"polyinf-workload-{name}-", suffix=".log")
-        # the token on stdin would be neater; serve-workload takes it as an option, on a loopback-only server
         self.proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "serve-workload", name, "--port",
-                                      str(self.port), "--device", device, "--admin-token", self.token],
+                                      str(self.port), "--device", device],
                                      stdout=subprocess.DEVNULL, stderr=self.log, text=True, env=env, cwd=ROOT)
         deadline = time.time() + startup_s
         while time.time() < deadline:
