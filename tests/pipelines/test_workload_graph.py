@@ -12,9 +12,22 @@ KEY = "patchtst|cpu|embedded"
 VERDICTS = {"better", "worse", "no detectable difference", "censored"}
 
 
-def _run(instance, key):
-    from pipelines.definitions import defs
+@pytest.fixture(autouse=True)
+def _clean_environment(monkeypatch):
+    """The code location's resources read the process environment, which other tests in this worker may have set
+    (an endpoint URL, an admin token): each run here builds them from an environment without those."""
+    for name in ("POLYINF_ADMIN_TOKEN", "POLYINF_ENDPOINT_URL", "POLYINF_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
 
+
+def _run(instance, key):
+    from assets import workloads
+    from pipelines.definitions import OPTIMIZE_WORKLOAD_JOB
+    from pipelines.wiring import code_location_resources
+
+    defs = dg.Definitions(assets=dg.load_assets_from_modules([workloads]),
+                          asset_checks=dg.load_asset_checks_from_modules([workloads]),
+                          jobs=[OPTIMIZE_WORKLOAD_JOB], resources=code_location_resources(environ={}))
     instance.add_dynamic_partitions("deployments", [key])
     return defs.resolve_job_def("optimize_workload").execute_in_process(
         instance=instance, partition_key=key, raise_on_error=False)
