@@ -22,25 +22,19 @@ assets), instead of loading a model the key does not name.
 """
 
 import atexit
-import os
-import secrets
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import dagster as dg
 import httpx
 
 from assets.deployments import DEPLOYMENTS, Deployment
 from assets.resources import Endpoint
+from ops.release.deploy import LoopbackServer
 
 GROUP = "workloads"  # pipelines/sensors.py WORKLOAD_GROUP (the jobs select by it)
-ROOT = Path(__file__).resolve().parents[1]
 _LOCK = threading.Lock()
-_SERVERS: dict[str, "WorkloadServer"] = {}  # embedded workload servers this process started, by partition key
+_SERVERS: dict[str, LoopbackServer] = {}  # embedded workload servers this process started, by partition key
 
 
 def _workload(context) -> tuple[Deployment, object]:
@@ -140,50 +134,9 @@ def workload_gate(context: dg.AssetCheckExecutionContext, workload_tuning) -> dg
         "max_abs": float(result.max_abs), "seed": result.seed, "line": result.line()})
 
 
-class WorkloadServer:
+def _workload_server(name: str, device: str, startup_s: float = 180.0):
     """A ``polyinf serve-workload`` on loopback, started and stopped by us (its admin token: a fresh one)."""
-
-    def __init__(self, name: str, device: str, startup_s: float = 180.0) -> None:
-        from engine.generated.isolation import without_secrets
-        from ops.release.deploy import free_port
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.token = secrets.token_hex(16)
-        # the server gets its own token and none of this process's secrets; the token in its environment, not on
-        # its command line (which any local user can read), as ops/release/deploy.py's ServerProcess does
-        env = {**without_secrets(), "POLYINF_ADMIN_TOKEN": self.token,
-               "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"polyinf-workload-{name}-", suffix=".log")
-        self.proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "serve-workload", name, "--port",
-                                      str(self.port), "--device", device],
-                                     stdout=subprocess.DEVNULL, stderr=self.log, text=True, env=env, cwd=ROOT)
-        deadline = time.time() + startup_s
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"polyinf serve-workload exited: {self.log_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"polyinf serve-workload {name} did not become healthy in {startup_s:.0f} s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def log_text(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
+    return LoopbackServer(["serve-workload", name, "--device", device], f"polyinf serve-workload {name}", startup_s)
 
 
 def stop_workload_servers() -> None:
@@ -206,7 +159,7 @@ def _connect(dep: Deployment, name: str, endpoint: Endpoint) -> tuple[str, str]:
     with _LOCK:
         server = _SERVERS.get(dep.key)
         if server is None or server.proc.poll() is not None:
-            server = _SERVERS[dep.key] = WorkloadServer(name, dep.device)
+            server = _SERVERS[dep.key] = _workload_server(name, dep.device)
     return server.url, server.token
 
 

@@ -28,19 +28,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServerProcess:
-    """A `polyinf serve` on loopback, started and stopped by us."""
+class LoopbackServer:
+    """A ``polyinf`` server subcommand on a free loopback port, started and stopped by us, healthy on return."""
 
-    def __init__(self, model_args: list[str], served_name: str, capture_dir: Path | None = None,
-                 startup_s: float = 300.0) -> None:
+    def __init__(self, command: list[str], label: str, startup_s: float = 300.0) -> None:
+        """``command``: the subcommand and its arguments (``--port`` is added)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = secrets.token_hex(16)
-        self.name = served_name
-        args = [sys.executable, "-m", "pipelines.cli", "serve", *model_args, "--port", str(self.port),
-                "--served-model-name", served_name]
-        if capture_dir is not None:
-            args += ["--capture-dir", str(capture_dir)]
+        args = [sys.executable, "-m", "pipelines.cli", *command, "--port", str(self.port)]
         root = str(Path(__file__).resolve().parents[2])
         # the server gets its own token and none of this process's secrets (LLM keys, cloud credentials);
         # the token goes in its environment, not on its command line (which any local user can read)
@@ -52,7 +48,7 @@ class ServerProcess:
         deadline = time.time() + startup_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"polyinf serve exited: {self.log_text()[-2000:]}")
+                raise RuntimeError(f"{label} exited: {self.log_text()[-2000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -60,7 +56,7 @@ class ServerProcess:
                 pass
             time.sleep(0.5)
         self.stop()
-        raise RuntimeError("polyinf serve did not become healthy in time")
+        raise RuntimeError(f"{label} did not become healthy in {startup_s:.0f} s")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -76,6 +72,18 @@ class ServerProcess:
         self.log.flush()
         self.log.seek(0)
         return self.log.read()
+
+
+class ServerProcess(LoopbackServer):
+    """A `polyinf serve` on loopback, started and stopped by us."""
+
+    def __init__(self, model_args: list[str], served_name: str, capture_dir: Path | None = None,
+                 startup_s: float = 300.0) -> None:
+        self.name = served_name
+        command = ["serve", *model_args, "--served-model-name", served_name]
+        if capture_dir is not None:
+            command += ["--capture-dir", str(capture_dir)]
+        super().__init__(command, "polyinf serve", startup_s)
 
 
 @dataclass
