@@ -13,9 +13,7 @@ Two kernels, chosen per batch:
   holds the last position writes into the cache and attends to from registers; the splits are
   merged by the merge kernel after it, or by the last of them to finish. One or two launches for
   what is otherwise three.
-- prefill / chunked prefill (any sequence has several new tokens): one program per
-  (tile of BLOCK_M new tokens of one sequence, query head), walking the causal context
-  through the block table with an online softmax.
+- prefill / chunked prefill (any sequence has several new tokens): kernels/attention/prefill_triton.py.
 """
 from __future__ import annotations
 
@@ -30,6 +28,7 @@ from kernels.counters import ArrivalCounters, fresh_counters
 from kernels.attention.kv_store_triton import to_cache
 from kernels.pdl import launch_options, pdl_enter
 from kernels.attention.rotary_triton import _head_norm, _rotary_store_kv
+from kernels.attention.prefill_triton import PREFILL_TILES, prefill_attention
 
 
 @triton.jit
@@ -107,51 +106,6 @@ def _decode_kernel(
 
 
 @triton.jit
-def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, ctx_ptr, qsl_ptr, tile_seq_ptr, tile_m_ptr,
-    stride_qt, stride_qh, stride_bt, scale, GROUP, D, BLOCK_SIZE, KVH, H,
-    BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-):
-    tile = tl.program_id(0)
-    head = tl.program_id(1)
-    kvh = head // GROUP
-    seq = tl.load(tile_seq_ptr + tile)
-    m0 = tl.load(tile_m_ptr + tile)  # first new token of this tile, counted within the sequence
-    q_start = tl.load(qsl_ptr + seq)
-    n_new = tl.load(qsl_ptr + seq + 1) - q_start
-    ctx = tl.load(ctx_ptr + seq)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < n_new
-    pos_m = ctx - n_new + offs_m  # position of each query row in its sequence
-    offs_d = tl.arange(0, D_PAD)
-    mask_d = offs_d < D
-    q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    end = tl.minimum(ctx, ctx - n_new + m0 + BLOCK_M)  # keys the last row of the tile may see
-    n0 = end * 0
-    while n0 < end:
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        blk = tl.load(bt_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
-        slot = blk.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
-        kv_off = slot[:, None] * (KVH * D) + kvh * D + offs_d[None, :]
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
-        s = _dot(q, tl.trans(k), IEEE) * scale  # (BLOCK_M, BLOCK_N)
-        s = tl.where(mask_n[None, :] & (offs_n[None, :] <= pos_m[:, None]), s, float("-inf"))
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        n0 += BLOCK_N
-    out = acc / l_i[:, None]
-    tl.store(o_ptr + (q_start + offs_m)[:, None] * (H * D) + head * D + offs_d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
-
-
-@triton.jit
 def _merge_kernel(part_ptr, m_ptr, l_ptr, o_ptr, S, D, S_PAD: tl.constexpr, D_PAD: tl.constexpr,
                   PDL: tl.constexpr = 0):
     """One program per (sequence, head): the splits' partial results weighed by their running max and sum.
@@ -225,41 +179,24 @@ def _decode(q, k_cache, v_cache, meta, scale, num_splits, block_n, num_warps, nu
     return out
 
 
-def _prefill(q, k_cache, v_cache, meta, scale, block_m, block_n, num_warps, num_stages):
-    t, h, d = q.shape
-    kvh, bs = k_cache.shape[2], k_cache.shape[1]
-    qsl = meta.query_start_loc
-    tile_seq, tile_m = [], []
-    for i in range(len(meta.context_lens)):
-        for m0 in range(0, qsl[i + 1] - qsl[i], block_m):
-            tile_seq.append(i)
-            tile_m.append(m0)
-    out = torch.empty((t, h, d), device=q.device, dtype=q.dtype)
-    dev = q.device
-    _prefill_kernel[(len(tile_seq), h)](
-        q, k_cache, v_cache, out, meta.block_tables, meta.context_lens_t, meta.query_start_loc_t,
-        torch.tensor(tile_seq, dtype=torch.int32, device=dev), torch.tensor(tile_m, dtype=torch.int32, device=dev),
-        q.stride(0), q.stride(1), meta.block_tables.stride(0), scale, h // kvh, d, bs, kvh, h,
-        BLOCK_M=block_m, D_PAD=max(16, triton.next_power_of_2(d)), BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    return out
-
-
 def paged_attention_triton(
     q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-    num_splits: int = 1, block_n: int = 32, block_m: int = 32, num_warps: int = 4, num_stages: int = 2,
-    pdl: int = 0,
+    num_splits: int = 1, block_n: int = 32, block_m: int = PREFILL_TILES["block_m"], num_warps: int = 4,
+    num_stages: int = 2, pdl: int = 0, prefill_block_n: int = PREFILL_TILES["block_n"],
+    prefill_warps: int = PREFILL_TILES["num_warps"], prefill_stages: int = PREFILL_TILES["num_stages"],
 ):
-    """Decode batches go to the decode kernel (split into ``num_splits`` KV ranges; 0: by the batch's size),
-    others to the prefill kernel. ``pdl``: the decode kernels with programmatic dependent launch
-    (kernels/pdl.py)."""
+    """Decode batches go to the decode kernel (split into ``num_splits`` KV ranges; 0: by the batch's size;
+    ``block_n`` keys per tile, ``num_warps``, ``num_stages``), others to the prefill kernel (``block_m`` query
+    rows by ``prefill_block_n`` keys per tile, ``prefill_warps``, ``prefill_stages``: its own tiles, since a
+    prefill's work is a matrix product where decode's is a stream of the cache). ``pdl``: the decode kernels
+    with programmatic dependent launch (kernels/pdl.py)."""
     _check(q, k_cache, v_cache, meta)
     if q.shape[0] == 0:
         return torch.empty_like(q)
     if meta.max_query_len == 1:
         return _decode(q, k_cache, v_cache, meta, scale, num_splits, block_n, num_warps, num_stages, pdl)
-    return _prefill(q, k_cache, v_cache, meta, scale, block_m, block_n, num_warps, num_stages)
+    return prefill_attention(q, k_cache, v_cache, meta, scale, block_m, prefill_block_n, prefill_warps,
+                             prefill_stages)
 
 
 def split_kv_attention_triton(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, num_splits: int = 4,
@@ -422,8 +359,10 @@ def _rotary_decode_kernel(
 
 def rotary_attention_triton(
     q, k, v, q_weight, k_weight, eps: float, positions, cos_sin, k_cache, v_cache, meta: AttentionMetadata,
-    scale: float, *, num_splits: int = 0, merge_by_last: int = 0, block_n: int = 32, block_m: int = 32,
-    num_warps: int = 4, num_stages: int = 2, cache_before_wait: int = 1, pdl: int = 0, counters=None,
+    scale: float, *, num_splits: int = 0, merge_by_last: int = 0, block_n: int = 32,
+    block_m: int = PREFILL_TILES["block_m"], num_warps: int = 4, num_stages: int = 2, cache_before_wait: int = 1,
+    pdl: int = 0, counters=None, prefill_block_n: int = PREFILL_TILES["block_n"],
+    prefill_warps: int = PREFILL_TILES["num_warps"], prefill_stages: int = PREFILL_TILES["num_stages"],
 ):
     """Same contract as ``kernels.attention.attention.rotary_attention_ref``. A decode batch takes ``_rotary_decode_kernel``
     (``num_splits`` as ``paged_attention_triton``'s, 0: by the batch's size; the splits merged by the merge
@@ -437,7 +376,9 @@ def rotary_attention_triton(
         q = _rotary_store_kv(q, k, v, q_weight, k_weight, eps, positions, cos_sin, k_cache, v_cache,
                              meta.slot_mapping, pdl)
         return paged_attention_triton(q, k_cache, v_cache, meta, scale, num_splits=num_splits, block_n=block_n,
-                                      block_m=block_m, num_warps=num_warps, num_stages=num_stages, pdl=pdl)
+                                      block_m=block_m, num_warps=num_warps, num_stages=num_stages, pdl=pdl,
+                                      prefill_block_n=prefill_block_n, prefill_warps=prefill_warps,
+                                      prefill_stages=prefill_stages)
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1, "the head dimension must be contiguous"
     assert k.shape == v.shape == (t, kvh, d) and d % 2 == 0 and h % kvh == 0
     assert cos_sin.is_contiguous() and cos_sin.shape[-1] * 2 == d

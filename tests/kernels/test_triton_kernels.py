@@ -144,6 +144,7 @@ CASES = [
     (9, 3, 64, 16, [(37, 5), (16, 1), (70, 70)]),  # SmolLM2's GQA 3:1, chunked prefill
     (8, 2, 40, 5, [(23, 1), (6, 6), (41, 1), (11, 4)]),  # non-power-of-two head dim and block size
     (6, 1, 32, 8, [(100, 1)]),  # multi-query, a longer decode
+    (4, 2, 16, 16, [(150, 40), (90, 90), (33, 1)]),  # chunks after long contexts: unmasked tiles, then diagonal
 ]
 
 
@@ -152,8 +153,8 @@ def test_paged_attention(case):
     heads, kvh, d, bs, specs = case
     q, kc, vc, meta = _paged_case(len(specs) * 31 + d, heads, kvh, d, bs, specs)
     ref = paged_attention_ref(q, kc, vc, meta, d**-0.5)
-    for block_m, block_n in ((16, 16), (32, 64)):
-        got = paged_attention_triton(q, kc, vc, meta, d**-0.5, block_m=block_m, block_n=block_n)
+    for block_m, block_n in ((16, 16), (32, 64), (64, 16)):  # prefill tiles: rows, keys
+        got = paged_attention_triton(q, kc, vc, meta, d**-0.5, block_m=block_m, prefill_block_n=block_n)
         torch.testing.assert_close(got, ref, **TOL)
     # the same contexts as a pure decode batch: the decode kernel, whole and split
     last = [meta.query_start_loc[i + 1] - 1 for i in range(len(specs))]

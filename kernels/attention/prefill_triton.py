@@ -1,0 +1,120 @@
+"""Triton attention of prefill and chunked-prefill batches over the paged KV cache (the decode kernels:
+kernels/attention/attention_triton.py, which sends batches with several new tokens of a sequence here).
+
+One program per (tile of BLOCK_M new tokens of one sequence, query head) walks the sequence's causal context
+through the block table with an online softmax in base 2. The keys up to the tile's first query position are
+visible to every row of the tile: those whole tiles of keys run without a mask, only the diagonal ones are
+masked. Tiles are launched longest context first, so the short ones fill the tail of the grid.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attention.attention import AttentionMetadata
+
+LOG2E = 1.4426950408889634  # scores in base 2 (exp2)
+# 128 query rows by 64 keys, 8 warps, 3 stages: flash attention's tiles on Hopper GPUs (a prefill's work is a
+# matrix product; decode's parameters tile a stream of the cache instead)
+PREFILL_TILES = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _prefill_tile(q, acc, m_i, l_i, k_ptr, v_ptr, bt_ptr, seq, stride_bt, n0, end, pos_m, kvh, offs_d, mask_d,
+                  qk_scale, D, BLOCK_SIZE, KVH, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, CAUSAL: tl.constexpr):
+    """One tile of BLOCK_N keys from ``n0`` (below ``end``) into the running (acc, max, sum); scores in base 2
+    (``qk_scale`` holds log2(e)). ``CAUSAL``: mask the keys after each row's position (the diagonal tiles);
+    without it, every key of the tile is visible to every row."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    blk = tl.load(bt_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
+    slot = blk.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
+    kv_off = slot[:, None] * (KVH * D) + kvh * D + offs_d[None, :]
+    kv_mask = mask_n[:, None] & mask_d[None, :]
+    k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+    v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+    s = _dot(q, tl.trans(k), IEEE) * qk_scale  # (BLOCK_M, BLOCK_N)
+    if CAUSAL:
+        s = tl.where(mask_n[None, :] & (offs_n[None, :] <= pos_m[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    return acc, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, ctx_ptr, qsl_ptr, tile_seq_ptr, tile_m_ptr,
+    stride_qt, stride_qh, stride_bt, qk_scale, GROUP, D, BLOCK_SIZE, KVH, H,
+    BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    kvh = head // GROUP
+    seq = tl.load(tile_seq_ptr + tile)
+    m0 = tl.load(tile_m_ptr + tile)  # first new token of this tile, counted within the sequence
+    q_start = tl.load(qsl_ptr + seq)
+    n_new = tl.load(qsl_ptr + seq + 1) - q_start
+    ctx = tl.load(ctx_ptr + seq)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < n_new
+    first = ctx - n_new + m0  # position of the tile's first query row in its sequence
+    pos_m = first + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    mask_d = offs_d < D
+    q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    end = tl.minimum(ctx, first + BLOCK_M)  # keys the last row of the tile may see
+    # keys up to the first row's position are visible to every row: whole tiles of them without a mask, the
+    # rest (the diagonal) masked
+    full = (first + 1) // BLOCK_N * BLOCK_N
+    n0 = end * 0
+    while n0 < full:
+        acc, m_i, l_i = _prefill_tile(q, acc, m_i, l_i, k_ptr, v_ptr, bt_ptr, seq, stride_bt, n0, end, pos_m, kvh,
+                                      offs_d, mask_d, qk_scale, D, BLOCK_SIZE, KVH, BLOCK_N, IEEE, False)
+        n0 += BLOCK_N
+    while n0 < end:
+        acc, m_i, l_i = _prefill_tile(q, acc, m_i, l_i, k_ptr, v_ptr, bt_ptr, seq, stride_bt, n0, end, pos_m, kvh,
+                                      offs_d, mask_d, qk_scale, D, BLOCK_SIZE, KVH, BLOCK_N, IEEE, True)
+        n0 += BLOCK_N
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + (q_start + offs_m)[:, None] * (H * D) + head * D + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def prefill_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                      block_m: int = PREFILL_TILES["block_m"], block_n: int = PREFILL_TILES["block_n"],
+                      num_warps: int = PREFILL_TILES["num_warps"], num_stages: int = PREFILL_TILES["num_stages"]):
+    """``paged_attention_ref``'s result for a batch with prefill or chunked-prefill sequences (decode rows among
+    them too), in ``block_m`` query rows by ``block_n`` keys per tile."""
+    t, h, d = q.shape
+    kvh, bs = k_cache.shape[2], k_cache.shape[1]
+    qsl = meta.query_start_loc
+    # the tiles with the most keys first (the last tiles of the longest contexts), so the short ones fill the tail
+    tiles = sorted(((meta.context_lens[i] - (qsl[i + 1] - qsl[i]) + m0, i, m0)
+                    for i in range(len(meta.context_lens)) for m0 in range(0, qsl[i + 1] - qsl[i], block_m)),
+                   reverse=True)
+    out = torch.empty((t, h, d), device=q.device, dtype=q.dtype)
+    dev = q.device
+    _prefill_kernel[(len(tiles), h)](
+        q, k_cache, v_cache, out, meta.block_tables, meta.context_lens_t, meta.query_start_loc_t,
+        torch.tensor([i for _, i, _ in tiles], dtype=torch.int32, device=dev),
+        torch.tensor([m0 for _, _, m0 in tiles], dtype=torch.int32, device=dev),
+        q.stride(0), q.stride(1), meta.block_tables.stride(0), scale * LOG2E, h // kvh, d, bs, kvh, h,
+        BLOCK_M=block_m, D_PAD=max(16, triton.next_power_of_2(d)), BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
