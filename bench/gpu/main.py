@@ -16,13 +16,15 @@ from bench.gpu.harness import GRAPH_SIZES, ROOT, Llama8B, finish, row, section
 from bench.gpu.machine import attention_bandwidth, gemv_bandwidth, l2_survival, machine
 from bench.gpu.moe import moe_decode
 from bench.gpu.precision.kv_fp8 import fp8_kv_cache
-from bench.gpu.precision.prefill import w8a8_checks, w8a8_prefill, w8a8_projections, w8a8_served
+from bench.gpu.precision.prefill import (prefill_attention_kernels, w8a8_checks, w8a8_prefill, w8a8_projections,
+                                        w8a8_served)
 from bench.gpu.precision.weights import gemv_bandwidth_by_precision, llama8b_precision, quantized_kernel_checks
 from bench.gpu.precision.serve import activation_quant_checks, served_decode_by_precision
 from bench.gpu.precision.step import decode_forms_by_precision, projections_alone
 from bench.gpu.precision.qmma import qmma_checks, qmma_decode, qmma_projections, qmma_served, qmma_step_tiles, qmma_sweep
 from bench.gpu.serving.swap import cold_start_and_swap, cold_start_child
 from bench.gpu.serving.throughput import llama8b_throughput
+from bench.lib.tiles import tiles_kept
 from engine.config.presets import preset_variant
 
 SECTIONS = ("attention", "gemv", "decode", "throughput", "swap", "moe", "experts", "precision", "precision-step",
@@ -52,6 +54,9 @@ def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--qmma-no-served", action="store_true", help="qmma: batch-1 decode only, no served steps")
     ap.add_argument("--qmma-no-projections", action="store_true",
                     help="qmma: the kernel checks, but not each projection timed alone")
+    ap.add_argument("--w8a8-no-projections", action="store_true",
+                    help="w8a8: the checks, the prefill attention kernel and the model figures, but not each "
+                         "projection timed alone")
     ap.add_argument("--qmma-sweep", action="store_true",
                     help="qmma: each projection's tiles and K splits timed at batch 1 (FP8), then the quick decode "
                          "(bf16, FP8, int8 as the tuner splits them, three rounds, each ratio against its round's bf16)")
@@ -76,6 +81,11 @@ def main(args: argparse.Namespace) -> None:
         return
     harness.OUT = args.out
     args.out.mkdir(parents=True, exist_ok=True)
+    with tiles_kept(args.out):  # the tiles autotuned here, kept as OUT/tile-table.json
+        _sections(args)
+
+
+def _sections(args: argparse.Namespace) -> None:
     only = set(filter(None, args.only.split(",")))
     want = lambda s: not only or s in only  # noqa: E731
     assert torch.cuda.is_available(), "this benchmark needs a GPU"
@@ -104,7 +114,9 @@ def main(args: argparse.Namespace) -> None:
             qmma_sweep()
     if want("w8a8"):
         w8a8_checks()  # its rows say what failed; the model figures go on (they print their own logit error)
-        w8a8_projections()
+        prefill_attention_kernels()
+        if not args.w8a8_no_projections:
+            w8a8_projections()
     if want("decode") or want("moe"):
         l2_survival()
     if not (ok and ok2):

@@ -13,7 +13,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-from bench.gpu.harness import Llama8B, graph_timed, kernel_profile, row, section
+from bench.gpu.harness import Llama8B, graph_timed, kernel_profile, row, section, timed
 
 # (name, N, K, producer) of the 8B's projections
 SHAPES = (("qkv", 6144, 4096, "norm"), ("o_proj", 4096, 4096, "plain"), ("gate_up", 28672, 4096, "norm"),
@@ -178,3 +178,66 @@ def w8a8_served(m: Llama8B, out=None, batches=(1, 32, 64)) -> None:
         return
     served_steps(m.engine, {"static-best bf16": base, "fp8 as the tuner proposes it":
                             quantized_variant(base, "fp8", "cuda")}, batches, out, "w8a8_change.json")
+
+
+@section
+def prefill_attention_kernels(n_seq: int = 4, length: int = 2048) -> None:
+    """The prefill attention kernel (kernels/attention/prefill_triton.py) on the 8B's heads (32 query, 8 KV, 128
+    wide) for ``n_seq`` x ``length``-token prompts in one step, over a paged cache of 16-token blocks in shuffled
+    order: its output against float32 SDPA on the same keys, then its time in several tiles (the tiles the
+    triton-paged preset gave it before it had its own, and the new defaults) against torch's flash SDPA on
+    contiguous heads (the ceiling)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kernels.attention.attention import AttentionMetadata
+    from kernels.attention.prefill_triton import PREFILL_TILES, prefill_attention
+
+    h, kvh, d, bs = 32, 8, 128, 16
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    t = n_seq * length
+    q = torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(n_seq, length, kvh, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn_like(k)
+    per = length // bs
+    order = torch.randperm(n_seq * per, device="cuda", generator=gen)
+    k_cache = torch.empty(n_seq * per, bs, kvh, d, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.empty_like(k_cache)
+    k_cache[order] = k.view(n_seq * per, bs, kvh, d)
+    v_cache[order] = v.view(n_seq * per, bs, kvh, d)
+    tables = order.view(n_seq, per).to(torch.int32).contiguous()
+    meta = AttentionMetadata.build(torch.zeros(t, dtype=torch.int64, device="cuda"), tables, [length] * n_seq,
+                                   [i * length for i in range(n_seq + 1)], "cuda")
+    scale = d ** -0.5
+    qh = q.view(n_seq, length, h, d).transpose(1, 2)  # (B, H, L, D)
+    kh = k.transpose(1, 2).repeat_interleave(h // kvh, dim=1)
+    vh = v.transpose(1, 2).repeat_interleave(h // kvh, dim=1)
+    ref = F.scaled_dot_product_attention(qh.float(), kh.float(), vh.float(), is_causal=True, scale=scale)
+    got = prefill_attention(q, k_cache, v_cache, meta, scale).view(n_seq, length, h, d).transpose(1, 2)
+    err = (got.float() - ref).abs().max().item()
+    row(f"prefill attention {n_seq} x {length}, 32/8 heads x 128, paged", f"{'OK' if err < 0.03 else 'ERROR'}: max "
+        f"|d| {err:.3g} against float32 SDPA (bf16 inputs)")
+    flops = 2 * h * d * length * length * n_seq  # QK and PV, causal half, 2 flops each
+
+    def rate(seconds: float) -> str:
+        return f"{seconds * 1e3:.2f} ms, {flops / seconds / 1e12:.0f} TFLOP/s"
+
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            base = timed(lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale))
+        row("prefill attention, torch flash SDPA, contiguous heads (ceiling)", rate(base))
+    except RuntimeError as e:
+        base = None
+        row("prefill attention, torch flash SDPA", f"unavailable: {str(e)[:120]}")
+    tiles = [("triton-paged preset's before (32 x 128, 8 warps, 2 stages)", 32, 128, 8, 2),
+             ("plain default before (32 x 32, 4 warps, 2 stages)", 32, 32, 4, 2),
+             ("new default ({block_m} x {block_n}, {num_warps} warps, {num_stages} stages)".format(**PREFILL_TILES),
+              *PREFILL_TILES.values())]
+    tiles += [(f"{bm} x {bn}, {w} warps, {s} stages", bm, bn, w, s)
+              for bm, bn, w, s in ((64, 64, 4, 3), (128, 128, 8, 2), (128, 32, 4, 3), (64, 128, 4, 2), (128, 64, 4, 3))]
+    for label, bm, bn, w, s in tiles:
+        try:
+            sec = timed(lambda: prefill_attention(q, k_cache, v_cache, meta, scale, bm, bn, w, s))
+        except Exception as e:  # a tile the device cannot hold
+            row(f"prefill attention, {label}", f"failed: {type(e).__name__}")
+            continue
+        row(f"prefill attention, {label}", rate(sec) + (f" = {base / sec:.2f}x flash SDPA" if base else ""))
