@@ -7,7 +7,9 @@ Two kernels, chosen per batch:
   captured in a CUDA graph. With ``num_splits > 1`` (flash-decoding) each context is split
   into ranges processed in parallel and merged afterwards (one more launch), which keeps the
   GPU busy when a few sequences have long contexts, or one sequence has few KV heads
-  (``num_splits=0`` picks the splits from the batch size).
+  (``num_splits=0`` picks the splits from the batch size). On a GPU its loop over keys is a
+  counted loop, whose loads the compiler pipelines (``num_stages``); the CPU interpreter runs it as
+  a while loop (its range() takes no bound loaded at run time).
 - decode with the rotary in front (``rotary_attention_triton``): the same programs also RMS-norm
   (Qwen3) and rotate their query heads and the new token's key, which the program whose range
   holds the last position writes into the cache and attends to from registers; the splits are
@@ -25,6 +27,7 @@ import triton.language as tl
 
 from kernels.attention.attention import AttentionMetadata
 from kernels.counters import ArrivalCounters, fresh_counters
+from kernels.timing import interpreted
 from kernels.attention.kv_store_triton import to_cache
 from kernels.pdl import launch_options, pdl_enter
 from kernels.attention.rotary_triton import _head_norm, _rotary_store_kv
@@ -50,11 +53,30 @@ def _softmax_step(s, m_i, l_i):
 
 
 @triton.jit
+def _decode_tile(q, acc, m_i, l_i, k_ptr, v_ptr, bt_ptr, b, stride_bt, n0, end, kvh, offs_d, mask_d, scale, D,
+                 BLOCK_SIZE, KVH, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """One tile of BLOCK_N keys from ``n0`` (below ``end``) of sequence ``b`` into the running (acc, max, sum)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    blk = tl.load(bt_ptr + b * stride_bt + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
+    slot = blk.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
+    kv_off = slot[:, None] * (KVH * D) + kvh * D + offs_d[None, :]
+    kv_mask = mask_n[:, None] & mask_d[None, :]
+    # (BLOCK_N, D_PAD); an FP8 cache's values widened to the queries' dtype
+    k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+    v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+    s = _dot(q, tl.trans(k), IEEE) * scale  # (G_PAD, BLOCK_N)
+    s = tl.where(mask_n[None, :], s, float("-inf"))
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+    return acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE), m_i, l_i
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, o_ptr, m_ptr, l_ptr,
     stride_qt, stride_qh, stride_bt, scale, GROUP, D, BLOCK_SIZE, KVH,
     G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = 0, COUNTED: tl.constexpr = 0,
 ):
     b = tl.program_id(0)
     pdl_enter(PDL)
@@ -75,23 +97,16 @@ def _decode_kernel(
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    n0 = start
-    # a while loop: the bound is loaded at run time (and the CPU interpreter's range() wants scalars)
-    while n0 < end:
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        blk = tl.load(bt_ptr + b * stride_bt + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
-        slot = blk.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
-        kv_off = slot[:, None] * (KVH * D) + kvh * D + offs_d[None, :]
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        # (BLOCK_N, D_PAD); an FP8 cache's values widened to the queries' dtype
-        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
-        s = _dot(q, tl.trans(k), IEEE) * scale  # (G_PAD, BLOCK_N)
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        n0 += BLOCK_N
+    if COUNTED:  # a counted loop: the compiler pipelines its loads (num_stages)
+        for n0 in range(start, end, BLOCK_N):
+            acc, m_i, l_i = _decode_tile(q, acc, m_i, l_i, k_ptr, v_ptr, bt_ptr, b, stride_bt, n0, end, kvh,
+                                         offs_d, mask_d, scale, D, BLOCK_SIZE, KVH, BLOCK_N, IEEE)
+    else:  # the CPU interpreter's range() takes no bound loaded at run time
+        n0 = start
+        while n0 < end:
+            acc, m_i, l_i = _decode_tile(q, acc, m_i, l_i, k_ptr, v_ptr, bt_ptr, b, stride_bt, n0, end, kvh,
+                                         offs_d, mask_d, scale, D, BLOCK_SIZE, KVH, BLOCK_N, IEEE)
+            n0 += BLOCK_N
     o_mask = mask_g[:, None] & mask_d[None, :]
     if SPLIT:
         # partial result: unnormalized accumulator with its running max and sum, merged afterwards
@@ -165,7 +180,7 @@ def _decode(q, k_cache, v_cache, meta, scale, num_splits, block_n, num_warps, nu
     num_splits = _splits(num_splits, b, kvh)
     common = dict(G_PAD=max(16, triton.next_power_of_2(group)), D_PAD=max(16, triton.next_power_of_2(d)),
                   BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
-                  **launch_options(pdl, q))
+                  COUNTED=not interpreted(), **launch_options(pdl, q))
     args = (q.stride(0), q.stride(1), meta.block_tables.stride(0), scale, group, d, bs, kvh)
     out = torch.empty((b, h, d), device=q.device, dtype=q.dtype)
     if num_splits == 1:

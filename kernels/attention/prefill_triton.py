@@ -4,7 +4,9 @@ kernels/attention/attention_triton.py, which sends batches with several new toke
 One program per (tile of BLOCK_M new tokens of one sequence, query head) walks the sequence's causal context
 through the block table with an online softmax in base 2. The keys up to the tile's first query position are
 visible to every row of the tile: those whole tiles of keys run without a mask, only the diagonal ones are
-masked. Tiles are launched longest context first, so the short ones fill the tail of the grid.
+masked. Tiles are launched longest context first, so the short ones fill the tail of the grid. On a GPU the
+loops over keys are counted loops, whose loads the compiler pipelines (``num_stages``); the CPU interpreter runs
+the same tiles in while loops (its range() takes no bound loaded at run time).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention.attention import AttentionMetadata
+from kernels.timing import interpreted
 
 LOG2E = 1.4426950408889634  # scores in base 2 (exp2)
 # 128 query rows by 64 keys, 8 warps, 3 stages: flash attention's tiles on Hopper GPUs (a prefill's work is a
@@ -56,7 +59,7 @@ def _prefill_tile(q, acc, m_i, l_i, k_ptr, v_ptr, bt_ptr, seq, stride_bt, n0, en
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, ctx_ptr, qsl_ptr, tile_seq_ptr, tile_m_ptr,
     stride_qt, stride_qh, stride_bt, qk_scale, GROUP, D, BLOCK_SIZE, KVH, H,
-    BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, COUNTED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -81,15 +84,23 @@ def _prefill_kernel(
     # keys up to the first row's position are visible to every row: whole tiles of them without a mask, the
     # rest (the diagonal) masked
     full = (first + 1) // BLOCK_N * BLOCK_N
-    n0 = end * 0
-    while n0 < full:
-        acc, m_i, l_i = _prefill_tile(q, acc, m_i, l_i, k_ptr, v_ptr, bt_ptr, seq, stride_bt, n0, end, pos_m, kvh,
-                                      offs_d, mask_d, qk_scale, D, BLOCK_SIZE, KVH, BLOCK_N, IEEE, False)
-        n0 += BLOCK_N
-    while n0 < end:
-        acc, m_i, l_i = _prefill_tile(q, acc, m_i, l_i, k_ptr, v_ptr, bt_ptr, seq, stride_bt, n0, end, pos_m, kvh,
-                                      offs_d, mask_d, qk_scale, D, BLOCK_SIZE, KVH, BLOCK_N, IEEE, True)
-        n0 += BLOCK_N
+    if COUNTED:  # counted loops: the compiler pipelines their loads (num_stages)
+        for n0 in range(0, full, BLOCK_N):
+            acc, m_i, l_i = _prefill_tile(q, acc, m_i, l_i, k_ptr, v_ptr, bt_ptr, seq, stride_bt, n0, end, pos_m,
+                                          kvh, offs_d, mask_d, qk_scale, D, BLOCK_SIZE, KVH, BLOCK_N, IEEE, False)
+        for n0 in range(full, end, BLOCK_N):
+            acc, m_i, l_i = _prefill_tile(q, acc, m_i, l_i, k_ptr, v_ptr, bt_ptr, seq, stride_bt, n0, end, pos_m,
+                                          kvh, offs_d, mask_d, qk_scale, D, BLOCK_SIZE, KVH, BLOCK_N, IEEE, True)
+    else:  # the CPU interpreter's range() takes no bound loaded at run time
+        n0 = end * 0
+        while n0 < full:
+            acc, m_i, l_i = _prefill_tile(q, acc, m_i, l_i, k_ptr, v_ptr, bt_ptr, seq, stride_bt, n0, end, pos_m,
+                                          kvh, offs_d, mask_d, qk_scale, D, BLOCK_SIZE, KVH, BLOCK_N, IEEE, False)
+            n0 += BLOCK_N
+        while n0 < end:
+            acc, m_i, l_i = _prefill_tile(q, acc, m_i, l_i, k_ptr, v_ptr, bt_ptr, seq, stride_bt, n0, end, pos_m,
+                                          kvh, offs_d, mask_d, qk_scale, D, BLOCK_SIZE, KVH, BLOCK_N, IEEE, True)
+            n0 += BLOCK_N
     out = acc / l_i[:, None]
     tl.store(o_ptr + (q_start + offs_m)[:, None] * (H * D) + head * D + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
@@ -97,9 +108,11 @@ def _prefill_kernel(
 
 def prefill_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                       block_m: int = PREFILL_TILES["block_m"], block_n: int = PREFILL_TILES["block_n"],
-                      num_warps: int = PREFILL_TILES["num_warps"], num_stages: int = PREFILL_TILES["num_stages"]):
+                      num_warps: int = PREFILL_TILES["num_warps"], num_stages: int = PREFILL_TILES["num_stages"],
+                      counted: bool | None = None):
     """``paged_attention_ref``'s result for a batch with prefill or chunked-prefill sequences (decode rows among
-    them too), in ``block_m`` query rows by ``block_n`` keys per tile."""
+    them too), in ``block_m`` query rows by ``block_n`` keys per tile. ``counted``: the key loops as counted
+    loops (default: on a GPU; False runs the interpreter's while loops there too, for a comparison)."""
     t, h, d = q.shape
     kvh, bs = k_cache.shape[2], k_cache.shape[1]
     qsl = meta.query_start_loc
@@ -115,6 +128,7 @@ def prefill_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float
         torch.tensor([m0 for _, _, m0 in tiles], dtype=torch.int32, device=dev),
         q.stride(0), q.stride(1), meta.block_tables.stride(0), scale * LOG2E, h // kvh, d, bs, kvh, h,
         BLOCK_M=block_m, D_PAD=max(16, triton.next_power_of_2(d)), BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+        COUNTED=not interpreted() if counted is None else counted,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

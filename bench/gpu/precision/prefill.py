@@ -234,10 +234,43 @@ def prefill_attention_kernels(n_seq: int = 4, length: int = 2048) -> None:
               *PREFILL_TILES.values())]
     tiles += [(f"{bm} x {bn}, {w} warps, {s} stages", bm, bn, w, s)
               for bm, bn, w, s in ((64, 64, 4, 3), (128, 128, 8, 2), (128, 32, 4, 3), (64, 128, 4, 2), (128, 64, 4, 3))]
-    for label, bm, bn, w, s in tiles:
+    tiles.append(("new default tiles, while loops (not pipelined)", *PREFILL_TILES.values(), False))
+    for label, bm, bn, w, s, *counted in tiles:
         try:
-            sec = timed(lambda: prefill_attention(q, k_cache, v_cache, meta, scale, bm, bn, w, s))
+            sec = timed(lambda: prefill_attention(q, k_cache, v_cache, meta, scale, bm, bn, w, s, *counted))
         except Exception as e:  # a tile the device cannot hold
             row(f"prefill attention, {label}", f"failed: {type(e).__name__}")
             continue
         row(f"prefill attention, {label}", rate(sec) + (f" = {base / sec:.2f}x flash SDPA" if base else ""))
+
+
+@section
+def decode_attention_kernels(n_seq: int = 64, length: int = 2048) -> None:
+    """The decode attention kernel (its counted key loop) on the 8B's heads for ``n_seq`` sequences of ``length``
+    tokens of context in a paged cache of 16-token blocks in shuffled order, bf16 and e4m3: against
+    ``paged_attention_ref``, then the cache bytes it streams per second, whole and split."""
+    from kernels.attention.attention import AttentionMetadata, paged_attention_ref
+    from kernels.attention.attention_triton import paged_attention_triton
+
+    h, kvh, d, bs = 32, 8, 128, 16
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    per = length // bs
+    k_cache = torch.randn(n_seq * per, bs, kvh, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(n_seq * per, device="cuda", generator=gen).view(n_seq, per).to(torch.int32).contiguous()
+    q = torch.randn(n_seq, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    meta = AttentionMetadata.build(torch.zeros(n_seq, dtype=torch.int64, device="cuda"), tables, [length] * n_seq,
+                                   list(range(n_seq + 1)), "cuda")
+    scale = d ** -0.5
+    for label, kc, vc in (("bf16", k_cache, v_cache),
+                          ("e4m3", k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn))):
+        ref = paged_attention_ref(q, kc, vc, meta, scale).float()
+        nbytes = 2 * kc.numel() * kc.element_size()
+        for splits, block_n, warps, stages in ((1, 32, 4, 2), (0, 32, 4, 2), (0, 64, 4, 3), (0, 128, 8, 3)):
+            fn = lambda: paged_attention_triton(q, kc, vc, meta, scale, num_splits=splits,  # noqa: E731
+                                                block_n=block_n, num_warps=warps, num_stages=stages)
+            err = (fn().float() - ref).abs().max().item()
+            sec = timed(fn)
+            row(f"decode attention {n_seq} x {length} context, {label} cache, splits {splits or 'auto'}, "
+                f"{block_n} keys, {warps} warps, {stages} stages", f"{'OK' if err < 0.02 else 'ERROR'} (max |d| "
+                f"{err:.2g}); {sec * 1e6:.0f} us, {nbytes / sec / 1e9:,.0f} GB/s of cache")
