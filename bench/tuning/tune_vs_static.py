@@ -38,6 +38,7 @@ from ops.judge.paired import JudgeConfig  # noqa: E402
 from ops.search.tune import Budget, static_best_of, tune  # noqa: E402
 from ops.search.config import SearchConfig  # noqa: E402
 from bench.lib import cli  # noqa: E402
+from bench.lib.tiles import tiles_kept  # noqa: E402
 
 TABLE = Table()
 
@@ -94,6 +95,11 @@ def add_cli_args(ap: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
+    with tiles_kept(args.out):  # the tiles autotuned on a GPU, kept as OUT/tile-table.json
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     TABLE.jsonl = args.out / "rows.jsonl"
     board = args.out / "board.sqlite"
     t0 = time.time()

@@ -23,10 +23,17 @@ itself in; the last one of a group adds the partials, writes the output and rese
 The activations' e4m3 codes are rounded to 3 mantissa bits in float32 before the conversion, so the conversion is
 exact and the codes equal torch's round-to-nearest-even (the CPU interpreter's own conversion differs from the
 hardware's; kernels/linear/quant_triton.py).
+
+Tiles a variant does not fix come from a table per device and Triton version (kernels/linear/tile_table.py: the
+committed ``kernels/linear/tiles/<device>.triton-<x.y>.json`` and the file ``POLYINF_TILE_TABLE`` names), so a
+device takes the same tiles in every run; a shape the tables lack is autotuned once per process (and added to that
+file). ``tuned_entries`` / ``save_tile_table`` give what this process chose, as a table; the GPU benchmarks write it
+to their output folder (``save_autotuned_tiles``).
 """
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import torch
 import triton
@@ -36,6 +43,7 @@ from kernels.pointwise.activation_triton import silu_mul
 from kernels.timing import graph_time, interpreted as _interpreted
 from kernels.pdl import launch_options, pdl_enter
 from kernels.linear.quant import FP8_MAX, QuantizedWeight
+from kernels.linear.tile_table import TileChoices, TileEntry, TileKey, device_slug
 
 NONE, SILU_MUL, ADD_RMS_NORM = 0, 1, 2  # input prologues: the same codes as kernels/linear/linear_triton.py's
 MAX_M = 64  # rows this kernel takes (the MMA's narrow side; wider batches are a GEMM's)
@@ -278,7 +286,12 @@ def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-_TUNED: dict[tuple, dict] = {}
+@functools.cache
+def _device_name(device_index: int) -> str:
+    return torch.cuda.get_device_name(device_index)
+
+
+_TUNED = TileChoices()  # this process's tiles per (device name, TileKey): from the device's table or autotuned
 
 
 def _launch(x, weight: QuantizedWeight, bias, prologue, tiles: dict, r=None, norm_weight=None, eps=0.0, k=None,
@@ -319,28 +332,60 @@ def _launch(x, weight: QuantizedWeight, bias, prologue, tiles: dict, r=None, nor
 def qmma(x, weight: QuantizedWeight, bias=None, prologue: int = NONE, tiles: dict | None = None, r=None,
          norm_weight=None, eps: float = 0.0, k: int | None = None, pdl: int = 0):
     """(out, summed or None) for x's rows (the prologue's input, as kernels/linear/linear_triton.py's ``_gemv``). ``tiles``
-    (block_n, block_k, split_k, num_warps, num_stages) fixed by a variant; none on a GPU: the best of
-    ``candidates`` for this shape, timed once (L2 flushed: a decode step streams its weights) at the call's ``pdl``
-    level, as the step launches them (the multiply's first weights requested while the quantization runs)."""
+    (block_n, block_k, split_k, num_warps, num_stages) fixed by a variant; none on a GPU: the device's table's for
+    this shape, else the best of ``candidates``, timed once (L2 flushed: a decode step streams its weights) at the
+    call's ``pdl`` level, as the step launches them (the multiply's first weights requested while the quantization
+    runs). The key leaves ``pdl`` out: a shape's first call decides."""
     tiles = dict(tiles or {})
     if not tiles and x.is_cuda and not _interpreted():
-        key = (max(16, triton.next_power_of_2(x.shape[0])), *weight.q.shape, weight.kind, prologue, x.device)
-        if key not in _TUNED:
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("qmma tiles are chosen before a graph capture (run the shape once)")
-            best = None
-            for trial in candidates(weight.q.shape[0], weight.q.shape[1] if k is None else k):
-                try:
-                    ms = graph_time(lambda: _launch(x, weight, bias, prologue, trial, r, norm_weight, eps, k, pdl))
-                except Exception:  # a tile the device cannot hold (shared memory): not a candidate
-                    continue
-                if best is None or ms < best[0]:
-                    best = (ms, trial)
-            if best is None:
-                raise RuntimeError(f"no qmma tile runs for {tuple(weight.q.shape)} on {x.device}")
-            _TUNED[key] = best[1]
-        tiles = _TUNED[key]
+        key = TileKey(max(16, triton.next_power_of_2(x.shape[0])), *weight.q.shape, weight.kind, prologue)
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        tiles = _TUNED.choose(_device_name(index), key, lambda: _autotune(
+            key, x, weight, bias, prologue, r, norm_weight, eps, k, pdl)).tiles
     return _launch(x, weight, bias, prologue, tiles, r, norm_weight, eps, k, pdl)
+
+
+def _autotune(key: TileKey, x, weight: QuantizedWeight, bias, prologue: int, r, norm_weight, eps: float,
+              k: int | None, pdl: int) -> TileEntry:
+    """The fastest of ``candidates`` for this call's shape, timed at its ``pdl`` level."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("qmma tiles are chosen before a graph capture (run the shape once)")
+    best = None
+    for trial in candidates(weight.q.shape[0], weight.q.shape[1] if k is None else k):
+        try:
+            ms = graph_time(lambda: _launch(x, weight, bias, prologue, trial, r, norm_weight, eps, k, pdl))
+        except Exception:  # a tile the device cannot hold (shared memory): not a candidate
+            continue
+        if best is None or ms < best[0]:
+            best = (ms, trial)
+    if best is None:
+        raise RuntimeError(f"no qmma tile runs for {tuple(weight.q.shape)} on {x.device}")
+    return TileEntry(key, best[1], best[0], pdl)
+
+
+def _current_device_name() -> str:
+    return _device_name(torch.cuda.current_device())
+
+
+def tuned_entries(device_name: str | None = None) -> dict:
+    """The tiles this process autotuned or read from a table on devices named ``device_name`` (the current CUDA
+    device's by default), as a tile table's JSON object (kernels/linear/tile_table.py)."""
+    return _TUNED.to_json(device_name or _current_device_name())
+
+
+def save_tile_table(path, device_name: str | None = None) -> Path:
+    """``tuned_entries(device_name)`` written to ``path`` (atomically; entries the file holds for other shapes
+    stay)."""
+    return _TUNED.save(Path(path), device_name or _current_device_name())
+
+
+def save_autotuned_tiles(folder) -> list[Path]:
+    """If this process autotuned any shape on a GPU: its table written to ``folder``/tile-table.json (one file
+    per device name, ``tile-table.<slug>.json``, if it used GPUs of several names); the files written. Touches
+    no GPU when nothing was autotuned."""
+    names = _TUNED.autotuned_devices()
+    return [save_tile_table(Path(folder) / ("tile-table.json" if len(names) == 1 else
+                                            f"tile-table.{device_slug(name)}.json"), name) for name in names]
 
 
 def qmma_ref(x: torch.Tensor, weight: QuantizedWeight, block_k: int, bias: torch.Tensor | None = None,
