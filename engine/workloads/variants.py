@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import shutil
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,6 +22,13 @@ import torch
 from engine.workloads.workload import Workload, WorkloadRequest
 
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune-no-cudagraphs")
+# dynamo's per-code-object recompile limit for these workloads: every variant, batch bucket, resolution and
+# precision of one module compiles into the cache of the same ``forward`` code object, and past the library's
+# default (8) dynamo runs that code eagerly without saying so, which would pass eager figures off as compiled ones
+# (a model that specialises on each of its 5 sizes, and on batch 1, does so again in each mode and precision)
+RECOMPILE_LIMIT = 128
+ACCUMULATED_RECOMPILE_LIMIT = 2048
+MAX_GRAPHS = 64  # CUDA graphs one runner captures (one per input shape); further shapes run uncaptured
 MATMUL_PRECISIONS = ("highest", "tf32", "bf16")
 FORWARD, SCHEDULER = "forward", "scheduler"
 
@@ -109,6 +117,8 @@ def refusal(workload: Workload, variant: WorkloadVariant, device: str | torch.de
         return "torch.compile needs a C++ compiler on the PATH to build CPU code"
     if variant.cuda_graphs and not cuda:
         return "cuda_graphs needs a CUDA device (graphs are captured on a CUDA stream)"
+    if variant.compile_mode == "reduce-overhead" and variant.cuda_graphs:
+        return "compile_mode reduce-overhead captures CUDA graphs itself; a graph cannot be captured inside another"
     if variant.compile_mode == "reduce-overhead" and not cuda:
         return "compile_mode reduce-overhead captures CUDA graphs; on a CPU it is the default mode under another name"
     if variant.matmul_precision == "tf32" and not cuda:
@@ -138,16 +148,64 @@ def precision(name: str, device_type: str) -> Iterator[None]:
             k.fp32_precision = b
 
 
-class _Graphed:
-    """CUDA graphs of ``fn``, one per input shape: the first call of a shape warms up and captures, later calls
-    copy the inputs into the captured buffers and replay. Outputs are cloned (the buffers are reused)."""
+def raise_recompile_limit(limit: int = RECOMPILE_LIMIT, accumulated: int = ACCUMULATED_RECOMPILE_LIMIT) -> None:
+    """Raises dynamo's recompile limits to at least ``limit`` (per code object) and ``accumulated`` (under either
+    name a torch version spells them: ``recompile_limit``, earlier ``cache_size_limit``); never lowers them."""
+    import torch._dynamo.config as config
 
-    def __init__(self, fn: Callable[..., torch.Tensor], context: Callable[[], object]) -> None:
-        self.fn, self.context = fn, context
+    for names, value in ((("recompile_limit", "cache_size_limit"), limit),
+                         (("accumulated_recompile_limit", "accumulated_cache_size_limit"), accumulated)):
+        for name in names:
+            if hasattr(config, name):
+                setattr(config, name, max(getattr(config, name), value))
+
+
+# module -> compile mode -> its torch.compile wrapper. A wrapper holds its module, so an entry lives until
+# ``release_compiled`` drops it (the tuner does when it is done with a module)
+_COMPILED: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Callable[..., torch.Tensor]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def compiled(module: torch.nn.Module, mode: str) -> Callable[..., torch.Tensor]:
+    """One ``torch.compile(module, mode=mode)`` per module and mode, shared by every runner: dynamo keeps its
+    compiled code per code object with guards that include the backend, so a fresh wrapper per runner would
+    recompile every shape another runner already compiled (seconds to minutes each, and cache entries towards
+    the recompile limit); a shared one recompiles only where a guard (shape, layout, autocast, TF32) says so.
+    ``dynamic`` stays the library default (automatic dynamic: a dimension is specialised until a second value of
+    it is seen, then recompiled as symbolic), which is the setup PyTorch recommends and static-best uses.
+    ``torch._dynamo.reset()`` is never called here: it would throw away the code of every live runner (the
+    static-best runner a paired comparison alternates with included) and bill its recompilation to whichever arm
+    runs next."""
+    raise_recompile_limit()
+    per_mode = _COMPILED.setdefault(module, {})
+    if mode not in per_mode:
+        per_mode[mode] = torch.compile(module, mode=mode)
+    return per_mode[mode]
+
+
+def release_compiled(module: torch.nn.Module) -> None:
+    """Drops ``module``'s shared compiled wrappers (runners built on them keep theirs until they go)."""
+    _COMPILED.pop(module, None)
+
+
+class _Graphed:
+    """CUDA graphs of ``fn`` (eager or compiled), one per input shape: the first call of a shape warms up and
+    captures, later calls copy the inputs into the captured buffers and replay. Outputs are cloned (the buffers
+    are reused). Past ``max_graphs`` shapes (a workload whose shapes follow its data, like a protein's edge count,
+    sees a new one almost every batch) a new shape runs uncaptured, so graph memory stays bounded."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], context: Callable[[], object],
+                 max_graphs: int = MAX_GRAPHS) -> None:
+        self.fn, self.context, self.max_graphs = fn, context, max_graphs
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], torch.Tensor]] = {}
+        self.uncaptured = 0  # calls of a shape past max_graphs
 
     def __call__(self, **inputs: torch.Tensor) -> torch.Tensor:
         key = tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(inputs.items()))
+        if key not in self.graphs and len(self.graphs) >= self.max_graphs:
+            self.uncaptured += 1
+            with self.context():
+                return self.fn(**inputs)
         if key not in self.graphs:
             static = {k: v.clone() for k, v in inputs.items()}
             stream = torch.cuda.Stream()
@@ -170,7 +228,11 @@ class _Graphed:
 class WorkloadRunner:
     """Serves lists of requests with one variant over one module: groups them by the workload's batch policy
     (the variant's batch size), pads each group to its bucket, runs the variant's forward callable, and returns
-    each request's output in request order. ``install`` swaps the forward callable; the module stays."""
+    each request's output in request order. ``install`` swaps the forward callable; the module stays.
+
+    A compiled variant runs the module's shared ``torch.compile`` wrapper (``compiled``: one per module and mode,
+    dynamo's recompile limit raised to ``RECOMPILE_LIMIT`` first); ``cuda_graphs`` wraps the eager module or the
+    compiled one in ``_Graphed``."""
 
     def __init__(self, workload: Workload, variant: WorkloadVariant, module: torch.nn.Module,
                  device: str | torch.device) -> None:
@@ -187,7 +249,7 @@ class WorkloadRunner:
         # parameters, shared with the reference and every other variant, stay as they are
         fn: Callable[..., torch.Tensor] = self.module
         if variant.compile_mode:
-            fn = torch.compile(self.module, mode=variant.compile_mode)
+            fn = compiled(self.module, variant.compile_mode)
         if variant.cuda_graphs:
             fn = _Graphed(fn, lambda: precision(variant.matmul_precision, self.device.type))
         return fn

@@ -56,6 +56,24 @@ def fast_tier(runner: WorkloadRunner, requests: list[WorkloadRequest], repeats: 
     return len(requests) / statistics.median(times)
 
 
+def warm_up(runner: WorkloadRunner, requests: list[WorkloadRequest]) -> None:
+    """Serves every group size up to the runner's batch once, untimed, for each request size (equal-size
+    grouping) or over the requests in order (concatenation): the slow tier's groups depend on measured timing, so
+    one replay does not show a compiled or graphed runner every batch shape its timed replays will form; this
+    lets dynamo specialise (and recompile the sizes symbolic) and graphs capture before any round is timed."""
+    if runner.workload.batch.grouping == "same_size":
+        by_size: dict[int, list[WorkloadRequest]] = {}
+        for r in requests:
+            by_size.setdefault(r.size, []).append(r)
+        groups = [(same * runner.batch_cap)[:n] for same in by_size.values() for n in range(1, runner.batch_cap + 1)]
+    else:
+        groups = [requests[i:i + n] for n in range(1, min(runner.batch_cap, len(requests)) + 1)
+                  for i in sorted({0, len(requests) - n})]
+    for group in groups:
+        runner(group)
+    _sync(runner.device)
+
+
 @dataclass(frozen=True)
 class SlowResult:
     throughput: float  # requests per second
@@ -154,10 +172,15 @@ def ratio_of(base: list[float], cand: list[float], replicates: int = 2000, seed:
     return Ratio(est, low, high, len(pairs), verdict, list(base), list(cand))
 
 
-def paired(measure_base: Callable[[], float], measure_cand: Callable[[], float], rounds: int) -> Ratio:
-    """Static-best and the candidate measured in turn (A B A B ...) for ``rounds`` rounds; their ratio."""
+def paired(measure_base: Callable[[], float], measure_cand: Callable[[], float], rounds: int,
+           deadline: float | None = None, min_rounds: int = 2) -> Ratio:
+    """Static-best and the candidate measured in turn (A B A B ...) for ``rounds`` rounds; their ratio.
+    ``deadline`` (a ``time.perf_counter()`` value): once ``min_rounds`` rounds have run, no round starts after it
+    (the ratio then rests on fewer rounds, and says how many)."""
     base, cand = [], []
-    for _ in range(rounds):
+    for r in range(rounds):
+        if deadline is not None and r >= min_rounds and time.perf_counter() >= deadline:
+            break
         base.append(measure_base())
         cand.append(measure_cand())
     return ratio_of(base, cand)

@@ -241,3 +241,56 @@ def test_static_best_is_compiled_on_a_gpu_and_eager_on_a_cpu():
     cpu = static_best(w, "cpu", max_batch=4)
     assert cpu.compile_mode is None and cpu.max_batch == 4 and cpu.matmul_precision == "highest"
     assert not cpu.channels_last and not cpu.cuda_graphs and cpu.bucket_sizes == ()
+
+
+# ---- GPU readiness, checked on the CPU ---------------------------------------------------------------------------
+def test_a_compiled_runner_raises_the_recompile_limit_and_shares_one_wrapper(modules, monkeypatch):
+    """Every variant and shape of one module compiles into one code object's cache: past dynamo's default limit (8)
+    it would run eagerly in silence. Building a compiled runner raises the limit (nothing compiles until a call)."""
+    import torch._dynamo.config as config
+
+    from engine.workloads.variants import RECOMPILE_LIMIT, compile_available, release_compiled
+
+    if not compile_available("cpu"):
+        pytest.skip("no C++ compiler: a compiled variant is refused on this CPU")
+    monkeypatch.setattr(config, "recompile_limit", 8)
+    w, module = get_workload("patchtst"), module_of(modules, "patchtst")
+    a = build_runner(w, WorkloadVariant(compile_mode="default", max_batch=4), module, "cpu")
+    assert config.recompile_limit >= RECOMPILE_LIMIT and config.accumulated_recompile_limit >= RECOMPILE_LIMIT
+    if hasattr(config, "cache_size_limit"):  # the older name
+        assert config.cache_size_limit >= RECOMPILE_LIMIT
+    b = build_runner(w, WorkloadVariant(compile_mode="default", max_batch=8, bucket_sizes=(4, 8)), module, "cpu")
+    assert a.forward is b.forward  # one wrapper per module and mode: shapes compiled once serve every runner
+    other = build_runner(w, WorkloadVariant(compile_mode="max-autotune-no-cudagraphs"), module, "cpu")
+    assert other.forward is not a.forward
+    release_compiled(module)
+    assert build_runner(w, WorkloadVariant(compile_mode="default"), module, "cpu").forward is not a.forward
+    release_compiled(module)
+
+
+def test_eager_cuda_graphs_are_allowed_on_a_gpu_and_graphs_inside_graphs_are_not():
+    fno = get_workload("fno")
+    for v in (WorkloadVariant(cuda_graphs=True, max_batch=1),
+              WorkloadVariant(cuda_graphs=True, max_batch=16, bucket_sizes=(1, 2, 4, 8, 16))):
+        assert v.compile_mode is None and refusal(fno, v, "cuda") is None and "CUDA" in refusal(fno, v, "cpu")
+    both = WorkloadVariant(compile_mode="reduce-overhead", cuda_graphs=True)
+    assert "inside another" in refusal(fno, both, "cuda")
+
+
+def test_graphs_past_their_cap_run_uncaptured_in_the_variants_arithmetic():
+    """_Graphed keeps at most max_graphs captures; a further shape runs the function as is (under its context), so
+    a workload whose shapes follow its data cannot fill the GPU with graphs. With a cap of 0 it runs on a CPU."""
+    from engine.workloads.variants import _Graphed
+
+    entered = []
+
+    class Context:
+        def __enter__(self):
+            entered.append(True)
+
+        def __exit__(self, *exc):
+            return False
+
+    graphed = _Graphed(lambda x: x * 2, Context, max_graphs=0)
+    assert torch.equal(graphed(x=torch.ones(3)), torch.full((3,), 2.0))
+    assert graphed.uncaptured == 1 and entered and not graphed.graphs

@@ -1,5 +1,6 @@
-"""Workload tuning: the request-size trace from a real trace, the two tiers, the paired ratio's verdicts, and the
-tuner keeping static-best when no candidate is better (or only a tolerance-mode one is)."""
+"""Workload tuning: the request-size trace from a real trace, the two tiers, the paired ratio's verdicts, the
+tuner keeping static-best when no candidate is better (or only a tolerance-mode one is), its time budget and
+failure capture, and the bench's partial results."""
 from __future__ import annotations
 
 import math
@@ -7,9 +8,10 @@ import math
 import pytest
 
 from engine.workloads import WorkloadVariant, get_workload
-from ops.workloads.tiers import BETTER, CENSORED, SAME, WORSE, fast_tier, ratio_of, slow_tier
+from ops.workloads.tiers import BETTER, CENSORED, SAME, WORSE, fast_tier, paired, ratio_of, slow_tier
 from ops.workloads.traffic import SizeRequest, SizeTrace, size_trace
-from ops.workloads.tune import TuneConfig, candidates, tune_workload
+from ops.workloads.tune import (BUDGET_SPENT, CANDIDATE_NAMES, Arm, TuneConfig, _measure, candidates,
+                                loud_recompile_limit, tune_workload)
 
 
 def test_size_trace_maps_prompt_lengths_to_levels_deterministically():
@@ -58,8 +60,17 @@ def test_cpu_candidates_leave_out_what_the_cpu_refuses():
     names = {v.name for v in candidates(w, "cpu", WorkloadVariant(name="static-best", max_batch=4))}
     assert "bf16" in names and "eager-2x" in names
     assert not names & {"graphs", "tf32", "reduce-overhead", "channels-last"}  # GPU only; not an image model
-    gpu = {v.name for v in candidates(get_workload("fno"), "cuda", WorkloadVariant(compile_mode="default"))}
-    assert {"graphs", "tf32", "channels-last", "autotune"} <= gpu
+    gpu = candidates(get_workload("fno"), "cuda", WorkloadVariant(name="static-best", compile_mode="default",
+                                                                  max_batch=8))
+    names = [v.name for v in gpu]
+    assert {"graphs", "tf32", "channels-last", "autotune", "graphs-eager", "graphs-eager-b1"} <= set(names)
+    assert names == [n for n in CANDIDATE_NAMES if n in names]  # the measuring order a time budget cuts
+    by = {v.name: v for v in gpu}
+    assert by["graphs-eager-b1"].cuda_graphs and by["graphs-eager-b1"].compile_mode is None
+    assert by["graphs-eager-b1"].max_batch == 1
+    eager_graphs = by["graphs-eager"]
+    assert eager_graphs.cuda_graphs and eager_graphs.compile_mode is None and eager_graphs.max_batch == 16
+    assert eager_graphs.bucket_sizes[-1] == 16
 
 
 def test_tuner_keeps_static_best_when_no_candidate_is_better():
@@ -74,3 +85,107 @@ def test_tuner_keeps_static_best_when_no_candidate_is_better():
     assert "static-best stays" in t.reason
     assert t.static.exact  # static-best on the CPU (eager, batched) is bit-exact itself
     assert t.to_json()["chosen"]["variant_id"] == t.chosen.variant_id
+
+
+def test_paired_rounds_stop_at_the_deadline_after_two():
+    assert paired(lambda: 1.0, lambda: 2.0, rounds=6, deadline=0.0).n == 2
+    assert paired(lambda: 1.0, lambda: 2.0, rounds=3).n == 3
+
+
+def test_a_spent_budget_leaves_candidates_unmeasured_and_says_so():
+    cfg = TuneConfig(requests=24, mix=8, repeats=1, rounds=2, sweep=(4, 8), gate_batches=(2,), budget_s=1e-3)
+    t = tune_workload("patchtst", "cpu", cfg, variants=[WorkloadVariant(name="batch-1", max_batch=1),
+                                                        WorkloadVariant(name="bf16", matmul_precision="bf16")])
+    assert t.unmeasured == ["batch-1", "bf16"] and all(a.skipped == BUDGET_SPENT and a.gate is None for a in t.arms)
+    assert t.static.gate is not None and t.static.fast > 0  # static-best is always measured
+    assert list(t.sweep.throughput) == [4] and "stopped before batch 8" in t.sweep.note  # its sweep at one batch
+    assert t.exact is None and t.chosen.name == "static-best" and BUDGET_SPENT in t.reason
+    j = t.to_json()
+    assert j["unmeasured"] == ["batch-1", "bf16"] and j["budget_s"] == 1e-3 and j["arms"][0]["skipped"]
+    with pytest.raises(ValueError, match="budget_s"):
+        TuneConfig(budget_s=0)
+    with pytest.raises(ValueError, match="unknown candidates"):
+        TuneConfig(candidates=("eager", "max-autotune"))
+
+
+def test_any_exception_of_an_arm_is_its_error_with_the_type_and_an_interrupt_is_not(monkeypatch):
+    """torch.compile fails with more than RuntimeError (an Inductor assert, Triton's CompilationError): the arm
+    records the type; the time it took and the gate's max abs error are recorded when it passes too."""
+    import ops.workloads.tune as tune
+
+    w = get_workload("patchtst")
+    module = w.build()
+    mix = w.make_inputs([1, 3], 0)
+    cfg = TuneConfig(repeats=1, gate_batches=(2,))
+    ok = Arm(WorkloadVariant(name="bf16", matmul_precision="bf16"))
+    _measure(w, ok, module, "cpu", mix, cfg)
+    assert ok.error is None and ok.gate.passed and ok.max_abs == ok.gate.max_abs > 0 and ok.seconds > 0
+    assert ok.to_json()["max_abs"] == ok.max_abs and ok.to_json()["seconds"] == ok.seconds
+
+    def broken(*a, **k):
+        raise AssertionError("inductor: a lowering's invariant")
+
+    monkeypatch.setattr(tune, "gate_workload", broken)
+    arm = Arm(WorkloadVariant(name="x", max_batch=2))
+    _measure(w, arm, module, "cpu", mix, cfg)
+    assert arm.error == "AssertionError: inductor: a lowering's invariant" and arm.seconds >= 0
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tune, "gate_workload", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _measure(w, Arm(WorkloadVariant(name="y")), module, "cpu", mix, cfg)
+
+
+def test_the_recompile_limit_raises_inside_a_tuning_only():
+    import torch._dynamo.config as config
+
+    before = config.fail_on_recompile_limit_hit
+    with loud_recompile_limit():
+        assert config.fail_on_recompile_limit_hit
+    assert config.fail_on_recompile_limit_hit == before
+
+
+def test_bench_writes_json_after_each_model_and_keeps_going_past_a_failure(tmp_path, monkeypatch, capsys):
+    """The GPU run is one command under a hard time limit: each model's figures reach the JSON file (and stdout)
+    as soon as it is done, a model that raises is a row, and --candidates keeps the named candidates only."""
+    import json
+
+    import bench.workloads as bw
+    from bench.lib import cli
+
+    writes = []
+    real = bw.write_json
+    monkeypatch.setattr(bw, "write_json", lambda path, entries: (writes.append(len(entries)), real(path, entries)))
+    out = tmp_path / "w.json"
+    rc = cli.run(bw.__doc__, bw.add_cli_args, bw.main, ["--models", "patchtst,resnet", "--no-compile", "--requests",
+                                                        "16", "--rounds", "2", "--candidates", "eager-2x",
+                                                        "--budget-seconds", "600", "--json", str(out)])
+    assert rc == 0 and writes[:2] == [1, 2]
+    entries = json.loads(out.read_text())
+    assert entries[0]["workload"] == "patchtst" and [a["variant"]["name"] for a in entries[0]["arms"]] == ["eager-2x"]
+    assert entries[0]["budget_s"] and entries[0]["arms"][0]["seconds"] > 0 and entries[0]["sweep"]["throughput"]
+    assert entries[1]["workload"] == "resnet" and entries[1]["error"].startswith("ValueError: unknown workload")
+    printed = capsys.readouterr().out
+    assert printed.index("patchtst: chosen") < printed.index("resnet: failed")
+    assert cli.run(bw.__doc__, bw.add_cli_args, bw.main, ["--candidates", "fastest"]) == 2
+
+
+def test_warm_up_serves_every_group_size_per_request_size():
+    """The slow tier's groups depend on timing; the untimed warm-up shows a compiled or graphed runner each batch
+    shape first: every count up to the batch per size (equal sizes), prefixes and suffixes (concatenation)."""
+    from engine.workloads import build_runner
+    from ops.workloads.tiers import warm_up
+
+    for name, sizes, cap in (("fno", [32, 48, 32], 2), ("patchtst", [1, 3, 7], 3)):
+        w = get_workload(name)
+        module = w.build()
+        runner = build_runner(w, WorkloadVariant(max_batch=cap), module, "cpu")
+        seen = []
+        runner.forward = lambda **batch: (seen.append(tuple(next(iter(batch.values())).shape[:2])), module(**batch))[1]
+        warm_up(runner, w.make_inputs(sizes, 0))
+        if name == "fno":
+            assert sorted(set(seen)) == [(1, 10), (2, 10)] and len(seen) == 4  # counts 1 and 2 at sizes 32 and 48
+        else:
+            assert sorted(n for n, _ in seen) == [1, 4, 7, 10, 11]  # series: 1, 7; 1+3, 3+7; 1+3+7
