@@ -267,7 +267,8 @@ def decode_attention_kernels(n_seq: int = 64, length: int = 2048) -> None:
         ref = paged_attention_ref(q, kc, vc, meta, scale).float()
         nbytes = 2 * kc.numel() * kc.element_size()
         # static-best on the 8B (one split, 128 keys, 8 warps), the split-KV preset, and deeper pipelines
-        for splits, block_n, warps, stages in ((1, 128, 8, 2), (1, 128, 8, 3), (0, 32, 4, 2), (0, 64, 4, 3), (1, 64, 4, 3)):
+        for splits, block_n, warps, stages in ((1, 128, 8, 2), (1, 128, 8, 3), (0, 32, 4, 2), (0, 64, 4, 3),
+                                               (1, 64, 4, 3)):
             fn = lambda: paged_attention_triton(q, kc, vc, meta, scale, num_splits=splits,  # noqa: E731
                                                 block_n=block_n, num_warps=warps, num_stages=stages)
             err = (fn().float() - ref).abs().max().item()
