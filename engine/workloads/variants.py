@@ -44,6 +44,9 @@ class WorkloadVariant:
     cuda_graphs: bool = _f(FORWARD, False)  # replay captured CUDA graphs, one per input shape (GPU only)
     channels_last: bool = _f(FORWARD, False)  # image inputs in NHWC memory order
     matmul_precision: str = _f(FORWARD, "highest")  # "highest" (IEEE float32), "tf32", "bf16" (autocast)
+    # torch's deterministic algorithms (``determinism``): a CUDA scatter-add sums in a fixed order instead of by
+    # atomics, so the output is the same on every run (what a bit-exact claim needs); a CPU's already is
+    deterministic: bool = _f(FORWARD, False)
     max_batch: int | None = _f(SCHEDULER, None)  # most requests per forward pass; None: the workload's policy
     # batch buckets: a group of n requests runs padded up to the smallest bucket >= n (the padding repeats its
     # last request, whose copies' outputs are dropped), so compiled and captured forms see few batch shapes;
@@ -91,6 +94,8 @@ class WorkloadVariant:
             parts.append(f"compile={self.compile_mode}")
         if self.cuda_graphs:
             parts.append("cuda graphs")
+        if self.deterministic:
+            parts.append("deterministic")
         if self.channels_last:
             parts.append("channels-last")
         if self.matmul_precision != "highest":
@@ -146,6 +151,29 @@ def precision(name: str, device_type: str) -> Iterator[None]:
     finally:
         for k, b in zip(knobs, before):
             k.fp32_precision = b
+
+
+@contextmanager
+def determinism(on: bool) -> Iterator[None]:
+    """Runs the block with torch's deterministic algorithms on (``on``) or as it finds them. ``warn_only``: an
+    operation with no deterministic form (cuBLAS without CUBLAS_WORKSPACE_CONFIG, for one) warns instead of
+    raising; its result is then judged by the gate like any other."""
+    if not on:
+        yield
+        return
+    before, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn)
+
+
+@contextmanager
+def forward_context(variant: "WorkloadVariant", device_type: str) -> Iterator[None]:
+    """The arithmetic ``variant``'s forward runs in: its matmul precision and its determinism."""
+    with precision(variant.matmul_precision, device_type), determinism(variant.deterministic):
+        yield
 
 
 def raise_recompile_limit(limit: int = RECOMPILE_LIMIT, accumulated: int = ACCUMULATED_RECOMPILE_LIMIT) -> None:
@@ -251,7 +279,7 @@ class WorkloadRunner:
         if variant.compile_mode:
             fn = compiled(self.module, variant.compile_mode)
         if variant.cuda_graphs:
-            fn = _Graphed(fn, lambda: precision(variant.matmul_precision, self.device.type))
+            fn = _Graphed(fn, lambda: forward_context(variant, self.device.type))
         return fn
 
     def install(self, variant: WorkloadVariant) -> None:
@@ -283,10 +311,10 @@ class WorkloadRunner:
                 batch = {k: v.contiguous(memory_format=torch.channels_last) if v.dim() == 4 else v
                          for k, v in batch.items()}
             with torch.inference_mode():
-                if variant.cuda_graphs:  # the graph was captured under the variant's precision
+                if variant.cuda_graphs:  # the graph was captured under the variant's precision and determinism
                     y = self.forward(**batch)
                 else:
-                    with precision(variant.matmul_precision, self.device.type):
+                    with forward_context(variant, self.device.type):
                         y = self.forward(**batch)
             for i, o in zip(idx, self.workload.split(y, padded)):
                 out[i] = o

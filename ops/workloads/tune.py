@@ -253,12 +253,16 @@ def candidates(workload: Workload, device: str | torch.device, static: WorkloadV
     the precision variants. Those that cannot run here are left out (``refusal``); listing them needs no GPU."""
     b = static.max_batch or workload.batch.max_batch
     buckets = tuple(x for x in (1, 2, 4, 8, 16, 32) if x < 2 * b) + (2 * b,)
-    out = {"eager": WorkloadVariant(name="eager", max_batch=b),
-           "eager-2x": WorkloadVariant(name="eager-2x", max_batch=2 * b),
+    # the eager forms on a GPU with the reference's deterministic algorithms (a scatter-add by atomics could not
+    # stay bit-exact); a CPU's eager kernels already are
+    det = torch.device(device).type == "cuda"
+    out = {"eager": WorkloadVariant(name="eager", max_batch=b, deterministic=det),
+           "eager-2x": WorkloadVariant(name="eager-2x", max_batch=2 * b, deterministic=det),
            # one request per replayed graph: the reference's own kernels, captured
-           "graphs-eager-b1": WorkloadVariant(name="graphs-eager-b1", cuda_graphs=True, max_batch=1),
+           "graphs-eager-b1": WorkloadVariant(name="graphs-eager-b1", cuda_graphs=True, max_batch=1,
+                                              deterministic=det),
            "graphs-eager": WorkloadVariant(name="graphs-eager", cuda_graphs=True, max_batch=2 * b,
-                                           bucket_sizes=buckets),
+                                           bucket_sizes=buckets, deterministic=det),
            "compile-buckets": WorkloadVariant(name="compile-buckets", compile_mode="default", max_batch=2 * b,
                                               bucket_sizes=buckets),
            "graphs": WorkloadVariant(name="graphs", compile_mode="default", cuda_graphs=True, max_batch=2 * b,

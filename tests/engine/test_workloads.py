@@ -116,7 +116,10 @@ def test_protein_model_is_rotation_equivariant_and_translation_invariant(modules
     # the same edges: a rotation keeps every distance (recomputed, one could round across the cutoff)
     out_turned = model(turned, req["types"], req["edge_index"])
     want = out @ o3.Irreps(OUTPUT).D_from_matrix(rot).t()
-    assert torch.allclose(out_turned, want, atol=1e-4), (out_turned - want).abs().max()
+    # float32 through the spherical harmonics and tensor products: errors of 1e-4 of the output's scale happen on
+    # some draws; a broken equivariance is off by the output's own magnitude
+    scale = want.abs().max()
+    assert (out_turned - want).abs().max() <= 1e-3 * scale, ((out_turned - want).abs().max(), scale)
     assert out[:, 1:].abs().max() > 1e-3  # the vector output is not trivially zero
 
 
@@ -294,3 +297,18 @@ def test_graphs_past_their_cap_run_uncaptured_in_the_variants_arithmetic():
     graphed = _Graphed(lambda x: x * 2, Context, max_graphs=0)
     assert torch.equal(graphed(x=torch.ones(3)), torch.full((3,), 2.0))
     assert graphed.uncaptured == 1 and entered and not graphed.graphs
+
+
+def test_deterministic_variant_runs_with_torchs_deterministic_algorithms_and_restores_them():
+    from engine.workloads.variants import WorkloadVariant, forward_context
+
+    det, plain = WorkloadVariant(deterministic=True), WorkloadVariant()
+    assert det.variant_id != plain.variant_id and "deterministic" in det.describe()
+    assert det.changed_scopes(plain) == {"forward"}
+    before = torch.are_deterministic_algorithms_enabled()
+    with forward_context(det, "cpu"):
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+    assert torch.are_deterministic_algorithms_enabled() == before
+    with forward_context(plain, "cpu"):
+        assert torch.are_deterministic_algorithms_enabled() == before

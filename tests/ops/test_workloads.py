@@ -71,6 +71,10 @@ def test_cpu_candidates_leave_out_what_the_cpu_refuses():
     eager_graphs = by["graphs-eager"]
     assert eager_graphs.cuda_graphs and eager_graphs.compile_mode is None and eager_graphs.max_batch == 16
     assert eager_graphs.bucket_sizes[-1] == 16
+    # a GPU's eager forms run deterministic, as the gate's reference does; the compiled ones as the library has them
+    assert all(by[n].deterministic for n in ("eager", "eager-2x", "graphs-eager", "graphs-eager-b1"))
+    assert not by["graphs"].deterministic and not any(
+        v.deterministic for v in candidates(w, "cpu", WorkloadVariant(name="static-best", max_batch=4)))
 
 
 def test_tuner_keeps_static_best_when_no_candidate_is_better():
