@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from engine.workloads.hot_ops import spectral_mul
+
 MODES = 12  # Fourier modes kept per axis (the paper's 2-D setting)
 WIDTH = 32  # channels of the Fourier layers
 T_IN = 10  # time steps of the vorticity a request gives (the paper's Navier-Stokes setting)
@@ -20,7 +22,8 @@ SEED = 45
 
 class SpectralConv2d(nn.Module):
     """u -> irfft2(W . rfft2(u)) over the lowest ``modes`` frequencies: the positive-row block with ``weight1`` and
-    the negative-row block (the last ``modes`` rows of rfft2's output) with ``weight2``; other modes are zero."""
+    the negative-row block (the last ``modes`` rows of rfft2's output) with ``weight2``; other modes are zero. The
+    weight products are the hot op ``spectral_mul`` (engine/workloads/hot_ops.py: torch or a Triton kernel)."""
 
     def __init__(self, in_channels: int, out_channels: int, modes: int) -> None:
         super().__init__()
@@ -38,17 +41,9 @@ class SpectralConv2d(nn.Module):
         m = self.modes
         x_ft = torch.fft.rfft2(x.float().contiguous())  # [B, C_in, H, W // 2 + 1] complex
         out_ft = torch.zeros(b, self.weight1.shape[1], h, w // 2 + 1, dtype=torch.cfloat, device=x.device)
-        out_ft[:, :, :m, :m] = compl_mul(x_ft[:, :, :m, :m], self.weight1)
-        out_ft[:, :, -m:, :m] = compl_mul(x_ft[:, :, -m:, :m], self.weight2)
+        out_ft[:, :, :m, :m] = spectral_mul(x_ft[:, :, :m, :m], self.weight1)
+        out_ft[:, :, -m:, :m] = spectral_mul(x_ft[:, :, -m:, :m], self.weight2)
         return torch.fft.irfft2(out_ft, s=(h, w))
-
-
-def compl_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """out[b, o, x, y] = sum_i x[b, i, x, y] * w[i, o, x, y] (the FNO paper's einsum "bixy,ioxy->boxy"), as a
-    broadcast product summed over i: every output sums its terms in the same order whatever the batch, so a
-    request's bits do not depend on the requests batched with it. The einsum form lowers to a matmul whose
-    batch axis is the GEMM's M, and a CPU BLAS picks another kernel (another summation order) for M = 1."""
-    return (x.unsqueeze(2) * w.unsqueeze(0)).sum(1)  # [B, I, 1, X, Y] * [1, I, O, X, Y] -> [B, O, X, Y]
 
 
 class FNO2d(nn.Module):

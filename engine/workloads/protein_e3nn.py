@@ -18,6 +18,8 @@ import functools
 import torch
 from torch import nn
 
+from engine.workloads.hot_ops import scatter_sum
+
 CUTOFF = 10.0  # Angstrom: residues closer than this exchange messages
 N_TYPES = 20
 HIDDEN = "16x0e + 8x1o + 4x2e"
@@ -62,9 +64,10 @@ class Convolution(nn.Module):
         with torch.autocast(pos.device.type, enabled=False):
             x = x.float()
             msg = self.tp(x[src], sh.float(), weight.float())  # [E, irreps_out.dim]
-            summed = torch.zeros(x.shape[0], msg.shape[1], dtype=msg.dtype, device=msg.device).index_add_(0, dst, msg)
-            degree = torch.zeros(x.shape[0], dtype=msg.dtype, device=msg.device).index_add_(
-                0, dst, torch.ones_like(dst, dtype=msg.dtype))
+            # the sums at the destination are the hot op scatter_sum (engine/workloads/hot_ops.py: torch's
+            # index_add_ or a Triton segment sum)
+            summed = scatter_sum(msg, dst, x.shape[0], 0)  # [N, irreps_out.dim]
+            degree = scatter_sum(torch.ones_like(dst, dtype=msg.dtype), dst, x.shape[0], 0)  # [N]
             # a residue's messages over the root of its own neighbour count, and the two halves' sum scaled back
             # to unit variance: the features keep their scale through the layers whatever the protein's packing
             # (an output of order 1, like a trained model's)

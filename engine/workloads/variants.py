@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
 import weakref
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.workloads.hot_ops import check_backend, hot_ops
 from engine.workloads.workload import Workload, WorkloadRequest
 
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune-no-cudagraphs")
@@ -31,6 +33,9 @@ ACCUMULATED_RECOMPILE_LIMIT = 2048
 MAX_GRAPHS = 64  # CUDA graphs one runner captures (one per input shape); further shapes run uncaptured
 MATMUL_PRECISIONS = ("highest", "tf32", "bf16")
 FORWARD, SCHEDULER = "forward", "scheduler"
+# fields added after variant ids were first recorded: they count towards the id only when set, so recorded ids
+# stay valid (engine/config/variant.py does the same)
+_LATER_FIELDS = {"hot_ops": "torch"}
 
 
 def _f(scope: str, default, **kw):
@@ -47,6 +52,9 @@ class WorkloadVariant:
     # torch's deterministic algorithms (``determinism``): a CUDA scatter-add sums in a fixed order instead of by
     # atomics, so the output is the same on every run (what a bit-exact claim needs); a CPU's already is
     deterministic: bool = _f(FORWARD, False)
+    # who runs the workload's hot ops (engine/workloads/hot_ops.py): "torch", or "triton" (the fused kernels of
+    # kernels/workloads/; eager only). It claims nothing about precision: the gate judges it bit-exact
+    hot_ops: str = _f(FORWARD, "torch")
     max_batch: int | None = _f(SCHEDULER, None)  # most requests per forward pass; None: the workload's policy
     # batch buckets: a group of n requests runs padded up to the smallest bucket >= n (the padding repeats its
     # last request, whose copies' outputs are dropped), so compiled and captured forms see few batch shapes;
@@ -58,6 +66,7 @@ class WorkloadVariant:
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
         if self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {self.matmul_precision!r}")
+        check_backend(self.hot_ops)
         if self.max_batch is not None and (isinstance(self.max_batch, bool) or self.max_batch < 1):
             raise ValueError(f"max_batch must be a positive integer or None, got {self.max_batch!r}")
         buckets = tuple(sorted(set(self.bucket_sizes)))
@@ -69,7 +78,8 @@ class WorkloadVariant:
 
     @property
     def variant_id(self) -> str:
-        body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata.get("scope")}
+        body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata.get("scope")
+                and not (f.name in _LATER_FIELDS and getattr(self, f.name) == _LATER_FIELDS[f.name])}
         return hashlib.sha256(json.dumps(body, sort_keys=True, default=list).encode()).hexdigest()[:16]
 
     @property
@@ -96,6 +106,8 @@ class WorkloadVariant:
             parts.append("cuda graphs")
         if self.deterministic:
             parts.append("deterministic")
+        if self.hot_ops == "triton":
+            parts.append("triton hot ops")
         if self.channels_last:
             parts.append("channels-last")
         if self.matmul_precision != "highest":
@@ -130,6 +142,20 @@ def refusal(workload: Workload, variant: WorkloadVariant, device: str | torch.de
         return "matmul_precision tf32 is a tensor-core format of NVIDIA GPUs; a CPU has none"
     if variant.channels_last and not workload.image_input:
         return f"channels_last applies to image inputs [B, C, H, W]; {workload.name}'s are not images"
+    if variant.hot_ops == "triton":
+        return _triton_refusal(workload, variant, cuda)
+    return None
+
+
+def _triton_refusal(workload: Workload, variant: WorkloadVariant, cuda: bool) -> str | None:
+    if not workload.hot_ops:
+        return f"hot_ops triton replaces a workload's hot ops by Triton kernels; {workload.name} has none"
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return "hot_ops triton needs a CUDA device, or TRITON_INTERPRET=1 to run its kernels on the CPU interpreter"
+    if variant.compile_mode:
+        # one compiled wrapper serves every variant of a module and mode (``compiled``), and its guards do not see
+        # the hot-op choice; dynamo traces the torch path (engine/workloads/hot_ops.py ``active``)
+        return "hot_ops triton runs eager: torch.compile traces the hot ops' torch form"
     return None
 
 
@@ -171,8 +197,10 @@ def determinism(on: bool) -> Iterator[None]:
 
 @contextmanager
 def forward_context(variant: "WorkloadVariant", device_type: str) -> Iterator[None]:
-    """The arithmetic ``variant``'s forward runs in: its matmul precision and its determinism."""
-    with precision(variant.matmul_precision, device_type), determinism(variant.deterministic):
+    """The arithmetic ``variant``'s forward runs in: its matmul precision, its determinism and who runs its hot
+    ops."""
+    with precision(variant.matmul_precision, device_type), determinism(variant.deterministic), \
+            hot_ops(variant.hot_ops):
         yield
 
 

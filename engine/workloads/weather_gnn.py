@@ -17,6 +17,8 @@ import math
 import torch
 from torch import nn
 
+from engine.workloads import hot_ops
+
 N_VARS = 8  # variables per grid point (e.g. temperature, winds, geopotential at a few levels)
 HIDDEN = 64
 MESH_LEVEL = 3
@@ -88,6 +90,16 @@ def _interaction_class() -> type:
 
         def message(self, x_i: torch.Tensor, x_j: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
             return self.edge_mlp(torch.cat([x_i, x_j, e.expand(*x_i.shape[:-1], e.shape[-1])], -1))
+
+        def aggregate(self, inputs: torch.Tensor, index: torch.Tensor, ptr: torch.Tensor | None = None,
+                      dim_size: int | None = None) -> torch.Tensor:
+            # inputs: [*, E, H] messages, index: [E] destinations -> [*, dim_size, H]. The sum is the hot op
+            # scatter_sum; its torch form here is the library's own aggregation (its scatter_add_), so the default
+            # path keeps the bits it had
+            if hot_ops.active() == "torch":
+                return super().aggregate(inputs, index, ptr=ptr, dim_size=dim_size)
+            n = dim_size if dim_size is not None else int(index.max()) + 1 if index.numel() else 0
+            return hot_ops.scatter_sum(inputs, index, n, self.node_dim)
 
     return Interaction
 

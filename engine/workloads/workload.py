@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.workloads import fno, patchtst, protein_e3nn, weather_gnn
+from engine.workloads.hot_ops import OPS, SCATTER_SUM, SPECTRAL_MUL
 
 GROUPINGS = ("same_size", "concat")
 
@@ -73,8 +74,13 @@ class Workload:
     batch: BatchPolicy
     library: str  # what the model is built with, and why (README "Non-LLM workloads")
     image_input: bool = False  # its inputs are [B, C, H, W] images, which a channels-last layout applies to
+    # the hot ops its forward calls (engine/workloads/hot_ops.py OPS), which a variant may run as Triton kernels
+    hot_ops: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        unknown = sorted(set(self.hot_ops) - set(OPS))
+        if unknown:
+            raise ValueError(f"{self.name}: unknown hot ops {unknown}; known: {', '.join(OPS)}")
         if not self.size_levels or list(self.size_levels) != sorted(self.size_levels):
             raise ValueError(f"{self.name}: size_levels must be a non-empty ascending tuple")
         if self.size_levels[0] < self.min_size or self.size_levels[-1] > self.max_size:
@@ -115,18 +121,19 @@ WORKLOADS: dict[str, Workload] = {
         "fno", "pde", "grid resolution (an n x n grid)", (32, 48, 64, 96, 128), 2 * fno.MODES, 512,
         fno.build, fno.make_request, fno.collate, fno.split, BatchPolicy(8, "same_size"),
         "a faithful small FNO in plain torch (rfft2/irfft2, complex weights): the neuraloperator package drags "
-        "heavy dependencies (wandb and more) that a bare GPU host lacks", image_input=True),
+        "heavy dependencies (wandb and more) that a bare GPU host lacks", image_input=True, hot_ops=(SPECTRAL_MUL,)),
     "weather_gnn": Workload(
         "weather_gnn", "weather", "latitude rows of the lat-lon grid (2n longitudes)", (12, 16, 24, 32, 48),
         4, 180, weather_gnn.build, weather_gnn.make_request, weather_gnn.collate, weather_gnn.split,
         BatchPolicy(4, "same_size"),
         "torch-geometric's MessagePassing (the maintained reference for message passing; scatter kernels per "
-        "device)"),
+        "device)", hot_ops=(SCATTER_SUM,)),
     "protein_e3nn": Workload(
         "protein_e3nn", "biology", "residues of the protein's C-alpha trace", (32, 64, 96, 128, 192), 2, 1024,
         protein_e3nn.build, protein_e3nn.make_request, protein_e3nn.collate, protein_e3nn.split,
         BatchPolicy(8, "concat"),
-        "e3nn (the maintained library of O(3)-equivariant tensor products, behind NequIP/MACE-style models)"),
+        "e3nn (the maintained library of O(3)-equivariant tensor products, behind NequIP/MACE-style models)",
+        hot_ops=(SCATTER_SUM,)),
     "patchtst": Workload(
         "patchtst", "time-series", "series (channels) forecast together", (1, 3, 7, 12, 21), 1, 512,
         patchtst.build, patchtst.make_request, patchtst.collate, patchtst.split, BatchPolicy(16, "concat"),

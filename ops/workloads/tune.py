@@ -49,7 +49,7 @@ from ops.workloads.traffic import SizeTrace, size_trace
 
 # every candidate ``candidates`` may propose, in the order they are measured (a budget cuts the tail): bit-exact
 # hopefuls first, compiled forms next, precision changes after them, max-autotune (the slowest compile) last
-CANDIDATE_NAMES = ("eager", "eager-2x", "graphs-eager-b1", "graphs-eager", "compile-buckets", "graphs",
+CANDIDATE_NAMES = ("eager", "eager-2x", "graphs-eager-b1", "graphs-eager", "triton-ops", "compile-buckets", "graphs",
                    "reduce-overhead", "channels-last", "bf16", "tf32", "autotune")
 MEASURE_SHARE = 0.6  # of a time budget, what candidates may take; the paired comparisons get the rest
 BUDGET_SPENT = "time budget spent"
@@ -249,8 +249,9 @@ def find_static_best(workload: Workload, module: torch.nn.Module, device: str | 
 def candidates(workload: Workload, device: str | torch.device, static: WorkloadVariant) -> list[WorkloadVariant]:
     """Variants worth measuring against ``static`` on ``device``, in CANDIDATE_NAMES' order: eager and compiled
     forms, larger batches, batch buckets (the sizes compiled code and graphs then see), CUDA graphs of the eager
-    module (replaying the eager kernels: the GPU forms most likely to stay bit-exact), channels-last inputs, and
-    the precision variants. Those that cannot run here are left out (``refusal``); listing them needs no GPU."""
+    module (replaying the eager kernels: the GPU forms most likely to stay bit-exact), the same with the hot ops
+    as Triton kernels, channels-last inputs, and the precision variants. Those that cannot run here are left out
+    (``refusal``); listing them needs no GPU."""
     b = static.max_batch or workload.batch.max_batch
     buckets = tuple(x for x in (1, 2, 4, 8, 16, 32) if x < 2 * b) + (2 * b,)
     # the eager forms on a GPU with the reference's deterministic algorithms (a scatter-add by atomics could not
@@ -263,6 +264,10 @@ def candidates(workload: Workload, device: str | torch.device, static: WorkloadV
                                               deterministic=det),
            "graphs-eager": WorkloadVariant(name="graphs-eager", cuda_graphs=True, max_batch=2 * b,
                                            bucket_sizes=buckets, deterministic=det),
+           # graphs-eager with the hot ops (spectral multiply, message sums) as fused Triton kernels; only for
+           # workloads that have one (``refusal``)
+           "triton-ops": WorkloadVariant(name="triton-ops", cuda_graphs=True, max_batch=2 * b, bucket_sizes=buckets,
+                                         deterministic=det, hot_ops="triton"),
            "compile-buckets": WorkloadVariant(name="compile-buckets", compile_mode="default", max_batch=2 * b,
                                               bucket_sizes=buckets),
            "graphs": WorkloadVariant(name="graphs", compile_mode="default", cuda_graphs=True, max_batch=2 * b,

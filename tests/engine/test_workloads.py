@@ -312,3 +312,93 @@ def test_deterministic_variant_runs_with_torchs_deterministic_algorithms_and_res
     assert torch.are_deterministic_algorithms_enabled() == before
     with forward_context(plain, "cpu"):
         assert torch.are_deterministic_algorithms_enabled() == before
+
+
+# ---- hot ops as Triton kernels (TRITON_INTERPRET=1 on the CPU, tests/conftest.py) ------------------------------------
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert torch.allclose(got, want, rtol=0, atol=1e-4 * want.abs().max().item()), (got - want).abs().max()
+
+
+def test_each_models_triton_hot_ops_agree_with_its_torch_path():
+    """Small forms of the FNO and the weather network, and the protein network through a runner of the variant:
+    the Triton spectral multiply and segment sum give the torch path's outputs within 1e-4 of their scale."""
+    from engine.workloads.fno import FNO2d
+    from engine.workloads.hot_ops import hot_ops
+    from engine.workloads.weather_gnn import WeatherGNN
+
+    torch.manual_seed(fresh_seed())
+    small = [(FNO2d(width=8, modes=4, layers=2), torch.randn(2, 10, 12, 12)),
+             (WeatherGNN(hidden=16, mesh_level=1, processor_layers=1), torch.randn(2, 4, 8, 8))]
+    with torch.inference_mode():
+        for model, x in small:
+            model.eval()
+            want = model(x)
+            with hot_ops("triton"):
+                _close(model(x), want)
+    w = get_workload("protein_e3nn")
+    module, reqs = w.build(), w.make_inputs([12, 20], fresh_seed())
+    want = build_runner(w, WorkloadVariant(max_batch=2), module, "cpu")(reqs)
+    got = build_runner(w, WorkloadVariant(max_batch=2, hot_ops="triton"), module, "cpu")(reqs)
+    for g, t in zip(got, want):
+        _close(g, t)
+
+
+def test_scatter_sum_on_triton_follows_any_edge_axis_and_the_torch_path_is_index_add():
+    from engine.workloads.hot_ops import active, hot_ops, scatter_sum, spectral_mul
+
+    torch.manual_seed(fresh_seed())
+    dst = torch.tensor([3, 0, 3, 1, 3])
+    for msg, dim in ((torch.randn(5), 0), (torch.randn(2, 5, 4), 1), (torch.randn(2, 5, 4), -2),
+                     (torch.randn(4, 5), 1), (torch.randn(3, 2, 5, 6), 2)):
+        want = torch.zeros(*msg.shape[:dim % msg.dim()], 6, *msg.shape[dim % msg.dim() + 1:]).index_add_(dim, dst, msg)
+        assert torch.equal(scatter_sum(msg, dst, 6, dim), want)
+        with hot_ops("triton"):
+            assert active() == "triton"
+            assert torch.allclose(scatter_sum(msg, dst, 6, dim), want, rtol=1e-6, atol=1e-6)
+    assert active() == "torch"
+    a, w = torch.randn(1, 3, 2, 2, dtype=torch.cfloat), torch.randn(3, 2, 2, 2, dtype=torch.cfloat)
+    with hot_ops("triton"), pytest.raises(ValueError, match="complex64"):
+        spectral_mul(a.to(torch.complex128), w.to(torch.complex128))
+    with pytest.raises(ValueError, match="hot_ops must be one of"):
+        with hot_ops("cuda"):
+            pass
+
+
+def test_hot_ops_field_is_checked_described_and_entered_by_the_forward_context():
+    import dataclasses
+    import hashlib
+    import json
+
+    from engine.workloads.hot_ops import active
+    from engine.workloads.variants import forward_context
+
+    tri = WorkloadVariant(hot_ops="triton")
+    assert "triton hot ops" in tri.describe() and not tri.needs_tolerance  # judged bit-exact by default
+    assert tri.changed_scopes(WorkloadVariant()) == {"forward"} and tri.variant_id != WorkloadVariant().variant_id
+    # a field added later counts towards the id only when set: ids recorded before it stay valid
+    plain = WorkloadVariant(max_batch=4)
+    body = {f.name: getattr(plain, f.name) for f in dataclasses.fields(plain)
+            if f.metadata.get("scope") and f.name != "hot_ops"}
+    assert plain.variant_id == hashlib.sha256(json.dumps(body, sort_keys=True, default=list).encode()).hexdigest()[:16]
+    with pytest.raises(ValueError, match="hot_ops must be one of"):
+        WorkloadVariant(hot_ops="cuda")
+    with forward_context(tri, "cpu"):
+        assert active() == "triton"
+    assert active() == "torch"
+
+
+def test_triton_hot_ops_are_refused_without_a_hot_op_a_gpu_or_the_interpreter(monkeypatch):
+    tri = WorkloadVariant(hot_ops="triton")
+    assert set(get_workload("fno").hot_ops) == {"spectral_mul"}
+    assert {w.name for w in WORKLOADS.values() if w.hot_ops} == {"fno", "weather_gnn", "protein_e3nn"}
+    assert "has none" in refusal(get_workload("patchtst"), tri, "cuda")
+    assert "eager" in refusal(get_workload("fno"), WorkloadVariant(hot_ops="triton", compile_mode="default"), "cuda")
+    for name in ("fno", "weather_gnn", "protein_e3nn"):
+        assert refusal(get_workload(name), tri, "cuda") is None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert refusal(get_workload("fno"), tri, "cpu") is None
+    monkeypatch.delenv("TRITON_INTERPRET")
+    why = refusal(get_workload("fno"), tri, "cpu")
+    assert "CUDA device" in why and "TRITON_INTERPRET=1" in why
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        build_runner(get_workload("weather_gnn"), tri, torch.nn.Identity(), "cpu")

@@ -13,7 +13,7 @@ LAYERS = ["kernels", "engine", "checks", "ops", "assets", "pipelines"]
 SUBLAYERS = {
     "engine": ["errors", "disk_cache", "config", "workloads", "generated", "model", "loader", "sched", "worker", "core",
                "serving", "entrypoints"],
-    "kernels": ["pdl", "counters", "timing", "pointwise", "attention", "linear", "moe", "generated"],
+    "kernels": ["pdl", "counters", "timing", "pointwise", "attention", "linear", "moe", "workloads", "generated"],
     "ops": ["traffic", "measure", "predict", "judge", "workloads", "search", "release"],
 }
 MAX_LINES = 500

@@ -77,6 +77,18 @@ def test_cpu_candidates_leave_out_what_the_cpu_refuses():
         v.deterministic for v in candidates(w, "cpu", WorkloadVariant(name="static-best", max_batch=4)))
 
 
+
+def test_triton_ops_is_graphs_eager_with_triton_hot_ops_where_a_workload_has_a_hot_op(monkeypatch):
+    static = WorkloadVariant(name="static-best", compile_mode="default", max_batch=8)
+    by = {v.name: v for v in candidates(get_workload("fno"), "cuda", static)}
+    tri, graphs = by["triton-ops"], by["graphs-eager"]
+    assert CANDIDATE_NAMES.index("triton-ops") == CANDIDATE_NAMES.index("graphs-eager") + 1
+    assert tri.hot_ops == "triton" and tri.cuda_graphs and tri.compile_mode is None and tri.deterministic
+    assert (tri.max_batch, tri.bucket_sizes) == (graphs.max_batch, graphs.bucket_sizes) and not tri.needs_tolerance
+    assert "triton-ops" not in {v.name for v in candidates(get_workload("patchtst"), "cuda", static)}
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # and a CPU has no CUDA graphs either way
+    assert "triton-ops" not in {v.name for v in candidates(get_workload("fno"), "cpu", static)}
+
 def test_tuner_keeps_static_best_when_no_candidate_is_better():
     """Batch 1 is slower than static-best's swept batch, and bf16 passes only tolerance mode: static-best stays."""
     cfg = TuneConfig(requests=24, mix=8, repeats=1, rounds=3, sweep=(4, 8), gate_batches=(2,), gate_rounds=1)
