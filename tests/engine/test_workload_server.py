@@ -369,3 +369,15 @@ def test_the_described_inputs_are_what_each_generator_makes_and_parse_back_to_it
 def _explicit_subset(request, names: set[str]) -> dict:
     return {"inputs": {k: {"shape": list(v.shape), "data": v.flatten().tolist()}
                        for k, v in request.tensors.items() if k in names}}
+
+
+def test_admin_body_types_cover_every_variant_field():
+    """A field the admin body's type table misses would be refused (or, worse, taken unchecked)."""
+    import dataclasses
+
+    from engine.entrypoints.workload_protocol import _VARIANT_TYPES, variant_from_json
+
+    assert set(_VARIANT_TYPES) == {f.name for f in dataclasses.fields(WorkloadVariant)}
+    v = WorkloadVariant(name="d", deterministic=True, max_batch=2)
+    got, _ = variant_from_json(v.to_json())
+    assert got == v and got.variant_id == v.variant_id
