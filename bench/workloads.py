@@ -44,11 +44,13 @@ def _gate(arm) -> str:
     if arm.error:
         return f"error ({arm.error})"
     g = arm.gate
+    # the library's own batch variance at these batches (the reference batched against one request at a time)
+    var = f"; batches vs one at a time {g.batch_max_abs:.2g}" if g.batch_max_abs else ""
     if g.passed:
-        return g.mode if g.mode == "bit-exact" else f"tolerance (max abs {g.max_abs:.2g}, rel {g.max_rel:.2g})"
+        return (g.mode if g.mode == "bit-exact" else f"tolerance (max abs {g.max_abs:.2g}, rel {g.max_rel:.2g})") + var
     t = arm.tolerance_gate
     tol = f", tolerance {'passes' if t.passed else 'fails'} (rel {t.max_rel:.2g})" if t else ""
-    return f"fails {g.mode} (max abs {g.max_abs:.2g}){tol}"
+    return f"fails {g.mode} (max abs {g.max_abs:.2g}){tol}{var}"
 
 
 def _arm_figure(arm) -> str:

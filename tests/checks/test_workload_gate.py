@@ -3,8 +3,9 @@ passes the documented tolerance mode, tolerances too tight fail, and a failure n
 from __future__ import annotations
 
 import pytest
+import torch
 
-from checks.workload_gate import BIT_EXACT, TOLERANCE, Tolerance, gate_workload
+from checks.workload_gate import BIT_EXACT, TOLERANCE, Tolerance, gate_workload, reference_for
 from engine.workloads import WorkloadVariant, get_workload
 
 
@@ -56,3 +57,28 @@ def test_bad_gate_arguments_are_refused(patchtst):
         gate_workload(w, WorkloadVariant(), module, "cpu", batch_sizes=())
     with pytest.raises(ValueError, match="non-negative"):
         Tolerance(max_abs=-1)
+
+
+class _BatchVariant(torch.nn.Module):
+    """The model with an output that moves with the batch's size, as a GPU's batched kernels move the last bits."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, **inputs):
+        y = self.inner(**inputs)
+        return y + 1e-3 * (next(iter(inputs.values())).shape[0] - 1)
+
+
+def test_the_reference_runs_in_the_variants_batches_and_batch_variance_is_reported_apart(patchtst):
+    w, module = patchtst
+    variant = WorkloadVariant(max_batch=4, bucket_sizes=(2, 4))
+    assert reference_for(variant).max_batch == 4 and reference_for(variant).bucket_sizes == (2, 4)
+    assert reference_for(variant).deterministic and reference_for(variant).compile_mode is None
+    r = gate_workload(w, variant, _BatchVariant(module), "cpu", batch_sizes=(1, 3), rounds=1, seed=3)
+    # the variant's forward is the reference's: bit-exact, though its batches differ from one request at a time
+    assert r.passed and r.max_abs == 0.0, r.line()
+    assert r.batch_max_abs >= 1e-3  # a bucket of 4 against batches of 1: a larger leading axis
+    exact = gate_workload(w, variant, module, "cpu", batch_sizes=(3,), rounds=1, seed=3)
+    assert exact.passed and exact.batch_max_abs == 0.0  # the CPU's batched kernels equal its batch-1 ones here
