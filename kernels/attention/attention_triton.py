@@ -31,15 +31,7 @@ from kernels.timing import interpreted
 from kernels.attention.kv_store_triton import to_cache
 from kernels.pdl import launch_options, pdl_enter
 from kernels.attention.rotary_triton import _head_norm, _rotary_store_kv
-from kernels.attention.prefill_triton import PREFILL_TILES, prefill_attention
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
+from kernels.attention.prefill_triton import PREFILL_TILES, dot as _dot, kv_tile, prefill_attention
 
 
 @triton.jit
@@ -56,15 +48,8 @@ def _softmax_step(s, m_i, l_i):
 def _decode_tile(q, acc, m_i, l_i, k_ptr, v_ptr, bt_ptr, b, stride_bt, n0, end, kvh, offs_d, mask_d, scale, D,
                  BLOCK_SIZE, KVH, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     """One tile of BLOCK_N keys from ``n0`` (below ``end``) of sequence ``b`` into the running (acc, max, sum)."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < end
-    blk = tl.load(bt_ptr + b * stride_bt + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
-    slot = blk.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
-    kv_off = slot[:, None] * (KVH * D) + kvh * D + offs_d[None, :]
-    kv_mask = mask_n[:, None] & mask_d[None, :]
-    # (BLOCK_N, D_PAD); an FP8 cache's values widened to the queries' dtype
-    k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
-    v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+    k, v, offs_n, mask_n = kv_tile(k_ptr, v_ptr, bt_ptr, b, stride_bt, n0, end, kvh, offs_d, mask_d, D,
+                                   BLOCK_SIZE, KVH, q.dtype, BLOCK_N)
     s = _dot(q, tl.trans(k), IEEE) * scale  # (G_PAD, BLOCK_N)
     s = tl.where(mask_n[None, :], s, float("-inf"))
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)

@@ -25,11 +25,28 @@ PREFILL_TILES = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2
 
 
 @triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
+def dot(a, b, IEEE: tl.constexpr):
+    """tl.dot, in IEEE float32 for float32 inputs (the tests' references); the attention kernels' too."""
     if IEEE:
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def kv_tile(k_ptr, v_ptr, bt_ptr, seq, stride_bt, n0, end, kvh, offs_d, mask_d, D, BLOCK_SIZE, KVH, dtype,
+            BLOCK_N: tl.constexpr):
+    """(keys, values, their positions, which are below ``end``): BLOCK_N cached positions from ``n0`` of sequence
+    ``seq`` through its block table, (BLOCK_N, D_PAD) each, an FP8 cache's values widened to ``dtype``."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    blk = tl.load(bt_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
+    slot = blk.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
+    kv_off = slot[:, None] * (KVH * D) + kvh * D + offs_d[None, :]
+    kv_mask = mask_n[:, None] & mask_d[None, :]
+    k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(dtype)
+    v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(dtype)
+    return k, v, offs_n, mask_n
 
 
 @triton.jit
@@ -38,21 +55,15 @@ def _prefill_tile(q, acc, m_i, l_i, k_ptr, v_ptr, bt_ptr, seq, stride_bt, n0, en
     """One tile of BLOCK_N keys from ``n0`` (below ``end``) into the running (acc, max, sum); scores in base 2
     (``qk_scale`` holds log2(e)). ``CAUSAL``: mask the keys after each row's position (the diagonal tiles);
     without it, every key of the tile is visible to every row."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < end
-    blk = tl.load(bt_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
-    slot = blk.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
-    kv_off = slot[:, None] * (KVH * D) + kvh * D + offs_d[None, :]
-    kv_mask = mask_n[:, None] & mask_d[None, :]
-    k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
-    v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
-    s = _dot(q, tl.trans(k), IEEE) * qk_scale  # (BLOCK_M, BLOCK_N)
+    k, v, offs_n, mask_n = kv_tile(k_ptr, v_ptr, bt_ptr, seq, stride_bt, n0, end, kvh, offs_d, mask_d, D,
+                                   BLOCK_SIZE, KVH, q.dtype, BLOCK_N)
+    s = dot(q, tl.trans(k), IEEE) * qk_scale  # (BLOCK_M, BLOCK_N)
     if CAUSAL:
         s = tl.where(mask_n[None, :] & (offs_n[None, :] <= pos_m[:, None]), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
     return acc, m_new, l_i * alpha + tl.sum(p, axis=1)
 
 
