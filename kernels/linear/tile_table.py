@@ -35,6 +35,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 FOLDER = Path(__file__).resolve().parent / "tiles"  # the committed tables
+# a device with no committed table of its own takes its sibling's: the same architecture and SM count (H100 SXM
+# and H200: sm_90, 132 SMs; the H200 has more memory bandwidth), so the sibling's tiles are a fixed, near choice,
+# the same in every run, where autotuning would cost minutes of each session's first preparation (227 s on an H100)
+SIBLINGS = {"nvidia-h100-80gb-hbm3": "nvidia-h200"}
 ENV = "POLYINF_TILE_TABLE"  # an extra table: read first, extended by autotuning
 TILE_FIELDS = ("block_n", "block_k", "split_k", "num_warps", "num_stages", "fused")
 POWERS_OF_TWO = ("block_n", "block_k", "num_warps")  # tl.arange's and the launch's
@@ -226,10 +230,16 @@ class TileChoices:
         self._tables: dict[tuple[str, Path | None], dict[TileKey, TileEntry]] = {}
 
     def table(self, device_name: str) -> dict[TileKey, TileEntry]:
-        """The device's tables merged: the committed one, then the extra file's entries over it."""
+        """The device's tables merged: the committed one (its SIBLINGS' where it has none), then the extra
+        file's entries over it."""
         extra = extra_table()
         if (device_name, extra) not in self._tables:
-            t = read_table(self.folder / table_name(device_name, self.triton), device_name, self.triton)
+            own = self.folder / table_name(device_name, self.triton)
+            sibling = SIBLINGS.get(device_slug(device_name))
+            if not own.exists() and sibling and (self.folder / table_name(sibling, self.triton)).exists():
+                t = read_table(self.folder / table_name(sibling, self.triton), sibling, self.triton)
+            else:
+                t = read_table(own, device_name, self.triton)
             if extra is not None:
                 t.update(read_table(extra, device_name, self.triton))
             self._tables[device_name, extra] = t

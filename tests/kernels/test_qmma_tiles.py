@@ -79,6 +79,19 @@ def test_lookup_uses_the_extra_table_first_and_autotunes_only_what_it_lacks(tmp_
     assert read_table(folder / table_name(H100, "3.6"), H100, "3.6")[KEY].tiles["block_n"] == 128  # untouched
 
 
+def test_a_device_without_its_own_table_takes_its_siblings_until_it_has_one(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    folder = tmp_path / "tiles"
+    write_table(folder / table_name("NVIDIA H200", "3.6"), table_json("NVIDIA H200", "3.6", [_entry(block_n=128)]))
+    got = TileChoices(folder, triton="3.6").choose(H100, KEY, _no_autotune)  # the H200's, not autotuned
+    assert got.tiles["block_n"] == 128 and not got.autotuned
+    other = TileKey(16, 4096, 4096, "fp8", 0)  # a shape the sibling lacks is autotuned as before
+    assert TileChoices(folder, triton="3.6").choose(H100, other, lambda: _entry(other)).autotuned
+    write_table(folder / table_name(H100, "3.6"), table_json(H100, "3.6", [_entry(block_n=32)]))
+    assert TileChoices(folder, triton="3.6").choose(H100, KEY, _no_autotune).tiles["block_n"] == 32  # its own
+    assert TileChoices(folder, triton="3.6").choose("NVIDIA A100-SXM4-80GB", KEY, _entry).autotuned  # no sibling
+
+
 def test_a_missing_table_autotunes(tmp_path):
     tuned = TileChoices(tmp_path / "nothing here", triton="3.6")
     assert tuned.choose(H100, KEY, _entry).autotuned
