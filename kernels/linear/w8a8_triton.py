@@ -5,10 +5,11 @@ the activation, then the FP8 GEMM.
   add (written out: the next layer's residual), the RMSNorm in the reference's rounding (statistics in float32,
   normalized row rounded to the checkpoint's dtype, times the norm's weight in that dtype), the row's largest |h|,
   then the codes; the normalized row itself is never written.
-- ``silu_and_mul_fp8`` / ``quantize_rows_e4m3``: one program per row in two passes over ``BLOCK`` chunks (the
-  MLP's intermediate rows are too wide for registers): the largest |a| of silu(gate) * up (or of the row as it
-  is), then the codes of the recomputed chunks; the inputs are read twice (the second time from L2), the product
-  never written in bf16.
+- ``silu_and_mul_fp8`` / ``quantize_rows_e4m3``: one program per row; rows up to ``MAX_ONE_PASS`` wide (the 8B's
+  14,336-wide MLP rows) in one pass, the whole row of silu(gate) * up (or the row as it is) in registers of up
+  to 16 warps: its largest |a|, then the codes, the inputs read once. Wider rows in two passes over ``BLOCK``
+  chunks (the largest |a|, then the codes of the recomputed chunks; the inputs read twice, the second time from
+  L2). The product is never written in bf16.
 
 The codes are the float32 quotient rounded to e4m3's 3 mantissa bits first (kernels/linear/qmma_triton.py's
 ``_round_e4m3``), so the conversion is exact and equals torch's round-to-nearest-even on the GPU and in the CPU
@@ -23,6 +24,8 @@ import triton.language as tl
 from kernels.linear.qmma_triton import _round_e4m3
 from kernels.linear.quant import FP8_MAX, QuantizedWeight
 from kernels.linear.w8a8 import MAX_NORM_D, fp8_rows_mm
+
+MAX_ONE_PASS = 16384  # widest row (rounded up to a power of two) quantized in one pass from registers
 
 
 
@@ -58,6 +61,20 @@ def _act_chunk(x_row, offs, m, width, ACT: tl.constexpr):
         up = tl.load(x_row + width + offs, mask=m, other=0.0).to(tl.float32)
         return (silu * up).to(g.dtype).to(tl.float32)
     return g.to(tl.float32)
+
+
+@triton.jit
+def _quant_row_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, width: tl.constexpr, FP8_MAX: tl.constexpr,
+                      ACT: tl.constexpr, BLOCK: tl.constexpr):
+    """``_quant_rows_kernel`` in one pass: the whole row (BLOCK >= width) in registers, its inputs read once."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    m = offs < width
+    a = _act_chunk(x_ptr + row * stride_x, offs, m, width, ACT)
+    scale = tl.maximum(tl.max(tl.abs(a), axis=0) / FP8_MAX, 1e-12)
+    tl.store(s_ptr + row, scale)
+    q = _round_e4m3(tl.div_rn(a, scale))
+    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -110,29 +127,40 @@ def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch
     return q, s, summed
 
 
-def _quant_rows(x: torch.Tensor, width: int, act: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _quant_rows(x: torch.Tensor, width: int, act: int, block: int, one_pass: bool | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     t = x.shape[0]
     q = torch.empty(t, width, device=x.device, dtype=torch.float8_e4m3fn)
     s = torch.empty(t, 1, device=x.device, dtype=torch.float32)
-    if t:
-        block = min(block, triton.next_power_of_2(width))
+    row = triton.next_power_of_2(width)
+    one_pass = row <= MAX_ONE_PASS if one_pass is None else one_pass
+    if t and one_pass:
+        if row > MAX_ONE_PASS:
+            raise ValueError(f"rows of {width} exceed the {MAX_ONE_PASS} one pass holds in registers")
+        _quant_row_kernel[(t,)](x, q, s, x.stride(0), q.stride(0), width=width, FP8_MAX=FP8_MAX, ACT=act, BLOCK=row,
+                                num_warps=max(4, min(16, row // 512)))
+    elif t:
+        block = min(block, row)
         _quant_rows_kernel[(t,)](x, q, s, x.stride(0), q.stride(0), width=width, FP8_MAX=FP8_MAX, ACT=act, BLOCK=block,
                                  num_warps=4 if block <= 1024 else 8)
     return q, s
 
 
-def silu_and_mul_fp8(x: torch.Tensor, block: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: (T, 2I) holding [gate | up] -> (e4m3 codes of silu(gate) * up (T, I), float32 scales (T, 1))."""
+def silu_and_mul_fp8(x: torch.Tensor, block: int = 2048, one_pass: bool | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: (T, 2I) holding [gate | up] -> (e4m3 codes of silu(gate) * up (T, I), float32 scales (T, 1)).
+    ``one_pass``: the whole row in registers (default: where it fits, MAX_ONE_PASS), else two passes of ``block``."""
     x = _rows2d("silu_and_mul_fp8", x)
     if x.shape[1] % 2:
         raise ValueError(f"silu_and_mul_fp8 takes [gate | up] rows of even width, got {x.shape[1]}")
-    return _quant_rows(x, x.shape[1] // 2, 1, block)
+    return _quant_rows(x, x.shape[1] // 2, 1, block, one_pass)
 
 
-def quantize_rows_e4m3(x: torch.Tensor, block: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_e4m3(x: torch.Tensor, block: int = 2048, one_pass: bool | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """x: (T, K) -> (e4m3 codes (T, K), float32 scales (T, 1)): kernels.linear.quant.quantize_rows in one launch."""
     x = _rows2d("quantize_rows_e4m3", x)
-    return _quant_rows(x, x.shape[1], 0, block)
+    return _quant_rows(x, x.shape[1], 0, block, one_pass)
 
 
 def norm_linear_w8a8(x, residual, norm_weight, eps, weight: QuantizedWeight, bias=None):

@@ -40,16 +40,25 @@ def test_norm_codes_equal_the_reference_in_float32(t, d):
 
 
 @pytest.mark.parametrize("t,width,block", [(1, 64, 64), (5, 300, 128), (9, 1000, 256)])
-def test_activation_and_row_codes_equal_the_reference_in_float32(t, width, block):
+@pytest.mark.parametrize("one_pass", [True, False])  # the whole row in registers, or two passes of ``block``
+def test_activation_and_row_codes_equal_the_reference_in_float32(t, width, block, one_pass):
     torch.manual_seed(width + block)
     gu = torch.randn(t, 2 * width) * 2
-    q, s = wt.silu_and_mul_fp8(gu, block=block)
+    q, s = wt.silu_and_mul_fp8(gu, block=block, one_pass=one_pass)
     q0, s0 = w8a8.silu_and_mul_fp8_ref(gu)
     _codes_agree(q, s, q0, s0)  # torch's silu and the kernel's exp may differ in the last bit
     x = torch.randn(t, width) * 5
-    q, s = wt.quantize_rows_e4m3(x, block=block)
+    q, s = wt.quantize_rows_e4m3(x, block=block, one_pass=one_pass)
     q0, s0 = quantize_rows(x)
     assert torch.equal(s, s0) and torch.equal(q.float(), q0.float())
+
+
+def test_rows_too_wide_for_one_pass_are_refused_or_take_two():
+    x = torch.zeros(1, wt.MAX_ONE_PASS + 1)
+    with pytest.raises(ValueError, match="one pass"):
+        wt.quantize_rows_e4m3(x, one_pass=True)
+    q, s = wt.quantize_rows_e4m3(x, block=4096)  # the default: two passes for a row this wide
+    assert q.shape == x.shape and s.shape == (1, 1)
 
 
 def test_bfloat16_codes_within_the_format_step():

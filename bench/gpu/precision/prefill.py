@@ -181,6 +181,27 @@ def w8a8_served(m: Llama8B, out=None, batches=(1, 32, 64)) -> None:
 
 
 @section
+def w8a8_quant_passes(t: int = 8192, width: int = 14336) -> None:
+    """The activation's codes before down at a prefill step's rows (silu(gate) * up, ``width`` wide) and o_proj's
+    (rows of 4,096): the whole row in one pass from registers against two passes of 2,048 columns; both checked
+    equal to each other."""
+    from kernels.linear import w8a8_triton as wt
+
+    torch.manual_seed(12)
+    for label, x, fn in (("silu-mul", torch.randn(t, 2 * width, device="cuda", dtype=torch.bfloat16) * 2,
+                          wt.silu_and_mul_fp8),
+                         ("rows", torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16) * 3,
+                          wt.quantize_rows_e4m3)):
+        (q1, s1), (q2, s2) = fn(x, one_pass=True), fn(x, one_pass=False)
+        same = torch.equal(q1.float(), q2.float()) and torch.equal(s1, s2)
+        one, two = timed(lambda: fn(x, one_pass=True)), timed(lambda: fn(x, one_pass=False))
+        nbytes = x.numel() * 2 + q1.numel()
+        row(f"W8A8 codes, {label}, {t} x {x.shape[1]} bf16: one pass / two passes",
+            f"{'OK' if same else 'ERROR (codes differ)'}: {one * 1e6:.0f} / {two * 1e6:.0f} us = {two / one:.2f}x; "
+            f"one pass {nbytes / one / 1e9:,.0f} GB/s")
+
+
+@section
 def prefill_attention_kernels(n_seq: int = 4, length: int = 2048) -> None:
     """The prefill attention kernel (kernels/attention/prefill_triton.py) on the 8B's heads (32 query, 8 KV, 128
     wide) for ``n_seq`` x ``length``-token prompts in one step, over a paged cache of 16-token blocks in shuffled
