@@ -34,7 +34,7 @@ def add_cli_args(ap: argparse.ArgumentParser) -> None:
                     "ops.workloads.tune.CANDIDATE_NAMES), e.g. leave out autotune on a short GPU run")
     ap.add_argument("--budget-seconds", type=float, default=None, help="seconds for the whole run: each model may "
                     "take the time left over the models still to run (past 60%% of its share it measures no further "
-                    "candidate, past all of it no paired round after the second); a model that would start with "
+                    "candidate, past all of it no paired round after the third); a model that would start with "
                     "no time left is not run")
     ap.add_argument("--allow-tolerance", action="store_true", help="a variant passing only tolerance mode may be chosen")
     ap.add_argument("--json", type=Path, default=None, help="write every tuning's figures here (after each model)")

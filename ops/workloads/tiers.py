@@ -152,11 +152,16 @@ class Ratio:
         return asdict(self)
 
 
+MIN_PAIRS = 3  # paired rounds a verdict of better or worse needs
+
+
 def ratio_of(base: list[float], cand: list[float], replicates: int = 2000, seed: int = 1,
              threshold: float = 1.0) -> Ratio:
     """The ratio of the candidate's mean to static-best's over paired rounds, its 95% interval from resampling the
     rounds (pairs kept together), and the verdict: better when the interval lies above ``threshold``, worse when
-    it lies below its inverse, censored when either arm has no round."""
+    it lies below its inverse, censored when either arm has no round. Fewer than MIN_PAIRS rounds decide nothing
+    (no detectable difference): a resample of two pairs spans only their two ratios, not a 95% interval (the
+    LLM judge's rule asks three replicates or more too)."""
     pairs = [(b, c) for b, c in zip(base, cand) if b > 0 and c > 0 and math.isfinite(b) and math.isfinite(c)]
     if not pairs:
         return Ratio(math.nan, math.nan, math.nan, 0, CENSORED, list(base), list(cand))
@@ -169,11 +174,13 @@ def ratio_of(base: list[float], cand: list[float], replicates: int = 2000, seed:
     reps.sort()
     low, high = min(_percentile(reps, 0.025), est), max(_percentile(reps, 0.975), est)
     verdict = BETTER if low > threshold else WORSE if high < 1 / threshold else SAME
+    if len(pairs) < MIN_PAIRS:
+        verdict = SAME
     return Ratio(est, low, high, len(pairs), verdict, list(base), list(cand))
 
 
 def paired(measure_base: Callable[[], float], measure_cand: Callable[[], float], rounds: int,
-           deadline: float | None = None, min_rounds: int = 2) -> Ratio:
+           deadline: float | None = None, min_rounds: int = 3) -> Ratio:
     """Static-best and the candidate measured in turn (A B A B ...) for ``rounds`` rounds; their ratio.
     ``deadline`` (a ``time.perf_counter()`` value): once ``min_rounds`` rounds have run, no round starts after it
     (the ratio then rests on fewer rounds, and says how many)."""

@@ -22,7 +22,7 @@ compared with static-best in paired rounds, and the best gated one chosen only w
 
 **Time budget** (``cfg.budget_s``): static-best's sweep measures at least one batch and static-best itself is
 always measured; no further sweep batch and no further candidate starts once ``MEASURE_SHARE`` of the budget is
-spent (those arms say "time budget spent"), and no paired round after the second starts once all of it is.
+spent (those arms say "time budget spent"), and no paired round after the third starts once all of it is.
 **Failures**: any ``Exception`` while an arm is gated or measured (a compile error of dynamo, Inductor or Triton,
 a failed graph capture, out of memory) is that arm's ``error``, with its type's name; and inside a tuning
 dynamo's recompile limit raises instead of running eager in silence.

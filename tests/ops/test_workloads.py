@@ -103,9 +103,16 @@ def test_tuner_keeps_static_best_when_no_candidate_is_better():
     assert t.to_json()["chosen"]["variant_id"] == t.chosen.variant_id
 
 
-def test_paired_rounds_stop_at_the_deadline_after_two():
-    assert paired(lambda: 1.0, lambda: 2.0, rounds=6, deadline=0.0).n == 2
+def test_paired_rounds_stop_at_the_deadline_after_three():
+    assert paired(lambda: 1.0, lambda: 2.0, rounds=6, deadline=0.0).n == 3
     assert paired(lambda: 1.0, lambda: 2.0, rounds=3).n == 3
+
+
+def test_fewer_than_three_rounds_decide_nothing():
+    """Two pairs resample to their two ratios only: no 95% interval, so no verdict of better or worse."""
+    two = ratio_of([1.0, 1.1], [2.0, 2.1])
+    assert two.n == 2 and two.verdict == SAME and two.low > 1
+    assert ratio_of([1.0, 1.1, 0.9], [2.0, 2.1, 1.9]).verdict == BETTER
 
 
 def test_a_spent_budget_leaves_candidates_unmeasured_and_says_so():
