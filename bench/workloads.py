@@ -107,7 +107,10 @@ def _release(device: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from engine.workloads.variants import deterministic_cublas
     from ops.workloads.tune import TuneConfig, error_line, tune_workload
+
+    deterministic_cublas()  # before the first CUDA matmul: the deterministic variants' GEMMs too
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("--device cuda: no CUDA device here", file=sys.stderr)

@@ -37,7 +37,7 @@ from engine.entrypoints.workload_protocol import (
     Generated, check_size, clip, input_specs, output_json, parse_request, short, variant_from_json,
 )
 from engine.workloads.static_best import static_best
-from engine.workloads.variants import WorkloadRunner, WorkloadVariant, build_runner
+from engine.workloads.variants import WorkloadRunner, WorkloadVariant, build_runner, deterministic_cublas
 from engine.workloads.workload import WorkloadRequest, get_workload
 
 MAX_BODY_BYTES = 64 * 1024**2  # an explicit request's JSON: a 512 x 512 FNO grid of 10 steps is about 50 MB
@@ -234,6 +234,7 @@ def serve_workload(name: str, host: str = "127.0.0.1", port: int = 8000, device:
     workload's static-best on the device)."""
     import uvicorn
 
+    deterministic_cublas()  # before the model's first CUDA matmul: a deterministic variant swapped in later too
     workload = get_workload(name)
     variant = variant or static_best(workload, device)
     runner = build_runner(workload, variant, workload.build(torch.device(device)), device)

@@ -179,6 +179,18 @@ def precision(name: str, device_type: str) -> Iterator[None]:
             k.fp32_precision = b
 
 
+CUBLAS_WORKSPACE = ":4096:8"  # cuBLAS's deterministic workspace setting (CUBLAS_WORKSPACE_CONFIG)
+
+
+def deterministic_cublas() -> None:
+    """Sets CUBLAS_WORKSPACE_CONFIG (unless set) so that cuBLAS's GEMMs are deterministic under torch's
+    deterministic algorithms; read when cuBLAS first allocates its workspace, so a process serving or tuning
+    workloads calls this before its first CUDA matmul."""
+    import os
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+
+
 @contextmanager
 def determinism(on: bool) -> Iterator[None]:
     """Runs the block with torch's deterministic algorithms on (``on``) or as it finds them. ``warn_only``: an

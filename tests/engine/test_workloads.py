@@ -402,3 +402,16 @@ def test_triton_hot_ops_are_refused_without_a_hot_op_a_gpu_or_the_interpreter(mo
     assert "CUDA device" in why and "TRITON_INTERPRET=1" in why
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         build_runner(get_workload("weather_gnn"), tri, torch.nn.Identity(), "cpu")
+
+
+def test_deterministic_cublas_sets_the_workspace_unless_set(monkeypatch):
+    from engine.workloads.variants import CUBLAS_WORKSPACE, deterministic_cublas
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    deterministic_cublas()
+    import os
+
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == CUBLAS_WORKSPACE
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    deterministic_cublas()
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"  # a user's own setting stays
