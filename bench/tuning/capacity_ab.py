@@ -9,6 +9,7 @@ it.
     PYTHONPATH=$PWD python3 -m bench tuning.capacity_ab --model llama-3.1-8b --device cuda --dtype bfloat16 \\
         --trace bench/data/mooncake_conversation_trace.jsonl --requests 64 --max-input 2048 --max-output 128 \\
         --num-kv-blocks 8192 --change '{"block_size": 32}'                                # a GPU host
+    ... --quantize fp8                                         # static-best against its FP8 form, as the tuner proposes it
 """
 from __future__ import annotations
 
@@ -39,7 +40,10 @@ def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-output", type=int, default=16)
     ap.add_argument("--time-scale", type=float, default=1.0)
     ap.add_argument("--num-kv-blocks", type=int, default=1024)
-    ap.add_argument("--change", required=True, help="JSON object of VariantSpec fields to change in static-best")
+    ap.add_argument("--change", default="{}", help="JSON object of VariantSpec fields to change in static-best")
+    ap.add_argument("--quantize", choices=["fp8", "int8"],
+                    help="B is static-best with these weights, as the tuner proposes it "
+                         "(engine.config.presets.quantized_variant), before --change")
     ap.add_argument("--judge-seconds", type=float, help="the judge's budget (default: 140 on a CPU, 600 on a GPU)")
     ap.add_argument("--first-look", type=int, help="counted requests at a probe's first look")
     ap.add_argument("--cap", type=int, help="most counted requests of one probe")
@@ -61,8 +65,14 @@ def main(args: argparse.Namespace) -> int:
                        slo_ttft_s=args.slo_ttft_ms / 1e3 if args.slo_ttft_ms else None,
                        slo_tpot_s=args.slo_tpot_ms / 1e3 if args.slo_tpot_ms else None)
     a = static_best_of(cfg)
+    if not change and not args.quantize:
+        sys.exit("capacity_ab: nothing to compare: give --change, --quantize or both")
     try:
-        b = dataclasses.replace(a, name=f"static-best + {args.change}", **change)
+        from engine.config.presets import quantized_variant
+
+        b = quantized_variant(a, args.quantize, cfg.device, name=f"static-best + {args.quantize} weights") \
+            if args.quantize else a
+        b = dataclasses.replace(b, name=" + ".join([b.name] + ([args.change] if change else [])), **change)
     except Exception as e:  # an unknown field (TypeError) or a value the spec refuses (ConfigError)
         sys.exit(f"capacity_ab: --change: {type(e).__name__}: {e}")
     bench = Workbench(cfg, probe(cfg.device, size_mb=64 if cfg.device == "cpu" else 256))
