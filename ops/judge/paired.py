@@ -141,6 +141,7 @@ class PairedJudge:
         censored below it)."""
         typical = self.typical_service(self.windows.take("search", 0)[1] or self.windows.records[:32])
         searches: dict[str, capacity.Searcher] = {}
+        self._floors: dict[str, float] = {}  # each arm's floor before the budget raised it
         # the slowest rate the budget affords: two first looks per arm (warm-up included) in the time left. A
         # probe below it would count nothing before the deadline, so the search starts and stops no lower, and
         # an arm failing there is censored below it instead of left unmeasured
@@ -163,12 +164,37 @@ class PairedJudge:
             elif affordable > max(floor, start):
                 self.log(f"judge: {a.variant.name}: the budget affords probes no slower than {affordable:.3f} "
                          f"req/s (start {start:.3f}, floor {floor:.3f} raised to it)")
+            self._floors[a.variant.variant_id] = floor
             floor = min(max(floor, affordable), 4 * sat)
             start = max(start, floor)
             searches[a.variant.variant_id] = capacity.Searcher(start, step=step, floor=floor, ceiling=4 * sat,
                                                             resolution=self.cfg.resolution,
                                                             max_probes=self.cfg.max_probes)
         by_id = {a.variant.variant_id: a for a in arms}
+        while True:
+            self._probe_rounds(searches, by_id, typical)
+            if not self._reopen(searches, by_id):
+                break
+        return {vid: s.capacity(by_id[vid].saturation) for vid, s in searches.items()}
+
+    def _reopen(self, searches: dict[str, capacity.Searcher], by_id: dict[str, ArmRun]) -> bool:
+        """After the rounds ended: the arms censored below a floor the budget had raised get a lower floor where
+        the time left affords one first look each (warm-up included, 10% to spare) at a rate at least 5% lower,
+        so that a slow capacity is bracketed instead of bounded. True when any search goes on."""
+        left = self.deadline - time.perf_counter()
+        low = [vid for vid, s in searches.items() if s.censored_below() is not None]
+        if left <= 0 or not low:
+            return False
+        affordable = 1.1 * len(low) * (self.cfg.first_look + 2) / left
+        reopened = [vid for vid in low if searches[vid].reopen(max(self._floors.get(vid, 0.0), affordable))]
+        for vid in reopened:
+            self.log(f"judge: {by_id[vid].variant.name}: censored below {searches[vid].censored_below():.3f} req/s "
+                     f"with {left:.0f} s left: probing down to {searches[vid].floor:.3f} req/s")
+        return bool(reopened)
+
+    def _probe_rounds(self, searches: dict[str, capacity.Searcher], by_id: dict[str, ArmRun], typical: float) -> None:
+        """Probes every search's next rate, round by round on shared windows, until none is due or the time left
+        cannot hold another round's first looks."""
         while time.perf_counter() < self.deadline:
             pending = {vid: s.rate for vid, s in searches.items() if s.rate is not None}
             if not pending:
@@ -200,7 +226,6 @@ class PairedJudge:
                     continue
                 self.log(f"judge: {by_id[vid].variant.name}: probe {p.line()}, {p.seconds:.0f} s")
                 searches[vid].record(p)
-        return {vid: s.capacity(by_id[vid].saturation) for vid, s in searches.items()}
 
     def confirm(self, base: ArmRun, cand: ArmRun, caps: dict[str, capacity.Capacity]) -> judge.Confirmation:
         """The choice and static-best on windows of the held-out part (``judge.confirm``): at each rate a fresh

@@ -371,6 +371,26 @@ class Searcher:
             return None  # nothing new to probe
         return rate
 
+    def censored_below(self) -> float | None:
+        """The lowest rate probed when every counted probe failed (the capacity censored below it), else None."""
+        counted = [q for q in self.probes if q.verdict != "void" and q.n]
+        if not counted or any(q.verdict == "pass" for q in counted):
+            return None
+        lo, _ = bracket(fit(counted), self.target)
+        return min(q.rate for q in counted) if lo == 0.0 else None
+
+    def reopen(self, floor: float) -> bool:
+        """Lowers the floor to ``floor`` when the search ended censored below a floor above it (a floor the budget
+        had raised, which the time left now affords lower): the search goes on below. True when it did."""
+        lowest = self.censored_below()
+        if self.rate is not None or lowest is None or floor >= min(lowest, self.floor) / 1.05 \
+                or len(self.probes) >= self.max_probes:
+            return False
+        self.floor = floor
+        self.status = "undecided"
+        self.rate = max(lowest / self.step, floor)
+        return True
+
     def capacity(self, saturation: float = 0.0, seed: int = 0) -> "Capacity":
         return capacity_of(self.probes, self.target, status=self.status, saturation=saturation, seed=seed)
 

@@ -12,8 +12,10 @@ compared with static-best in paired rounds, and the best gated one chosen only w
    bit-exact is gated again in tolerance mode, so it can count for the tolerance-mode line.
 4. **fast tier**: every runnable candidate's throughput on the traffic's size mix; the fastest bit-exact one
    and the fastest that passes tolerance mode go on.
-5. **slow tier, paired**: each of those and static-best replay the request-size trace in alternation, A B A B
-   (a compiled or graphed runner first serves every group size and replays the trace once, untimed, so
+5. **slow tier, paired**: each of those and static-best replay the request-size trace in alternation, A B A B,
+   its arrivals at ``cfg.load`` times the faster arm's fast-tier throughput (both saturated: each throughput is
+   that arm's capacity, not the offered rate), with at least ``cfg.busy_s`` of static-best's work in it (a
+   compiled or graphed runner first serves every group size and replays the trace once, untimed, so
    compiling and capturing stay out of the rounds); the throughput ratio's 95% interval (bootstrap over rounds)
    gives the verdict.
 6. **choice**: the bit-exact candidate replaces static-best only when its verdict is "better" and its ratio's lower
@@ -45,7 +47,8 @@ from engine.workloads.workload import Workload, get_workload
 from ops.judge.rule import MIN_GAIN
 from ops.workloads.tiers import (BETTER, CENSORED, Ratio, SlowResult, fast_tier, mix_requests, paired, slow_tier,
                                  warm_up)
-from ops.workloads.traffic import SizeTrace, size_trace
+from ops.traffic.traces import load_trace
+from ops.workloads.traffic import DEFAULT_TRACE, SizeTrace, size_trace
 
 # every candidate ``candidates`` may propose, in the order they are measured (a budget cuts the tail): bit-exact
 # hopefuls first, compiled forms next, precision changes after them, max-autotune (the slowest compile) last
@@ -63,7 +66,8 @@ class TuneConfig:
     mix: int = 16  # requests of the fast tier's mix
     repeats: int = 3  # fast-tier timed runs
     rounds: int = 4  # paired slow-tier rounds per comparison
-    load: float = 2.0  # the trace replays at this multiple of static-best's fast-tier throughput (saturated)
+    load: float = 2.0  # the trace replays at this multiple of the faster arm's fast-tier throughput (saturated)
+    busy_s: float = 0.5  # the slow tier's trace holds at least this many seconds of static-best's work
     gate_batches: tuple[int, ...] = (1, 3, 8)
     gate_rounds: int = 1
     sweep: tuple[int, ...] = (1, 2, 4, 8, 16)  # fixed batches static-best is chosen among
@@ -119,6 +123,7 @@ class Arm:
 class Comparison:
     arm: Arm
     ratio: Ratio
+    rate: float = 0.0  # the replay's offered arrival rate, req/s
     base_slow: list[SlowResult] = field(default_factory=list)
     cand_slow: list[SlowResult] = field(default_factory=list)
     error: str | None = None  # a replay that raised (the ratio is then censored)
@@ -126,7 +131,7 @@ class Comparison:
 
     def to_json(self) -> dict:
         return {"variant_id": self.arm.variant.variant_id, "describe": self.arm.variant.describe(),
-                "ratio": self.ratio.to_json(), "base_slow": [s.to_json() for s in self.base_slow],
+                "ratio": self.ratio.to_json(), "rate": self.rate, "base_slow": [s.to_json() for s in self.base_slow],
                 "cand_slow": [s.to_json() for s in self.cand_slow], "error": self.error, "seconds": self.seconds}
 
 
@@ -307,10 +312,33 @@ def _measure(workload: Workload, arm: Arm, module: torch.nn.Module, device: str,
         arm.seconds = time.perf_counter() - t0
 
 
+def _long_enough(workload: Workload, trace: SizeTrace, given: bool, static_fast: float,
+                 cfg: TuneConfig) -> SizeTrace:
+    """The slow tier's trace: at least ``cfg.busy_s`` of static-best's work at its fast-tier throughput (a
+    model served in microseconds needs thousands of requests, or a replay is a handful of batches and its
+    first one's noise), the default trace's next requests added; a trace the caller gave is kept as it is."""
+    want = math.ceil(static_fast * cfg.busy_s)
+    if given or want <= len(trace.requests):
+        return trace
+    try:
+        return size_trace(workload, want)
+    except ValueError:  # the trace is shorter: all of it
+        return size_trace(workload, len(load_trace(DEFAULT_TRACE)))
+
+
+def saturating(trace: SizeTrace, cfg: TuneConfig, *fast: float) -> SizeTrace:
+    """``trace`` at ``cfg.load`` times the fastest of the arms' fast-tier throughputs: arrivals faster than
+    either arm serves, so each one's throughput is its capacity on these sizes, not the offered rate."""
+    top = max((f for f in fast if f > 0), default=0.0)
+    return trace.scaled(cfg.load * top) if top > 0 else trace
+
+
 def _compare(workload: Workload, arm: Arm, base: WorkloadRunner, module: torch.nn.Module, device: str,
-             trace: SizeTrace, requests, cfg: TuneConfig, deadline: float | None) -> Comparison:
+             trace: SizeTrace, requests, cfg: TuneConfig, deadline: float | None, base_fast: float) -> Comparison:
     t0 = time.perf_counter()
     comp = Comparison(arm, Ratio(math.nan, math.nan, math.nan, 0, CENSORED))
+    trace = saturating(trace, cfg, base_fast, arm.fast)
+    comp.rate = trace.rate
 
     def measure(runner: WorkloadRunner, into: list[SlowResult]) -> float:
         result = slow_tier(runner, trace, requests)
@@ -367,6 +395,7 @@ def _tune(workload: Workload, module: torch.nn.Module, device: str, cfg: TuneCon
           variants: list[WorkloadVariant] | None, t0: float) -> WorkloadTuning:
     deadline = t0 + cfg.budget_s if cfg.budget_s else None
     measure_until = t0 + MEASURE_SHARE * cfg.budget_s if cfg.budget_s else None
+    given = trace is not None
     trace = trace or size_trace(workload, cfg.requests)
     sweep = find_static_best(workload, module, device, cfg, measure_until)
     static_variant = sweep.variant
@@ -374,8 +403,7 @@ def _tune(workload: Workload, module: torch.nn.Module, device: str, cfg: TuneCon
     mix = mix_requests(workload, trace, cfg.mix, cfg.seed + 2, device)
     static = Arm(static_variant)
     _measure(workload, static, module, device, mix, cfg)
-    # saturated: arrivals faster than static-best serves, so throughput is the policy's capacity on these sizes
-    trace = trace.scaled(cfg.load * static.fast) if static.fast > 0 else trace
+    trace = _long_enough(workload, trace, given, static.fast, cfg)
     requests = workload.make_inputs(trace.sizes, cfg.seed + 3, device)
     if variants is None:
         variants = [v for v in candidates(workload, device, static_variant)
@@ -392,11 +420,12 @@ def _tune(workload: Workload, module: torch.nn.Module, device: str, cfg: TuneCon
     ran = [a for a in arms if a.error is None and a.skipped is None]
     exact = max((a for a in ran if a.exact), key=lambda a: a.fast, default=None)
     tolerable = max((a for a in ran if a.tolerable), key=lambda a: a.fast, default=None)
-    exact_cmp = _compare(workload, exact, base, module, device, trace, requests, cfg, deadline) if exact else None
+    exact_cmp = (_compare(workload, exact, base, module, device, trace, requests, cfg, deadline, static.fast)
+                 if exact else None)
     if tolerable is exact:
         tol_cmp = exact_cmp
     else:
-        tol_cmp = (_compare(workload, tolerable, base, module, device, trace, requests, cfg, deadline)
+        tol_cmp = (_compare(workload, tolerable, base, module, device, trace, requests, cfg, deadline, static.fast)
                    if tolerable else None)
     static_slow = next((c.base_slow[-1] for c in (exact_cmp, tol_cmp) if c is not None and c.base_slow), None)
     pick = [c for c in ([exact_cmp] + ([tol_cmp] if cfg.allow_tolerance else [])) if c is not None]

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from ops.measure.capacity import (Capacity, Probe, capacity_of, fit, looks, newcombe, outcome, search_capacity, sequential_stop,
-                          wilson)
+from ops.measure.capacity import (Capacity, Probe, Searcher, capacity_of, fit, looks, newcombe, outcome,
+                                  search_capacity, sequential_stop, wilson)
 from ops.judge.rule import Arm, compare, confirm, decide, holm, verify_live
 
 
@@ -99,6 +99,50 @@ def test_a_baseline_that_fails_even_unloaded_is_censored_below_quickly():
     assert cap.describe().startswith("below 0.500 req/s (attained ") and f"n {cap.probes[-1].n})" in cap.describe()
     above = search_capacity(lambda r: _probe(lambda _: 1.0, r, plan, rng), 1.0, ceiling=3.0)
     assert above.censored == "above" and above.high == math.inf and above.estimate == 3.0
+
+
+def test_a_search_censored_at_a_raised_floor_reopens_lower_and_brackets_the_capacity():
+    """The budget raised the floor to 3 req/s, above a capacity of 0.8: the search fails there and is censored;
+    reopened with a floor the time left affords (0.2), it goes on down and brackets the capacity. A search that
+    fails at its own floor, or one whose new floor is not lower, stays as it was."""
+    rng = random.Random(4)
+    plan = looks(20, 160)
+    s = Searcher(3.0, floor=3.0, max_probes=14)
+    while s.rate is not None:
+        s.record(_probe(_steep(0.8), s.rate, plan, rng))
+    assert s.censored_below() == 3.0 and s.capacity().censored == "below"
+    assert not s.reopen(2.95)  # not 5% lower: nothing new to learn
+    assert s.reopen(0.2) and s.rate == pytest.approx(1.5) and s.status == "undecided"
+    while s.rate is not None:
+        s.record(_probe(_steep(0.8), s.rate, plan, rng))
+    cap = s.capacity()
+    assert s.censored_below() is None and not cap.censored and cap.status == "converged"
+    assert cap.low <= 0.8 * 1.02 and cap.high >= 0.8 * 0.98 and abs(cap.estimate / 0.8 - 1) < 0.1
+    assert not s.reopen(0.01)  # a search that brackets its capacity is not reopened
+    done = Searcher(1.0, floor=1.0)
+    done.record(_probe(lambda _: 0.3, 1.0, plan, rng))
+    assert done.rate is None and done.censored_below() == 1.0 and not done.reopen(1.0)
+
+
+def test_two_censored_capacities_still_report_their_attainments_at_a_shared_rate():
+    rng = random.Random(6)
+    plan = looks(40, 320)
+    window = 96
+
+    def at(p, rate):
+        q = _probe(lambda _: p, rate, plan, rng)
+        q.window = window
+        return q
+    base = Capacity(3.1, 0.0, 3.1, censored="below", probes=[at(0.70, 3.1)])
+    better = Capacity(3.1, 0.0, 3.1, censored="below", probes=[at(0.86, 3.1)])
+    j = decide(_arm("base", base), [_arm("cand", better)])
+    assert j.verdict == "censored" and j.kept
+    line = " ".join(j.comparison("cand").reasons)
+    assert "at 3.100 req/s (both arms, the same window)" in line and "higher" in line, line
+    same = Capacity(3.1, 0.0, 3.1, censored="below", probes=[at(0.70, 3.1)])
+    assert "not detectably different" in " ".join(compare(_arm("same", same), _arm("base", base)).reasons)
+    apart = Capacity(3.1, 0.0, 3.1, censored="below", probes=[at(0.86, 2.0)])
+    assert not any("same window" in r for r in compare(_arm("apart", apart), _arm("base", base)).reasons)
 
 
 def test_a_void_probe_is_repeated_and_never_counted():

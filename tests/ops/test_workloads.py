@@ -212,3 +212,21 @@ def test_warm_up_serves_every_group_size_per_request_size():
             assert sorted(set(seen)) == [(1, 10), (2, 10)] and len(seen) == 4  # counts 1 and 2 at sizes 32 and 48
         else:
             assert sorted(n for n, _ in seen) == [1, 4, 7, 10, 11]  # series: 1, 7; 1+3, 3+7; 1+3+7
+
+
+def test_the_slow_tier_saturates_both_arms_and_holds_enough_work():
+    """A candidate 3x static-best's speed replayed at twice static-best's rate would keep up with the arrivals
+    and measure the offered rate, not its capacity: the replay runs at the load times the faster arm's speed.
+    A model served in microseconds needs more requests than the default slice for a replay of half a second."""
+    from ops.workloads.tune import _long_enough, saturating
+
+    w = get_workload("patchtst")
+    trace = size_trace(w, 24)
+    cfg = TuneConfig(requests=24, load=2.0, busy_s=0.5)
+    assert saturating(trace, cfg, 100.0, 300.0).rate == pytest.approx(600.0)
+    assert saturating(trace, cfg, 100.0, 0.0).rate == pytest.approx(200.0)  # an unmeasured arm: the other's
+    assert saturating(trace, cfg, 0.0, 0.0) is trace
+    longer = _long_enough(w, trace, False, 1000.0, cfg)
+    assert len(longer.requests) == 500 and longer.requests[:24] == trace.requests
+    assert _long_enough(w, trace, False, 10.0, cfg) is trace  # already 2.4 s of work
+    assert _long_enough(w, trace, True, 1000.0, cfg) is trace  # a trace the caller gave is kept
