@@ -312,8 +312,14 @@ def slow_tier(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[
     if not records or len(records) != len(prompts):
         raise ValueError("slow_tier needs one prompt per trace record")
     t0 = time.perf_counter()
-    # untimed: a new variant's first steps compile and capture (Triton, CUDA graphs); no timed repeat pays for it
-    engine.generate([prompts[0][:16], prompts[-1][:8]], SamplingParams(max_tokens=2, ignore_eos=True))
+    # untimed: a new variant's first steps compile and capture (Triton, CUDA graphs); no timed repeat pays for it.
+    # The slice's longest prompt makes full prefill chunks, a 97-token one rows no multiple of 16 (Triton
+    # specializes on that): the kernels of prefill-sized steps (W8A8 from 65 rows) compile here, not in the
+    # first requests' TTFT
+    longest = max(prompts, key=len)
+    engine.generate([prompts[0][:16], prompts[-1][:8], longest, (longest * 2)[:97]],
+                    SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.block_manager.reset_prefix_cache()
     runs = []
     st = engine.stats
     drafts, drafted, accepted = st.spec_drafts, st.spec_draft_tokens, st.spec_accepted_tokens

@@ -128,7 +128,8 @@ def test_each_arm_of_a_round_gets_its_share_of_a_short_budget(monkeypatch):
 def test_a_prediction_too_slow_for_the_budget_is_probed_at_the_slowest_affordable_rate(monkeypatch):
     """A prediction far below what the budget can probe (a first look at it would outlast the budget): the search
     starts at the slowest rate whose first looks fit, and an arm failing there is censored below that rate,
-    not left unmeasured."""
+    not left unmeasured; with time left after that round, the censored arms go on lower (one first look each
+    in the time left), still within the budget, and are censored below the lowest rate they failed."""
     import ops.judge.paired as paired
     from ops.measure.tiers import SLO
     from ops.measure.capacity import Probe
@@ -138,9 +139,10 @@ def test_a_prediction_too_slow_for_the_budget_is_probed_at_the_slowest_affordabl
     rates: list = []
 
     def failing_probe(engine, records, prompts, rate, slo, warmup, plan, max_output, window=0, deadline=None):
-        rates.append(rate)
-        clock[0] = min(deadline, clock[0] + (warmup + plan[0]) / rate)
-        return Probe(rate=rate, outcomes=[0] * plan[0], warmup=warmup, window=window, verdict="fail"), []
+        rates.append(rate)  # failing every request, it stops half-way through its first look (futility)
+        n = plan[0] // 2
+        clock[0] = min(deadline, clock[0] + (warmup + n) / rate)
+        return Probe(rate=rate, outcomes=[0] * n, warmup=warmup, window=window, verdict="fail"), []
 
     class Engine:
         def generate(self, *a, **k):
@@ -148,15 +150,16 @@ def test_a_prediction_too_slow_for_the_budget_is_probed_at_the_slowest_affordabl
     monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(paired, "probe", failing_probe)
     base = VariantSpec(name="static-best")
-    other = dataclasses.replace(base, name="other")
+    other = dataclasses.replace(base, name="other", max_num_seqs=2 * base.max_num_seqs)
     arms = [ArmRun(base, saturation=30.0, predicted=0.05), ArmRun(other, saturation=30.0, predicted=0.08)]
     pj = PairedJudge(lambda v: Engine(), lambda recs, seed: [[1] * 8 for _ in recs], Windows(load_trace(str(TRACE))),
                      SLO(ttft_s=0.5, tpot_s=0.1), 8, JudgeConfig.for_cpu(first_look=20, cap=60))
     pj.deadline = clock[0] + 40
     caps = pj.search(arms)
     affordable = 2 * 2 * (20 + 2) / 40
-    assert rates and min(rates) >= affordable * (1 - 1e-9)
+    assert rates[:2] == [pytest.approx(affordable)] * 2  # both start at the slowest rate the budget affords
+    assert min(rates) < affordable / 1.05 and clock[0] <= pj.deadline  # then lower, within the budget
     for a in arms:
         cap = caps[a.variant.variant_id]
-        assert cap.requests >= 20 and cap.censored == "below"
-        assert cap.estimate == pytest.approx(affordable)
+        assert cap.requests >= 20 and cap.censored == "below" and len(cap.probes) >= 2
+        assert cap.estimate == pytest.approx(min(p.rate for p in cap.probes))
