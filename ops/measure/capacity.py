@@ -407,6 +407,19 @@ def search_capacity(probe_at: Callable[[float], Probe], start: float, *, target:
     return s.capacity(saturation, seed)
 
 
+def search_crossing(probes: list[list[float]], target: float = TARGET) -> float:
+    """``capacity_search``'s capacity interpolated: ``crossing`` between its highest passing rate and the lowest
+    failing one above it ([rate, attainment] pairs), the estimate the judge's fitted curve gives a measurement,
+    where the highest passing rate alone is biased low by up to the bracket. That rate when nothing failed above
+    it (a bound), 0 when nothing passed."""
+    passed = [(r, a) for r, a in probes if a >= target]
+    if not passed:
+        return 0.0
+    rp, ap = max(passed)
+    failed = [(r, a) for r, a in probes if a < target and r > rp]
+    return crossing([(rp, ap), min(failed)], target) if failed else rp
+
+
 def capacity_search(attain, guess: float, target: float = 0.9, resolution: float = 1.25,
                     max_probes: int = 6, min_rate: float = 0.0,
                     max_rate: float = float("inf")) -> tuple[float, float, list[list[float]]]:

@@ -30,7 +30,7 @@ from engine.sched.sequence import FinishReason, Sequence
 from engine.serving.trace_record import TraceRecord
 from engine.config.variant import VariantSpec
 from ops.measure.tiers import SLO, own_rate
-from ops.measure.capacity import capacity_search
+from ops.measure.capacity import capacity_search, search_crossing
 from ops.measure.hardware import HardwareProfile
 from ops.measure.model_spec import ModelSpec
 from ops.traffic.traces import TrafficProfile, percentile
@@ -281,7 +281,7 @@ def predicted_capacity(model: ModelSpec, hw: HardwareProfile, records: list[Trac
     def attain(rate: float) -> float:
         return simulate(model, hw, records, v, cal, time_scale=rate0 / rate, **sim).attainment
 
-    return capacity_search(attain, rate0, target, resolution=1.1, max_probes=12)[0]
+    return search_crossing(capacity_search(attain, rate0, target, resolution=1.05, max_probes=16)[2], target)
 
 
 def synthetic_requests(traffic: TrafficProfile, n: int = 64, seed: int = 0) -> list[TraceRecord]:

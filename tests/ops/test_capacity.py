@@ -2,6 +2,7 @@
 its record, the engine's default)."""
 from __future__ import annotations
 
+import math
 import dataclasses
 import random
 from pathlib import Path
@@ -199,3 +200,21 @@ def test_a_gpu_without_its_own_static_best_takes_another_gpus_named_so(tmp_path,
     assert found.name == "static-best (recorded on NVIDIA H200)" and found.variant_id == h200.variant_id
     assert static_best.lookup(source, "cuda:0", "float16") is None  # the dtype still has to match
     assert static_best.lookup(source, "cpu", "bfloat16") is None  # a CPU never takes a GPU's
+
+
+def test_the_search_capacity_is_interpolated_where_the_attainment_crosses_the_target():
+    """The simulator's capacity: between the highest passing rate and the lowest failing one above it, where
+    attainment (linear in log rate) crosses 0.90, as the judge's fitted curve places a measured capacity; the
+    highest passing rate alone sits up to a bracket below it."""
+    from ops.measure.capacity import search_crossing
+
+    probes = [[1.0, 1.0], [4.0, 0.5], [2.0, 1.0], [3.0, 0.8]]
+    assert search_crossing(probes) == pytest.approx(2.0 * 1.5 ** 0.5)
+    assert search_crossing([[1.0, 0.5], [0.5, 0.7]]) == 0.0  # nothing passed
+    assert search_crossing([[1.0, 1.0], [2.0, 0.95]]) == 2.0  # nothing failed above: a bound
+    # on a fresh linear-in-log curve the interpolation is exact, the bracket's low end is not
+    true = 3.7
+    attain = lambda r: min(1.0, max(0.0, 0.9 - 0.4 * math.log(r / true)))  # noqa: E731
+    _, _, found = capacity_search(attain, 1.0, resolution=1.25, max_probes=20)
+    assert search_crossing(found) == pytest.approx(true, rel=1e-9)
+    assert capacity_search(attain, 1.0, resolution=1.25, max_probes=20)[0] < 0.97 * true

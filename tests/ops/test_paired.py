@@ -12,7 +12,7 @@ import pytest
 
 from engine.config.variant import VariantSpec
 from ops.measure.tiers import _replay, own_rate
-from ops.measure.capacity import capacity_search
+from ops.measure.capacity import capacity_search, search_crossing
 from ops.predict.cost_model import predicted_capacity
 from ops.measure.hardware import probe
 from ops.judge.paired import ArmRun, JudgeConfig, PairedJudge
@@ -74,20 +74,24 @@ def test_the_simulators_capacity_against_the_replays(bench, monkeypatch):
     samples: list = []
 
     def attain(rate: float) -> float:
+        eng.block_manager.reset_prefix_cache()  # as every probe does: the simulation starts from an empty cache
         r = _replay(eng, recs, prompts, cfg.max_output, own_rate(recs) / rate, cfg.slo)
         samples.extend(r["samples"])
         return r["good"] / len(recs)
     monkeypatch.setattr(eng, "step", step)
     monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
-    measured, _, probes = capacity_search(attain, own_rate(recs), resolution=1.1, max_probes=12)
+    _, _, probes = capacity_search(attain, own_rate(recs), resolution=1.05, max_probes=14)
+    measured = search_crossing(probes)  # interpolated, as the judge's fitted curve is
     monkeypatch.undo()
     assert measured > 0 and any(a < 0.9 for _, a in probes), probes  # a capacity, not a bound
     cal = calibration_from(bench.spec_for(SLOW), bench.hardware, samples)
     assert cal is not None and cal.fit_mape < 0.05  # the law is learned from the steps
     predicted = predicted_capacity(bench.spec_for(SLOW), bench.hardware, recs, base, cal, **cfg.sim)
-    # on this case the simulator is 16% low (it misses the SLO near the knee a little earlier than the engine
-    # does); the judge prints this error every run, against its 10% target
-    assert 1 / 1.25 < predicted / measured < 1.25, (predicted, measured, probes)
+    # the simulator drives the engine's own scheduler and block manager: with the step law learned, it predicts
+    # the replays' capacity within the judge's 10% target (here within 3%; it was 16% low while these replays
+    # kept the previous probe's prefix cache, which the simulation never has). Real GPUs' errors (15-26% on
+    # 2026-12-06) come from step times the calibration's law does not capture, not from the scheduling
+    assert 1 / 1.03 < predicted / measured < 1.03, (predicted, measured, probes)
 
 
 def test_each_arm_of_a_round_gets_its_share_of_a_short_budget(monkeypatch):
