@@ -37,6 +37,9 @@ def add_cli_args(ap: argparse.ArgumentParser) -> None:
                     "candidate, past all of it no paired round after the third); a model that would start with "
                     "no time left is not run")
     ap.add_argument("--allow-tolerance", action="store_true", help="a variant passing only tolerance mode may be chosen")
+    ap.add_argument("--sweep", action="store_true", help="sweep static-best's batch even where a sweep is recorded "
+                    "for this kind of device (engine/data/workload_static_best.json)")
+    ap.add_argument("--record", action="store_true", help="record each sweep that runs in that file")
     ap.add_argument("--json", type=Path, default=None, help="write every tuning's figures here (after each model)")
 
 
@@ -118,6 +121,7 @@ def main(args: argparse.Namespace) -> int:
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     try:
         cfg = TuneConfig(compile_candidates=not args.no_compile, allow_tolerance=args.allow_tolerance,
+                         recorded=not args.sweep, record=args.record,
                          candidates=tuple(c.strip() for c in (args.candidates or "").split(",") if c.strip()))
     except ValueError as e:
         print(f"--candidates: {e}", file=sys.stderr)

@@ -12,10 +12,18 @@
   four libraries recommends a lower precision for inference of these models, and a precision change is the
   tolerance gate's to allow, not a default's.
 - **batch**: the best fixed batch, found by ``ops.workloads.tune.find_static_best`` on a fixed synthetic load (the
-  workload's middle size, no traffic); before that sweep, the batch policy's library-typical ``max_batch``.
+  workload's middle size, no traffic); before that sweep, the batch policy's library-typical ``max_batch``. Found
+  once per device: a sweep can be recorded (``record``, in engine/data/workload_static_best.json, with its
+  figures) and a later tuning takes it from there (``lookup``) instead of compiling every batch again (minutes
+  for e3nn and torch-geometric on a GPU); a GPU without its own entry takes another GPU's, named so.
 - no CUDA graphs and no batch buckets: both need to know which shapes come, which is traffic.
 """
 from __future__ import annotations
+
+import json
+import os
+from datetime import date
+from pathlib import Path
 
 import torch
 
@@ -30,3 +38,50 @@ def static_best(workload: Workload, device: str | torch.device, max_batch: int |
     use_compile = torch.device(device).type == "cuda" if compile is None else compile
     return WorkloadVariant(name="static-best", compile_mode="default" if use_compile else None,
                            max_batch=max_batch or workload.batch.max_batch)
+
+
+PATH = Path(__file__).resolve().parents[1] / "data" / "workload_static_best.json"
+
+
+def _path() -> Path:
+    return Path(os.environ.get("POLYINF_WORKLOAD_STATIC_BEST", PATH))
+
+
+def _entries() -> list[dict]:
+    try:
+        return json.loads(_path().read_text())["entries"]
+    except FileNotFoundError:
+        return []
+
+
+def lookup(workload: str, device: str | torch.device) -> dict | None:
+    """The recorded sweep of ``workload`` on this kind of device (``engine.config.static_best.device_label``):
+    {"workload", "device", "max_batch", "compile", "throughput", "date", "torch"}; on a GPU without an entry of its
+    own, another GPU's (its "device" names it); None when nothing is recorded."""
+    from engine.config.static_best import device_label
+
+    label = device_label(str(device))
+    found = [e for e in _entries() if e["workload"] == workload]
+    own = [e for e in found if e["device"] == label]
+    other = [e for e in found if e["device"] != "cpu"] if label != "cpu" else []
+    return (own or other or [None])[0]
+
+
+def record(workload: str, device: str | torch.device, max_batch: int, compile: bool,
+           throughput: dict[int, float]) -> Path:
+    """Records (or replaces) ``workload``'s static-best on this kind of device: the swept batch, whether it is
+    compiled, and the sweep's figures (requests/s per fixed batch)."""
+    from engine.config.static_best import device_label
+
+    label = device_label(str(device))
+    kept = [e for e in _entries() if (e["workload"], e["device"]) != (workload, label)]
+    kept.append({"workload": workload, "device": label, "max_batch": int(max_batch), "compile": bool(compile),
+                 "throughput": {str(b): round(r, 1) for b, r in sorted(throughput.items())},
+                 "date": date.today().isoformat(), "torch": torch.__version__})
+    path = _path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"entries": sorted(kept, key=lambda e: (e["workload"], e["device"]))}, indent=1)
+                   + "\n")
+    tmp.replace(path)
+    return path

@@ -41,6 +41,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from checks.workload_gate import BIT_EXACT, TOLERANCE, GateResult, gate_workload
+from engine.workloads.static_best import lookup as recorded_static_best
+from engine.workloads.static_best import record as record_static_best
 from engine.workloads.static_best import static_best
 from engine.workloads.variants import WorkloadRunner, WorkloadVariant, build_runner, refusal, release_compiled
 from engine.workloads.workload import Workload, get_workload
@@ -75,6 +77,8 @@ class TuneConfig:
     compile: bool | None = None  # static-best's torch.compile (None: engine/workloads/static_best.py's rule)
     compile_candidates: bool = True  # measure compiled candidates (each new shape compiles: slow on a small CPU)
     candidates: tuple[str, ...] = ()  # names (CANDIDATE_NAMES) of the candidates to measure; empty: all
+    recorded: bool = True  # static-best from its recorded sweep when there is one (engine/workloads/static_best.py)
+    record: bool = False  # record static-best's sweep (when it ran) for the next tuning on this kind of device
     budget_s: float | None = None  # seconds the tuning may take (module docstring); None: no limit
     seed: int = 0
 
@@ -144,10 +148,11 @@ class StaticSweep:
     errors: dict[str, str]  # "compiled, batch 4" -> the error it raised
     note: str = ""  # why static-best is not the rule's form (its compile failed at every batch), or ""
     seconds: float = 0.0
+    recorded: str = ""  # the device whose recorded sweep this is (not swept in this run), or ""
 
     def to_json(self) -> dict:
         return {"variant": self.variant.to_json(), "throughput": {str(b): r for b, r in self.throughput.items()},
-                "errors": self.errors, "note": self.note, "seconds": self.seconds}
+                "errors": self.errors, "note": self.note, "seconds": self.seconds, "recorded": self.recorded}
 
 
 @dataclass
@@ -219,8 +224,15 @@ def find_static_best(workload: Workload, module: torch.nn.Module, device: str | 
     workload's middle size (``cfg.mix`` requests), among ``cfg.sweep`` (up to twice the policy's batch). A batch
     that raises is left out; where the rule's compiled form raises at every batch, eager is swept instead.
     ``until`` (a ``time.perf_counter()`` value): once a batch has been measured, no further one starts after it
-    (the note says where the sweep stopped)."""
+    (the note says where the sweep stopped). With ``cfg.recorded``, a sweep recorded for this kind of device (or
+    another GPU) is taken instead, unswept; with ``cfg.record``, a sweep that ran is recorded."""
     t0 = time.perf_counter()
+    entry = recorded_static_best(workload.name, device) if cfg.recorded else None
+    if entry is not None and cfg.compile in (None, entry["compile"]):
+        return StaticSweep(static_best(workload, device, max_batch=entry["max_batch"], compile=entry["compile"]),
+                           {int(b): r for b, r in entry["throughput"].items()}, {},
+                           f"the sweep recorded on {entry['device']} on {entry['date']} (torch {entry['torch']}), "
+                           "not run again", time.perf_counter() - t0, recorded=entry["device"])
     requests = workload.make_inputs([workload.default_size] * cfg.mix, cfg.seed + 1, device)
     batches = [b for b in cfg.sweep if b <= 2 * workload.batch.max_batch]
     if not batches:
@@ -247,8 +259,10 @@ def find_static_best(workload: Workload, module: torch.nn.Module, device: str | 
     if not throughput:
         raise RuntimeError(f"{workload.name}: static-best failed at every batch on {device}: {errors}")
     best = max(throughput, key=throughput.__getitem__)
-    return StaticSweep(static_best(workload, device, max_batch=best, compile=use_compile), throughput, errors, note,
-                       time.perf_counter() - t0)
+    chosen = static_best(workload, device, max_batch=best, compile=use_compile)
+    if cfg.record:
+        record_static_best(workload.name, device, best, chosen.compile_mode is not None, throughput)
+    return StaticSweep(chosen, throughput, errors, note, time.perf_counter() - t0)
 
 
 def candidates(workload: Workload, device: str | torch.device, static: WorkloadVariant) -> list[WorkloadVariant]:
@@ -403,6 +417,15 @@ def _tune(workload: Workload, module: torch.nn.Module, device: str, cfg: TuneCon
     mix = mix_requests(workload, trace, cfg.mix, cfg.seed + 2, device)
     static = Arm(static_variant)
     _measure(workload, static, module, device, mix, cfg)
+    if static.error and sweep.recorded:  # the recorded form fails here (another GPU's compile): sweep after all
+        was = sweep.recorded
+        sweep = find_static_best(workload, module, device, replace(cfg, recorded=False), measure_until)
+        sweep.note = "; ".join(filter(None, [f"the form recorded on {was} failed here ({static.error}): swept",
+                                             sweep.note]))
+        static_variant = sweep.variant
+        base = build_runner(workload, static_variant, module, device)
+        static = Arm(static_variant)
+        _measure(workload, static, module, device, mix, cfg)
     trace = _long_enough(workload, trace, given, static.fast, cfg)
     requests = workload.make_inputs(trace.sizes, cfg.seed + 3, device)
     if variants is None:

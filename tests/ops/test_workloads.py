@@ -3,7 +3,9 @@ tuner keeping static-best when no candidate is better (or only a tolerance-mode 
 failure capture, and the bench's partial results."""
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -230,3 +232,36 @@ def test_the_slow_tier_saturates_both_arms_and_holds_enough_work():
     assert len(longer.requests) == 500 and longer.requests[:24] == trace.requests
     assert _long_enough(w, trace, False, 10.0, cfg) is trace  # already 2.4 s of work
     assert _long_enough(w, trace, True, 1000.0, cfg) is trace  # a trace the caller gave is kept
+
+
+def test_static_best_is_swept_once_per_device_and_then_taken_from_its_record(tmp_path, monkeypatch):
+    """A sweep recorded for this kind of device is taken as it is (its batch, its figures, named so) instead of
+    compiling every batch again; a sweep that runs with ``record`` writes that entry; a CPU never takes a GPU's."""
+    import importlib
+
+    from ops.workloads.tune import find_static_best
+
+    sb = importlib.import_module("engine.workloads.static_best")  # the package exports the function of that name
+
+    monkeypatch.setenv("POLYINF_WORKLOAD_STATIC_BEST", str(tmp_path / "sb.json"))
+    assert sb.lookup("patchtst", "cpu") is None
+    gpu = {"workload": "patchtst", "device": "NVIDIA H100 80GB HBM3", "max_batch": 16, "compile": True,
+           "throughput": {"16": 1.0}, "date": "2026-12-06", "torch": "2.11"}
+    (tmp_path / "sb.json").write_text(json.dumps({"entries": [gpu]}))
+    assert sb.lookup("patchtst", "cpu") is None  # a CPU never takes a GPU's static-best
+    w = get_workload("patchtst")
+    module = w.build()
+    cfg = TuneConfig(mix=4, repeats=1, sweep=(2, 4), record=True)
+    swept = find_static_best(w, module, "cpu", cfg)
+    assert not swept.recorded and set(swept.throughput) == {2, 4} and swept.seconds > 0
+    entry = sb.lookup("patchtst", "cpu")
+    assert entry["device"] == "cpu" and entry["max_batch"] == swept.variant.max_batch and not entry["compile"]
+    assert {int(b) for b in entry["throughput"]} == {2, 4}
+    sb.record("patchtst", "cpu", 8, False, {8: 123.4, 2: 50.0})  # replaces the entry, keeps the other one
+    again = find_static_best(w, module, "cpu", replace(cfg, record=False))
+    assert again.recorded == "cpu" and again.variant.max_batch == 8 and again.throughput == {2: 50.0, 8: 123.4}
+    assert "recorded on cpu" in again.note and again.variant.compile_mode is None
+    assert [e["device"] for e in json.loads((tmp_path / "sb.json").read_text())["entries"]] == \
+        ["NVIDIA H100 80GB HBM3", "cpu"]
+    fresh = find_static_best(w, module, "cpu", replace(cfg, record=False, recorded=False, sweep=(2,)))
+    assert not fresh.recorded and set(fresh.throughput) == {2}  # --sweep: the record is not taken
