@@ -61,8 +61,10 @@ def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, o_ptr, m_ptr, l_ptr,
     stride_qt, stride_qh, stride_bt, scale, GROUP, D, BLOCK_SIZE, KVH,
     G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr = 0, COUNTED: tl.constexpr = 0,
+    PDL: tl.constexpr = 0, COUNTED: tl.constexpr = 0, F16: tl.constexpr = 0,
 ):
+    """``F16``: the queries in float16, so an FP8 cache's tiles widen to float16 (one conversion instruction per
+    pair of e4m3 values on Hopper; to bfloat16 they pass through float32) and the products run in float16."""
     b = tl.program_id(0)
     pdl_enter(PDL)
     kvh = tl.program_id(1)
@@ -79,6 +81,8 @@ def _decode_kernel(
     heads = kvh * GROUP + offs_g
     q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    if F16:
+        q = q.to(tl.float16)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
@@ -158,14 +162,15 @@ def _merge(part, m, l, out, pdl) -> None:
                             D_PAD=max(16, triton.next_power_of_2(d)), **launch_options(pdl, out))
 
 
-def _decode(q, k_cache, v_cache, meta, scale, num_splits, block_n, num_warps, num_stages, pdl):
+def _decode(q, k_cache, v_cache, meta, scale, num_splits, block_n, num_warps, num_stages, pdl, fp8_f16=0):
     b, h, d = q.shape
     kvh, bs = k_cache.shape[2], k_cache.shape[1]
     group = h // kvh
     num_splits = _splits(num_splits, b, kvh)
+    f16 = bool(fp8_f16) and k_cache.element_size() == 1 and q.dtype == torch.bfloat16
     common = dict(G_PAD=max(16, triton.next_power_of_2(group)), D_PAD=max(16, triton.next_power_of_2(d)),
                   BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
-                  COUNTED=not interpreted(), **launch_options(pdl, q))
+                  COUNTED=not interpreted(), F16=int(f16), **launch_options(pdl, q))
     args = (q.stride(0), q.stride(1), meta.block_tables.stride(0), scale, group, d, bs, kvh)
     out = torch.empty((b, h, d), device=q.device, dtype=q.dtype)
     if num_splits == 1:
@@ -184,17 +189,19 @@ def paged_attention_triton(
     num_splits: int = 1, block_n: int = 32, block_m: int = PREFILL_TILES["block_m"], num_warps: int = 4,
     num_stages: int = 2, pdl: int = 0, prefill_block_n: int = PREFILL_TILES["block_n"],
     prefill_warps: int = PREFILL_TILES["num_warps"], prefill_stages: int = PREFILL_TILES["num_stages"],
+    fp8_f16: int = 0,
 ):
     """Decode batches go to the decode kernel (split into ``num_splits`` KV ranges; 0: by the batch's size;
     ``block_n`` keys per tile, ``num_warps``, ``num_stages``), others to the prefill kernel (``block_m`` query
     rows by ``prefill_block_n`` keys per tile, ``prefill_warps``, ``prefill_stages``: its own tiles, since a
     prefill's work is a matrix product where decode's is a stream of the cache). ``pdl``: the decode kernels
-    with programmatic dependent launch (kernels/pdl.py)."""
+    with programmatic dependent launch (kernels/pdl.py). ``fp8_f16``: with an FP8 cache and bfloat16 queries,
+    decode widens the cache's tiles to float16 instead (``_decode_kernel``'s ``F16``)."""
     _check(q, k_cache, v_cache, meta)
     if q.shape[0] == 0:
         return torch.empty_like(q)
     if meta.max_query_len == 1:
-        return _decode(q, k_cache, v_cache, meta, scale, num_splits, block_n, num_warps, num_stages, pdl)
+        return _decode(q, k_cache, v_cache, meta, scale, num_splits, block_n, num_warps, num_stages, pdl, fp8_f16)
     return prefill_attention(q, k_cache, v_cache, meta, scale, block_m, prefill_block_n, prefill_warps,
                              prefill_stages)
 

@@ -288,12 +288,16 @@ def decode_attention_kernels(n_seq: int = 64, length: int = 2048) -> None:
         ref = paged_attention_ref(q, kc, vc, meta, scale).float()
         nbytes = 2 * kc.numel() * kc.element_size()
         # static-best on the 8B (one split, 128 keys, 8 warps), the split-KV preset, and deeper pipelines
-        for splits, block_n, warps, stages in ((1, 128, 8, 2), (1, 128, 8, 3), (0, 32, 4, 2), (0, 64, 4, 3),
-                                               (1, 64, 4, 3)):
-            fn = lambda: paged_attention_triton(q, kc, vc, meta, scale, num_splits=splits,  # noqa: E731
-                                                block_n=block_n, num_warps=warps, num_stages=stages)
-            err = (fn().float() - ref).abs().max().item()
-            sec = timed(fn)
-            row(f"decode attention {n_seq} x {length} context, {label} cache, splits {splits or 'auto'}, "
-                f"{block_n} keys, {warps} warps, {stages} stages", f"{'OK' if err < 0.02 else 'ERROR'} (max |d| "
-                f"{err:.2g}); {sec * 1e6:.0f} us, {nbytes / sec / 1e9:,.0f} GB/s of cache")
+        # and for e4m3, each again with its tiles widened to float16 instead of bfloat16 (``fp8_f16``)
+        for f16 in ((0, 1) if label == "e4m3" else (0,)):
+            for splits, block_n, warps, stages in ((1, 128, 8, 2), (1, 128, 8, 3), (0, 32, 4, 2), (0, 64, 4, 3),
+                                                   (1, 64, 4, 3)):
+                fn = lambda: paged_attention_triton(q, kc, vc, meta, scale, num_splits=splits,  # noqa: E731
+                                                    block_n=block_n, num_warps=warps, num_stages=stages,
+                                                    fp8_f16=f16)
+                err = (fn().float() - ref).abs().max().item()
+                sec = timed(fn)
+                row(f"decode attention {n_seq} x {length} context, {label} cache{' widened to f16' if f16 else ''}, "
+                    f"splits {splits or 'auto'}, {block_n} keys, {warps} warps, {stages} stages",
+                    f"{'OK' if err < 0.02 else 'ERROR'} (max |d| {err:.2g}); {sec * 1e6:.0f} us, "
+                    f"{nbytes / sec / 1e9:,.0f} GB/s of cache")
