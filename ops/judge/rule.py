@@ -78,18 +78,29 @@ class Comparison:
         return self.ratio is not None and math.isfinite(self.ratio) and self.ratio > 0
 
 
+def _ceiling(cap: Capacity) -> float:
+    """The most an arm's capacity can be: its saturation throughput (arrivals faster than the engine completes
+    requests with a whole window at once build an unbounded queue, so no steady rate above it meets the SLO),
+    or the highest rate probed where that is higher; inf where no saturation was measured. A bootstrap replicate
+    in which every redrawn probe passed is bounded there, not at infinity."""
+    top = max((p.rate for p in cap.probes if p.verdict != "void" and p.n), default=0.0)
+    return max(cap.saturation, top) if cap.saturation > 0 else math.inf
+
+
 def ratio_interval(cand: Capacity, base: Capacity, replicates: int = 2000, seed: int = 1,
                    target: float = TARGET) -> tuple[float, float, float, float]:
     """(ratio, low, high, p) of two capacities: the estimates' ratio, its 95% interval from the block
     bootstrap of both arms' probes, and the one-sided p-value of "ratio <= MIN_GAIN". A censored end enters
-    as the range it leaves open (``_replicate_range``): the lower bound takes each replicate's least ratio, the
-    upper bound its greatest, which errs against a verdict either way (an arm whose one probe decided nothing
-    is not "below" in every replicate)."""
+    as the range it leaves open (``_replicate_range``; above, up to the arm's ``_ceiling``): the lower bound takes
+    each replicate's least ratio, the upper bound its greatest, which errs against a verdict either way (an arm
+    whose one probe decided nothing is not "below" in every replicate)."""
     rng = random.Random(seed)
     least, most = [], []
+    b_top, c_top = _ceiling(base), _ceiling(cand)
     for _ in range(replicates):
         b_lo, b_hi = _replicate_range(base.probes, rng, target)
         c_lo, c_hi = _replicate_range(cand.probes, rng, target)
+        b_hi, c_hi = min(b_hi, max(b_top, b_lo)), min(c_hi, max(c_top, c_lo))
         least.append(c_lo / b_hi if b_hi > 0 else math.inf)
         most.append(c_hi / b_lo if b_lo > 0 else math.inf)
     least.sort()
@@ -99,8 +110,10 @@ def ratio_interval(cand: Capacity, base: Capacity, replicates: int = 2000, seed:
     low, high = _quantile(least, 0.025), _quantile(most, 0.975)
     if cand.censored == "above" or base.censored == "below":
         high = math.inf  # the ratio is only bounded below
-    if cand.censored == "below" or base.censored == "above":
+    if cand.censored == "below":
         low = 0.0  # the ratio is only bounded above
+    elif base.censored == "above":  # static-best passed every rate: no more than its ceiling
+        low = min(low, cand.low / b_top) if 0 < b_top < math.inf else 0.0
     p = (1 + sum(1 for r in ratios if r <= MIN_GAIN)) / (replicates + 1)
     return est, min(low, est), max(high, est), p
 

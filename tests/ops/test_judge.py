@@ -304,3 +304,24 @@ def test_capacities_and_judgements_survive_json():
     assert back.to_json() == j.to_json() and back.capacity("cand").estimate == cand.capacity.estimate
     c = capacity_of([Probe(rate=1.0, outcomes=[1] * 40, verdict="pass")])
     assert Capacity.from_json(c.to_json()).high == math.inf
+
+
+def test_a_replicate_that_passes_everywhere_is_bounded_by_the_saturation_throughput():
+    """The main job's probes of 2026-12-06 (static-best undecided at 2.01 and 3.62, int8 undecided at 6.44): in
+    6% of the bootstrap replicates static-best's redrawn probes all pass, and with its capacity unbounded there
+    the ratio's lower bound was 0.00. No steady rate above an arm's saturation throughput meets the SLO, so such
+    a replicate is bounded there: the interval becomes informative, and without a measured saturation it is 0
+    as before."""
+    from ops.judge.rule import ratio_interval
+
+    def probes(spec):
+        return [Probe(rate=r, outcomes=[1] * g + [0] * (n - g), verdict=v) for r, g, n, v in spec]
+    base_p = probes([(2.01, 57, 60, "undecided"), (2.81, 40, 40, "pass"), (4.66, 23, 31, "fail"),
+                     (3.62, 37, 39, "undecided")])
+    cand_p = probes([(3.57, 40, 40, "pass"), (5.0, 40, 40, "pass"), (8.29, 17, 23, "fail"),
+                     (6.44, 50, 60, "undecided")])
+    bounded = ratio_interval(capacity_of(cand_p, saturation=7.99), capacity_of(base_p, saturation=6.59))
+    unbounded = ratio_interval(capacity_of(cand_p), capacity_of(base_p))
+    assert unbounded[1] == 0.0 and unbounded[0] == pytest.approx(bounded[0])
+    assert 0.5 < bounded[1] < bounded[0] < bounded[2] < math.inf, bounded
+    assert bounded[1] < 1.05  # still no detectable difference: the ceiling only removes the infinite end
