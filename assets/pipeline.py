@@ -291,6 +291,7 @@ def judgement_metadata(j) -> dict:
         out.update({"held-out attainment difference": num(j.confirmation.diff),
                     "held-out difference low": num(j.confirmation.low)})
     out["simulator capacity error"] = num(j.simulator_error)
+    out["simulator capacity error on the judge's probes"] = num(j.simulator_probe_error)
     # a figure that was not measured (no bound, no candidate) is left out, never shown as nan
     return {k: v for k, v in out.items() if not isinstance(v.value, float) or math.isfinite(v.value)}
 

@@ -307,6 +307,7 @@ class Judgement:
     comparisons: list[Comparison] = field(default_factory=list)
     confirmation: Confirmation | None = None
     simulator_error: float = math.nan  # max |predicted - measured| / measured over the compared arms
+    simulator_probe_error: float = math.nan  # the same, the simulator replaying the judge's own probes
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -315,6 +316,8 @@ class Judgement:
                 "arms": self.arms, "comparisons": [c.to_json() for c in self.comparisons],
                 "confirmation": self.confirmation.to_json() if self.confirmation else None,
                 "simulator_error": None if math.isnan(self.simulator_error) else self.simulator_error,
+                "simulator_probe_error": None if math.isnan(self.simulator_probe_error)
+                else self.simulator_probe_error,
                 "seconds": self.seconds, "notes": self.notes}
 
     @classmethod
@@ -323,9 +326,10 @@ class Judgement:
                                "ratio": math.nan if c.get("ratio") is None else c["ratio"]})
                  for c in d.get("comparisons", [])]
         conf = Confirmation.from_json(d["confirmation"]) if d.get("confirmation") else None
-        err = d.get("simulator_error")
+        err, on_probes = d.get("simulator_error"), d.get("simulator_probe_error")
         return cls(d["baseline"], d["chosen"], d["verdict"], d["reason"], d.get("arms", {}), comps, conf,
-                   math.nan if err is None else err, d.get("seconds", 0.0), d.get("notes", []))
+                   math.nan if err is None else err, math.nan if on_probes is None else on_probes,
+                   d.get("seconds", 0.0), d.get("notes", []))
 
     def capacity(self, variant_id: str) -> Capacity | None:
         arm = self.arms.get(variant_id)
@@ -373,6 +377,11 @@ class Judgement:
         if not math.isnan(self.simulator_error):
             out.append(f"  simulator's capacity error against the replays: {self.simulator_error:.0%} "
                        f"(target within 10%)")
+        if not math.isnan(self.simulator_probe_error):
+            errs = [a["attainment_error_on_probes"] for a in self.arms.values() if "attainment_error_on_probes" in a]
+            out.append(f"  the simulator replaying the judge's own probes (their windows, rates and counted requests):"
+                       f" capacity error {self.simulator_probe_error:.0%}"
+                       + (f", attainment off by {max(errs):.2f} per probe on average (the worst arm)" if errs else ""))
         out += [f"  note: {n}" for n in self.notes]
         return out
 

@@ -109,6 +109,7 @@ class Probe:
     verdict: str = "undecided"  # "pass" | "fail" | "undecided" | "void"
     seconds: float = 0.0
     arm: str = ""  # which variant was replayed (a comparison's probes carry it)
+    replayed: int = 0  # requests of the window given to the replay (warm-up, then up to the cap)
 
     @property
     def n(self) -> int:

@@ -262,7 +262,8 @@ def probe(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[int]
     span = r["wall"]
     p = Probe(rate=rate, achieved=r["done"] / span if span > 0 else 0.0,
               outcomes=outcomes, warmup=warmup, window=window,
-              lag_s=max(r["lag"], default=0.0), verdict=verdict, seconds=time.perf_counter() - t)
+              lag_s=max(r["lag"], default=0.0), verdict=verdict, seconds=time.perf_counter() - t,
+              replayed=len(records))
     return p, r["samples"]
 
 

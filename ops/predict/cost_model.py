@@ -201,11 +201,13 @@ def simulate(model: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], 
              cal: Calibration = ROOFLINE, *, time_scale: float = 1.0, max_input: int | None = None,
              max_output: int | None = None, num_kv_blocks: int = 512, slo_ttft_s: float = 2.0,
              slo_tpot_s: float = 0.2, slo_ttft_per_token_s: float = 0.0, tpot_min_tokens: int = 8,
-             steps_out: list | None = None) -> Prediction:
+             steps_out: list | None = None, counted: tuple[int, int] | None = None) -> Prediction:
     """Replays the records through the engine's own Scheduler and BlockManager (continuous batching, chunked
     prefill, prefix caching over prompts built as the slow tier builds them, preemption by recompute) on a
     simulated clock that advances by each step's modelled time. ``steps_out``, when given, receives every
-    step's StepShape. A request larger than the whole KV pool is left out, as the engine refuses it."""
+    step's StepShape. A request larger than the whole KV pool is left out, as the engine refuses it.
+    ``counted``: (first, end) record indices whose outcomes make the attainment (a rate probe's counted requests,
+    after its warm-up); an unfinished one counts as missed. Default: every request."""
     if not records:
         raise ValueError("simulate needs at least one request")
     t0 = records[0].arrival_s
@@ -261,14 +263,15 @@ def simulate(model: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], 
             if len(s.output_token_ids) > 1]
     out_tokens = sum(len(s.output_token_ids) for s, _ in done)
     slo = SLO(slo_ttft_s, slo_tpot_s, slo_ttft_per_token_s, tpot_min_tokens)
-    good = sum(1 for s, end in done if slo.met(
+    lo, hi = counted if counted is not None else (0, len(records))
+    good = sum(1 for s, end in done if lo <= int(s.request_id) < hi and slo.met(
         first[s.request_id] - arrival[s.request_id],
         (end - first[s.request_id]) / (len(s.output_token_ids) - 1) if len(s.output_token_ids) > 1 else None,
         len(s.prompt_token_ids), len(s.output_token_ids)))
     return Prediction(output_tok_s=out_tokens / wall, ttft_s=percentile(ttft, .5), tpot_s=percentile(tpot, .5),
                       total_tok_s=(out_tokens + in_tokens) / wall, ttft_p99=percentile(ttft, .99),
                       tpot_p99=percentile(tpot, .99), goodput=good / wall, wall_s=wall, steps=steps,
-                      attainment=good / max(1, len(arrival)))
+                      attainment=good / max(1, len(arrival) if counted is None else hi - lo))
 
 
 def predicted_capacity(model: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], v: VariantSpec,

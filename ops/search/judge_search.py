@@ -50,8 +50,15 @@ def judge_search(search, jcfg: JudgeConfig | None = None, excluded: dict[str, st
                f"budget {jcfg.seconds:.0f} s")
     j, caps = run_judgement(pj, arms[0], arms[1:], latencies)
     j.notes = notes + j.notes
+    errs = []
     for a in arms:  # the simulator's volume beside the measured figures, calibrated on each arm's own steps
-        j.arms[a.variant.variant_id].update(simulated_figures(search, a.variant, a.samples, jcfg.simulated_requests))
+        figures = simulated_figures(search, a.variant, a.samples, jcfg.simulated_requests)
+        figures.update(on_probes(search, a.variant, a.samples, caps[a.variant.variant_id].probes, windows.records))
+        j.arms[a.variant.variant_id].update(figures)
+        cap = caps[a.variant.variant_id]
+        if "capacity_on_probes" in figures and not cap.censored and cap.estimate > 0:
+            errs.append(abs(figures["capacity_on_probes"] - cap.estimate) / cap.estimate)
+    j.simulator_probe_error = max(errs) if errs else math.nan
     search.board.post("judge", "note", {"search": search.id, "judgement": j.to_json(), "config": jcfg.to_json()},
                       [r.id for r, _ in [base] + picked])
     search.log("judge: " + j.headline())
@@ -85,3 +92,33 @@ def simulated_figures(search, v: VariantSpec, samples: list, n: int) -> dict:
     out["interarrival_cv"] = profile(recs).interarrival_cv
     out["capacity_gamma"] = predicted_capacity(model, hw, gamma, v, cal, **search.cfg.sim)
     return out
+
+
+def on_probes(search, v: VariantSpec, samples: list, probes: list, records: list) -> dict:
+    """The simulator replaying the judge's own probes of ``v``: each probe's window (``records`` from its index,
+    as many as it replayed), its rate, its warm-up and its counted requests, calibrated on the arm's measured
+    steps. Its capacity over those simulated probes (``capacity_on_probes``) against the measured one separates
+    the simulator's model error from the horizon: the prediction replays a thousand requests end to end, where a
+    probe counts tens after a short warm-up, before a queue near capacity has grown to its steady state.
+    ``attainment_error_on_probes``: the mean |simulated - measured| attainment over the probes."""
+    from ops.measure.capacity import Probe, capacity_of
+    from ops.predict.cost_model import simulate
+    from ops.search.worker import calibration_from
+
+    cal = calibration_from(search.model_spec, search.hardware, samples)
+    counted = [p for p in probes if p.verdict != "void" and p.n and p.replayed
+               and p.window + p.replayed <= len(records)]
+    if cal is None or not counted:
+        return {}
+    sim = {k: x for k, x in search.cfg.sim.items() if k != "time_scale"}
+    out, diffs = [], []
+    for p in counted:
+        recs = records[p.window:p.window + p.replayed]
+        got = simulate(search.model_spec, search.hardware, recs, v, cal, time_scale=own_rate(recs) / p.rate,
+                       counted=(p.warmup, p.warmup + p.n), **sim).attainment
+        good = round(got * p.n)
+        out.append(Probe(rate=p.rate, outcomes=[1] * good + [0] * (p.n - good), warmup=p.warmup, window=p.window))
+        diffs.append(abs(got - p.attainment))
+    cap = capacity_of(out)
+    return {"capacity_on_probes": cap.estimate, "censored_on_probes": cap.censored,
+            "attainment_error_on_probes": sum(diffs) / len(diffs)}

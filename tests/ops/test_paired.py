@@ -92,6 +92,22 @@ def test_the_simulators_capacity_against_the_replays(bench, monkeypatch):
     # kept the previous probe's prefix cache, which the simulation never has). Real GPUs' errors (15-26% on
     # 2026-12-06) come from step times the calibration's law does not capture, not from the scheduling
     assert 1 / 1.03 < predicted / measured < 1.03, (predicted, measured, probes)
+    # a judge's probe (a warm-up, then counted requests, stopped once decided) and the simulator replaying the
+    # same window at the same rate, counting the same requests: the same attainment, request for request
+    from ops.measure.tiers import probe as rate_probe
+    from ops.predict.cost_model import simulate
+
+    window = bench.stream[64:124]
+    monkeypatch.setattr(eng, "step", step)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    for rate in (0.9 * measured, 1.3 * measured):
+        p, _ = rate_probe(eng, window, bench.prompts_for(window, 64), rate, cfg.slo, 4, [40], cfg.max_output)
+        assert p.replayed == len(window) and 0 < p.n <= 40  # stopped once decided
+        sim = {k: x for k, x in cfg.sim.items() if k != "time_scale"}
+        got = simulate(bench.spec_for(SLOW), bench.hardware, window, base, cal, time_scale=own_rate(window) / rate,
+                       counted=(4, 4 + p.n), **sim).attainment
+        assert abs(got - p.attainment) <= 2 / p.n, (rate, got, p.attainment)
+    monkeypatch.undo()
 
 
 def test_each_arm_of_a_round_gets_its_share_of_a_short_budget(monkeypatch):
