@@ -74,7 +74,7 @@ def main(args: argparse.Namespace) -> int:
             if args.quantize else a
         b = dataclasses.replace(b, name=" + ".join([b.name] + ([args.change] if change else [])), **change)
     except Exception as e:  # an unknown field (TypeError) or a value the spec refuses (ConfigError)
-        sys.exit(f"capacity_ab: --change: {type(e).__name__}: {e}")
+        sys.exit(f"capacity_ab: --change / --quantize: {type(e).__name__}: {e}")
     bench = Workbench(cfg, probe(cfg.device, size_mb=64 if cfg.device == "cpu" else 256))
     cfg = bench.with_slo(a)
     print(f"A: {a.name} ({a.variant_id}); B: {b.name} ({b.variant_id}): {b.changes_from(a)}")

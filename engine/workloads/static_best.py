@@ -56,7 +56,7 @@ def _entries() -> list[dict]:
 
 def lookup(workload: str, device: str | torch.device) -> dict | None:
     """The recorded sweep of ``workload`` on this kind of device (``engine.config.static_best.device_label``):
-    {"workload", "device", "max_batch", "compile", "throughput", "date", "torch"}; on a GPU without an entry of its
+    {"workload", "device", "max_batch", "compile", "batches", "throughput", "date", "torch"}; on a GPU without an entry of its
     own, another GPU's (its "device" names it); None when nothing is recorded."""
     from engine.config.static_best import device_label
 
@@ -68,14 +68,16 @@ def lookup(workload: str, device: str | torch.device) -> dict | None:
 
 
 def record(workload: str, device: str | torch.device, max_batch: int, compile: bool,
-           throughput: dict[int, float]) -> Path:
+           throughput: dict[int, float], batches: list[int] | None = None) -> Path:
     """Records (or replaces) ``workload``'s static-best on this kind of device: the swept batch, whether it is
-    compiled, and the sweep's figures (requests/s per fixed batch)."""
+    compiled, the batches the sweep covered (``batches``, default those measured) and its figures (requests/s
+    per fixed batch). A tuning takes the entry only where it covers the batches that tuning would sweep."""
     from engine.config.static_best import device_label
 
     label = device_label(str(device))
     kept = [e for e in _entries() if (e["workload"], e["device"]) != (workload, label)]
     kept.append({"workload": workload, "device": label, "max_batch": int(max_batch), "compile": bool(compile),
+                 "batches": sorted(int(b) for b in (batches or throughput)),
                  "throughput": {str(b): round(r, 1) for b, r in sorted(throughput.items())},
                  "date": date.today().isoformat(), "torch": torch.__version__})
     path = _path()

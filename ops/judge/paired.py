@@ -140,6 +140,7 @@ class PairedJudge:
         doubling; never below the slowest rate whose first looks the budget affords (an arm failing there is
         censored below it)."""
         typical = self.typical_service(self.windows.take("search", 0)[1] or self.windows.records[:32])
+        self._typical = typical
         searches: dict[str, capacity.Searcher] = {}
         self._floors: dict[str, float] = {}  # each arm's floor before the budget raised it
         # the slowest rate the budget affords: two first looks per arm (warm-up included) in the time left. A
@@ -186,7 +187,16 @@ class PairedJudge:
         if left <= 0 or not low:
             return False
         affordable = 1.1 * len(low) * (self.cfg.first_look + 2) / left
-        reopened = [vid for vid in low if searches[vid].reopen(max(self._floors.get(vid, 0.0), affordable))]
+        floors = {vid: max(self._floors.get(vid, 0.0), affordable) for vid in low}
+        # the round's first looks at those floors, warm-ups included (``_plan``), must fit in the time left (a
+        # search goes on at its floor or above, where a first look takes no longer)
+        need = 0.0
+        for f in floors.values():
+            warm, plan = self._plan(f, self._typical)
+            need += (warm + plan[0]) / f
+        if 1.1 * need > left:
+            return False
+        reopened = [vid for vid in low if searches[vid].reopen(floors[vid])]
         for vid in reopened:
             self.log(f"judge: {by_id[vid].variant.name}: censored below {searches[vid].censored_below():.3f} req/s "
                      f"with {left:.0f} s left: probing down to {searches[vid].floor:.3f} req/s")

@@ -174,7 +174,7 @@ def compare(cand: Arm, base: Arm, allow_trade: bool = False) -> Comparison:
     if verdict == "censored":
         reasons.append(f"both capacities are censored {c} the rates probed: "
                        f"{cand.capacity.describe()} and {base.capacity.describe()}")
-        shared = shared_rate(cand.capacity, base.capacity)
+        shared = shared_rate(cand.capacity, base.capacity, highest=c == "above")
         if shared:
             reasons.append(shared)
     if base.saturation > 0 and cand.saturation > 0:
@@ -400,17 +400,19 @@ class Judgement:
                 f"{', kept static-best' if self.kept else ''}; {cap.describe() if cap else '?'} vs {base.describe()}")
 
 
-def shared_rate(cand: Capacity, base: Capacity) -> str:
+def shared_rate(cand: Capacity, base: Capacity, highest: bool = False) -> str:
     """Where both arms were probed at one rate (the judge's lockstep rounds: the same requests and arrivals), the
-    difference of their attainments there with its Newcombe 95% interval: the evidence a pair of censored
-    capacities still carries. The lowest such rate; "" when there is none."""
+    difference of their attainments there with its Newcombe 95% interval (for independent samples: on the same
+    requests, conservative): the evidence a pair of censored capacities still carries. The lowest such rate (two
+    arms censored below), or the highest (``highest``: censored above); "" when there is none."""
     def by_rate(cap: Capacity) -> dict[tuple[float, int], Probe]:
         return {(round(p.rate, 9), p.window): p for p in cap.probes if p.verdict != "void" and p.n}
     cp, bp = by_rate(cand), by_rate(base)
     common = sorted(set(cp) & set(bp))
     if not common:
         return ""
-    c, b = cp[common[0]], bp[common[0]]
+    at = common[-1] if highest else common[0]
+    c, b = cp[at], bp[at]
     d, lo, hi = newcombe(c.good, c.n, b.good, b.n)
     word = "higher" if lo > 0 else "lower" if hi < 0 else "not detectably different"
     return (f"at {c.rate:.3f} req/s (both arms, the same window) the candidate attained {c.good}/{c.n} = "

@@ -314,13 +314,15 @@ def slow_tier(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[
         raise ValueError("slow_tier needs one prompt per trace record")
     t0 = time.perf_counter()
     # untimed: a new variant's first steps compile and capture (Triton, CUDA graphs); no timed repeat pays for it.
-    # The slice's longest prompt makes full prefill chunks, a 97-token one rows no multiple of 16 (Triton
-    # specializes on that): the kernels of prefill-sized steps (W8A8 from 65 rows) compile here, not in the
-    # first requests' TTFT
+    # Then, alone, the slice's longest prompt (full prefill chunks) and up to 97 of its tokens in reverse (rows no
+    # multiple of 16, which Triton specializes on, sharing no cached prefix with it): the kernels of
+    # prefill-sized steps (W8A8 from 65 rows) compile here, not in the first requests' TTFT. Both no longer than
+    # a prompt the replay itself serves.
+    engine.generate([prompts[0][:16], prompts[-1][:8]], SamplingParams(max_tokens=2, ignore_eos=True))
     longest = max(prompts, key=len)
-    engine.generate([prompts[0][:16], prompts[-1][:8], longest, (longest * 2)[:97]],
-                    SamplingParams(max_tokens=2, ignore_eos=True))
-    engine.block_manager.reset_prefix_cache()
+    for warm in (longest, longest[::-1][:97]):
+        engine.generate([warm], SamplingParams(max_tokens=1, ignore_eos=True))
+        engine.block_manager.reset_prefix_cache()
     runs = []
     st = engine.stats
     drafts, drafted, accepted = st.spec_drafts, st.spec_draft_tokens, st.spec_accepted_tokens

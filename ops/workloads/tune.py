@@ -227,14 +227,15 @@ def find_static_best(workload: Workload, module: torch.nn.Module, device: str | 
     (the note says where the sweep stopped). With ``cfg.recorded``, a sweep recorded for this kind of device (or
     another GPU) is taken instead, unswept; with ``cfg.record``, a sweep that ran is recorded."""
     t0 = time.perf_counter()
+    batches = [b for b in cfg.sweep if b <= 2 * workload.batch.max_batch]
     entry = recorded_static_best(workload.name, device) if cfg.recorded else None
-    if entry is not None and cfg.compile in (None, entry["compile"]):
+    if entry is not None and cfg.compile in (None, entry["compile"]) \
+            and set(batches) <= {int(b) for b in entry.get("batches", entry["throughput"])}:
         return StaticSweep(static_best(workload, device, max_batch=entry["max_batch"], compile=entry["compile"]),
                            {int(b): r for b, r in entry["throughput"].items()}, {},
                            f"the sweep recorded on {entry['device']} on {entry['date']} (torch {entry['torch']}), "
                            "not run again", time.perf_counter() - t0, recorded=entry["device"])
     requests = workload.make_inputs([workload.default_size] * cfg.mix, cfg.seed + 1, device)
-    batches = [b for b in cfg.sweep if b <= 2 * workload.batch.max_batch]
     if not batches:
         raise ValueError(f"{workload.name}: no batch of the sweep {cfg.sweep} is within twice the policy's "
                          f"({workload.batch.max_batch})")
@@ -260,8 +261,9 @@ def find_static_best(workload: Workload, module: torch.nn.Module, device: str | 
         raise RuntimeError(f"{workload.name}: static-best failed at every batch on {device}: {errors}")
     best = max(throughput, key=throughput.__getitem__)
     chosen = static_best(workload, device, max_batch=best, compile=use_compile)
-    if cfg.record:
-        record_static_best(workload.name, device, best, chosen.compile_mode is not None, throughput)
+    if cfg.record and set(throughput) | {int(k.rsplit(" ", 1)[-1]) for k in errors} >= set(batches):
+        # only a whole sweep (none cut short by the budget) is recorded, with the batches it covered
+        record_static_best(workload.name, device, best, chosen.compile_mode is not None, throughput, batches)
     return StaticSweep(chosen, throughput, errors, note, time.perf_counter() - t0)
 
 
@@ -352,7 +354,7 @@ def _compare(workload: Workload, arm: Arm, base: WorkloadRunner, module: torch.n
     t0 = time.perf_counter()
     comp = Comparison(arm, Ratio(math.nan, math.nan, math.nan, 0, CENSORED))
     trace = saturating(trace, cfg, base_fast, arm.fast)
-    comp.rate = trace.rate
+    comp.rate = trace.rate if math.isfinite(trace.rate) else 0.0  # 0: every request arrives at once
 
     def measure(runner: WorkloadRunner, into: list[SlowResult]) -> float:
         result = slow_tier(runner, trace, requests)

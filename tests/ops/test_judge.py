@@ -143,6 +143,10 @@ def test_two_censored_capacities_still_report_their_attainments_at_a_shared_rate
     assert "not detectably different" in " ".join(compare(_arm("same", same), _arm("base", base)).reasons)
     apart = Capacity(3.1, 0.0, 3.1, censored="below", probes=[at(0.86, 2.0)])
     assert not any("same window" in r for r in compare(_arm("apart", apart), _arm("base", base)).reasons)
+    # censored above (both passed everywhere): the highest shared rate is the informative one
+    hi_b = Capacity(4.0, 4.0, math.inf, censored="above", probes=[at(0.999, 2.0), at(0.999, 4.0)])
+    hi_c = Capacity(4.0, 4.0, math.inf, censored="above", probes=[at(0.999, 2.0), at(0.999, 4.0)])
+    assert "at 4.000 req/s" in " ".join(compare(_arm("c", hi_c), _arm("b", hi_b)).reasons)
 
 
 def test_a_void_probe_is_repeated_and_never_counted():

@@ -161,7 +161,7 @@ def test_a_prediction_too_slow_for_the_budget_is_probed_at_the_slowest_affordabl
     def failing_probe(engine, records, prompts, rate, slo, warmup, plan, max_output, window=0, deadline=None):
         rates.append(rate)  # failing every request, it stops half-way through its first look (futility)
         n = plan[0] // 2
-        clock[0] = min(deadline, clock[0] + (warmup + n) / rate)
+        clock[0] += (warmup + n) / rate  # not held at the deadline: a round the budget cannot hold must not start
         return Probe(rate=rate, outcomes=[0] * n, warmup=warmup, window=window, verdict="fail"), []
 
     class Engine:

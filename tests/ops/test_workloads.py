@@ -257,7 +257,8 @@ def test_static_best_is_swept_once_per_device_and_then_taken_from_its_record(tmp
     entry = sb.lookup("patchtst", "cpu")
     assert entry["device"] == "cpu" and entry["max_batch"] == swept.variant.max_batch and not entry["compile"]
     assert {int(b) for b in entry["throughput"]} == {2, 4}
-    sb.record("patchtst", "cpu", 8, False, {8: 123.4, 2: 50.0})  # replaces the entry, keeps the other one
+    assert entry["batches"] == [2, 4]
+    sb.record("patchtst", "cpu", 8, False, {8: 123.4, 2: 50.0}, [2, 4, 8])  # replaces the entry, keeps the other
     again = find_static_best(w, module, "cpu", replace(cfg, record=False))
     assert again.recorded == "cpu" and again.variant.max_batch == 8 and again.throughput == {2: 50.0, 8: 123.4}
     assert "recorded on cpu" in again.note and again.variant.compile_mode is None
@@ -265,3 +266,9 @@ def test_static_best_is_swept_once_per_device_and_then_taken_from_its_record(tmp
         ["NVIDIA H100 80GB HBM3", "cpu"]
     fresh = find_static_best(w, module, "cpu", replace(cfg, record=False, recorded=False, sweep=(2,)))
     assert not fresh.recorded and set(fresh.throughput) == {2}  # --sweep: the record is not taken
+    wider = find_static_best(w, module, "cpu", replace(cfg, record=False, sweep=(1, 2)))
+    assert not wider.recorded and set(wider.throughput) == {1, 2}  # the record does not cover batch 1: swept
+    before = (tmp_path / "sb.json").read_text()
+    cut = find_static_best(w, module, "cpu", replace(cfg, sweep=(1, 2, 4), recorded=False), until=0.0)
+    assert set(cut.throughput) == {1} and "stopped before" in cut.note
+    assert (tmp_path / "sb.json").read_text() == before  # a sweep the budget cut short is not recorded
