@@ -9,7 +9,7 @@ it.
     PYTHONPATH=$PWD python3 -m bench tuning.capacity_ab --model llama-3.1-8b --device cuda --dtype bfloat16 \\
         --trace bench/data/mooncake_conversation_trace.jsonl --requests 64 --max-input 2048 --max-output 128 \\
         --num-kv-blocks 8192 --change '{"block_size": 32}'                                # a GPU host
-    ... --quantize fp8                                         # static-best against its FP8 form, as the tuner proposes it
+    ... --quantize fp8                                   # static-best against its FP8 form, as the tuner proposes it
 """
 from __future__ import annotations
 

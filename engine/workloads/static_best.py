@@ -52,12 +52,15 @@ def _entries() -> list[dict]:
         return json.loads(_path().read_text())["entries"]
     except FileNotFoundError:
         return []
+    except (ValueError, KeyError, TypeError) as e:  # a corrupt record: say which file, lose nothing
+        raise ValueError(f"{_path()}: not a workload static-best record ({type(e).__name__}: {e}); fix or remove "
+                         "it (python -m bench workloads --record writes a new one)") from e
 
 
 def lookup(workload: str, device: str | torch.device) -> dict | None:
     """The recorded sweep of ``workload`` on this kind of device (``engine.config.static_best.device_label``):
-    {"workload", "device", "max_batch", "compile", "batches", "throughput", "date", "torch"}; on a GPU without an entry of its
-    own, another GPU's (its "device" names it); None when nothing is recorded."""
+    {"workload", "device", "max_batch", "compile", "batches", "throughput", "date", "torch"}; on a GPU without an
+    entry of its own, another GPU's (its "device" names it); None when nothing is recorded."""
     from engine.config.static_best import device_label
 
     label = device_label(str(device))

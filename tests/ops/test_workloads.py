@@ -264,6 +264,11 @@ def test_static_best_is_swept_once_per_device_and_then_taken_from_its_record(tmp
     assert "recorded on cpu" in again.note and again.variant.compile_mode is None
     assert [e["device"] for e in json.loads((tmp_path / "sb.json").read_text())["entries"]] == \
         ["NVIDIA H100 80GB HBM3", "cpu"]
+    good = (tmp_path / "sb.json").read_text()
+    (tmp_path / "sb.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a workload static-best record"):
+        sb.lookup("patchtst", "cpu")
+    (tmp_path / "sb.json").write_text(good)
     fresh = find_static_best(w, module, "cpu", replace(cfg, record=False, recorded=False, sweep=(2,)))
     assert not fresh.recorded and set(fresh.throughput) == {2}  # --sweep: the record is not taken
     wider = find_static_best(w, module, "cpu", replace(cfg, record=False, sweep=(1, 2)))
