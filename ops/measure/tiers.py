@@ -313,16 +313,12 @@ def slow_tier(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[
     if not records or len(records) != len(prompts):
         raise ValueError("slow_tier needs one prompt per trace record")
     t0 = time.perf_counter()
-    # untimed: a new variant's first steps compile and capture (Triton, CUDA graphs); no timed repeat pays for it.
-    # Then, alone, the slice's longest prompt (full prefill chunks) and up to 97 of its tokens in reverse (rows no
-    # multiple of 16, which Triton specializes on, sharing no cached prefix with it): the kernels of
-    # prefill-sized steps (W8A8 from 65 rows) compile here, not in the first requests' TTFT. Both no longer than
-    # a prompt the replay itself serves.
+    # untimed: a new variant's first steps compile and capture (Triton, CUDA graphs), then alone the longest prompt
+    # (full chunks) and 97 of its tokens reversed (rows no multiple of 16, no shared prefix): prefill-sized kernels
+    # (W8A8 from 65 rows) compile here, not in the first requests' TTFT; each replay below starts with no cache
     engine.generate([prompts[0][:16], prompts[-1][:8]], SamplingParams(max_tokens=2, ignore_eos=True))
-    longest = max(prompts, key=len)
-    for warm in (longest, longest[::-1][:97]):
+    for warm in (max(prompts, key=len), max(prompts, key=len)[::-1][:97]):
         engine.generate([warm], SamplingParams(max_tokens=1, ignore_eos=True))
-        engine.block_manager.reset_prefix_cache()
     runs = []
     st = engine.stats
     drafts, drafted, accepted = st.spec_drafts, st.spec_draft_tokens, st.spec_accepted_tokens

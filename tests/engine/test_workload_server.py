@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -292,9 +293,12 @@ def test_cli_serve_workload_serves_and_swaps():
                                capture_output=True, text=True, check=True).stdout
     assert "curl" in help_text and '"seed"' in help_text and '"inputs"' in help_text
     port = free_port()
+    # one thread in the server and for the reference below: a CPU matmul's bits depend on how many threads split
+    # it, and a default (all cores) takes fewer when the machine is busy (the parallel suite)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "serve-workload", "patchtst", "--port", str(port),
                              "--variant", '{"name": "eager"}', "--admin-token", TOKEN],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120
@@ -311,7 +315,13 @@ def test_cli_serve_workload_serves_and_swaps():
             raise RuntimeError("serve-workload did not come up")
         w = get_workload("patchtst")
         ans = _infer(url, {"size": 2, "seed": 9}).json()
-        assert torch.equal(_output(ans), _reference(w, w.build("cpu"), w.make_inputs([2], seed=9)[0]))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            want = _reference(w, w.build("cpu"), w.make_inputs([2], seed=9)[0])
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(_output(ans), want)
         assert ans["variant_id"] == WorkloadVariant(name="eager").variant_id
         r = httpx.post(url + "/admin/variant", headers=ADMIN, json={"name": "b4", "max_batch": 4})
         assert r.status_code == 200
