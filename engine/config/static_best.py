@@ -36,11 +36,29 @@ def _path() -> Path:
     return Path(os.environ.get("POLYINF_STATIC_BEST", PATH))
 
 
-def entries() -> list[dict]:
+def read_entries(path: Path) -> list[dict]:
+    """The entries of a static-best record file (this one, or a workload's: engine/workloads/static_best.py); none
+    when it does not exist; a corrupt file is an error that names it."""
     try:
-        return json.loads(_path().read_text())["entries"]
+        return json.loads(path.read_text())["entries"]
     except FileNotFoundError:
         return []
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a static-best record ({type(e).__name__}: {e}); fix or remove it "
+                         "(a new sweep writes a new one)") from e
+
+
+def write_entries(path: Path, entries: list[dict], key) -> Path:
+    """Writes ``entries`` sorted by ``key`` to ``path`` whole (a temporary file renamed over it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"entries": sorted(entries, key=key)}, indent=1) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def entries() -> list[dict]:
+    return read_entries(_path())
 
 
 def lookup(source: ModelSource, device: str, dtype: str) -> VariantSpec | None:
@@ -65,10 +83,4 @@ def record(source: ModelSource, device: str, dtype: str, variant: VariantSpec, s
     kept = [e for e in entries() if (e["model"], e["device"], e["dtype"]) != key]
     body = {k: v for k, v in variant.to_json().items() if k not in ("name", "variant_id")}
     kept.append({"model": key[0], "device": key[1], "dtype": dtype, "variant": body, "sweep": sweep})
-    path = _path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"entries": sorted(kept, key=lambda e: (e["model"], e["device"], e["dtype"]))},
-                              indent=1) + "\n")
-    tmp.replace(path)
-    return path
+    return write_entries(_path(), kept, key=lambda e: (e["model"], e["device"], e["dtype"]))

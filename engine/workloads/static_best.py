@@ -20,13 +20,13 @@
 """
 from __future__ import annotations
 
-import json
 import os
 from datetime import date
 from pathlib import Path
 
 import torch
 
+from engine.config.static_best import device_label, read_entries, write_entries
 from engine.workloads.variants import WorkloadVariant
 from engine.workloads.workload import Workload
 
@@ -48,21 +48,13 @@ def _path() -> Path:
 
 
 def _entries() -> list[dict]:
-    try:
-        return json.loads(_path().read_text())["entries"]
-    except FileNotFoundError:
-        return []
-    except (ValueError, KeyError, TypeError) as e:  # a corrupt record: say which file, lose nothing
-        raise ValueError(f"{_path()}: not a workload static-best record ({type(e).__name__}: {e}); fix or remove "
-                         "it (python -m bench workloads --record writes a new one)") from e
+    return read_entries(_path())
 
 
 def lookup(workload: str, device: str | torch.device) -> dict | None:
     """The recorded sweep of ``workload`` on this kind of device (``engine.config.static_best.device_label``):
     {"workload", "device", "max_batch", "compile", "batches", "throughput", "date", "torch"}; on a GPU without an
     entry of its own, another GPU's (its "device" names it); None when nothing is recorded."""
-    from engine.config.static_best import device_label
-
     label = device_label(str(device))
     found = [e for e in _entries() if e["workload"] == workload]
     own = [e for e in found if e["device"] == label]
@@ -75,18 +67,10 @@ def record(workload: str, device: str | torch.device, max_batch: int, compile: b
     """Records (or replaces) ``workload``'s static-best on this kind of device: the swept batch, whether it is
     compiled, the batches the sweep covered (``batches``, default those measured) and its figures (requests/s
     per fixed batch). A tuning takes the entry only where it covers the batches that tuning would sweep."""
-    from engine.config.static_best import device_label
-
     label = device_label(str(device))
     kept = [e for e in _entries() if (e["workload"], e["device"]) != (workload, label)]
     kept.append({"workload": workload, "device": label, "max_batch": int(max_batch), "compile": bool(compile),
                  "batches": sorted(int(b) for b in (batches or throughput)),
                  "throughput": {str(b): round(r, 1) for b, r in sorted(throughput.items())},
                  "date": date.today().isoformat(), "torch": torch.__version__})
-    path = _path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"entries": sorted(kept, key=lambda e: (e["workload"], e["device"]))}, indent=1)
-                   + "\n")
-    tmp.replace(path)
-    return path
+    return write_entries(_path(), kept, key=lambda e: (e["workload"], e["device"]))

@@ -139,8 +139,8 @@ class PairedJudge:
         with a first step of twice the simulator's error (given, or a prior of 20%; 15% to 100%) instead of
         doubling; never below the slowest rate whose first looks the budget affords (an arm failing there is
         censored below it)."""
-        typical = self.typical_service(self.windows.take("search", 0)[1] or self.windows.records[:32])
-        self._typical = typical
+        # an unloaded request's service time on this traffic: a probe's warm-up and first look are multiples of it
+        self._typical = self.typical_service(self.windows.take("search", 0)[1] or self.windows.records[:32])
         searches: dict[str, capacity.Searcher] = {}
         self._floors: dict[str, float] = {}  # each arm's floor before the budget raised it
         # the slowest rate the budget affords: two first looks per arm (warm-up included) in the time left. A
@@ -173,7 +173,7 @@ class PairedJudge:
                                                             max_probes=self.cfg.max_probes)
         by_id = {a.variant.variant_id: a for a in arms}
         while True:
-            self._probe_rounds(searches, by_id, typical)
+            self._probe_rounds(searches, by_id)
             if not self._reopen(searches, by_id):
                 break
         return {vid: s.capacity(by_id[vid].saturation) for vid, s in searches.items()}
@@ -202,14 +202,14 @@ class PairedJudge:
                      f"with {left:.0f} s left: probing down to {searches[vid].floor:.3f} req/s")
         return bool(reopened)
 
-    def _probe_rounds(self, searches: dict[str, capacity.Searcher], by_id: dict[str, ArmRun], typical: float) -> None:
+    def _probe_rounds(self, searches: dict[str, capacity.Searcher], by_id: dict[str, ArmRun]) -> None:
         """Probes every search's next rate, round by round on shared windows, until none is due or the time left
         cannot hold another round's first looks."""
         while time.perf_counter() < self.deadline:
             pending = {vid: s.rate for vid, s in searches.items() if s.rate is not None}
             if not pending:
                 break
-            plans = {vid: self._plan(rate, typical) for vid, rate in pending.items()}
+            plans = {vid: self._plan(rate, self._typical) for vid, rate in pending.items()}
             # a round whose first looks cannot all arrive before the deadline would count nothing: not started
             first_looks = sum((w + plan[0]) / rate for (w, plan), rate in zip(plans.values(), pending.values()))
             if time.perf_counter() + first_looks > self.deadline:

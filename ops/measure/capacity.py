@@ -375,9 +375,9 @@ class Searcher:
     def censored_below(self) -> float | None:
         """The lowest rate probed when every counted probe failed (the capacity censored below it), else None."""
         counted = [q for q in self.probes if q.verdict != "void" and q.n]
-        if not counted or any(q.verdict == "pass" for q in counted):
+        if not counted:
             return None
-        lo, _ = bracket(fit(counted), self.target)
+        lo, _ = bracket(fit(counted), self.target)  # no fitted rate at or above the target
         return min(q.rate for q in counted) if lo == 0.0 else None
 
     def reopen(self, floor: float) -> bool:

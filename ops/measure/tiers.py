@@ -317,7 +317,8 @@ def slow_tier(engine: LLMEngine, records: list[TraceRecord], prompts: list[list[
     # (full chunks) and 97 of its tokens reversed (rows no multiple of 16, no shared prefix): prefill-sized kernels
     # (W8A8 from 65 rows) compile here, not in the first requests' TTFT; each replay below starts with no cache
     engine.generate([prompts[0][:16], prompts[-1][:8]], SamplingParams(max_tokens=2, ignore_eos=True))
-    for warm in (max(prompts, key=len), max(prompts, key=len)[::-1][:97]):
+    longest = max(prompts, key=len)
+    for warm in (longest, longest[::-1][:97]):
         engine.generate([warm], SamplingParams(max_tokens=1, ignore_eos=True))
     runs = []
     st = engine.stats

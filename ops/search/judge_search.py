@@ -50,12 +50,17 @@ def judge_search(search, jcfg: JudgeConfig | None = None, excluded: dict[str, st
                f"budget {jcfg.seconds:.0f} s")
     j, caps = run_judgement(pj, arms[0], arms[1:], latencies)
     j.notes = notes + j.notes
+    from ops.search.worker import calibration_from
+
     errs = []
     for a in arms:  # the simulator's volume beside the measured figures, calibrated on each arm's own steps
-        figures = simulated_figures(search, a.variant, a.samples, jcfg.simulated_requests)
-        figures.update(on_probes(search, a.variant, a.samples, caps[a.variant.variant_id].probes, windows.records))
-        j.arms[a.variant.variant_id].update(figures)
+        cal = calibration_from(search.model_spec, search.hardware, a.samples)
+        if cal is None:
+            continue
         cap = caps[a.variant.variant_id]
+        figures = simulated_figures(search, a.variant, cal, jcfg.simulated_requests)
+        figures.update(on_probes(search, a.variant, cal, cap.probes, windows.records))
+        j.arms[a.variant.variant_id].update(figures)
         if "capacity_on_probes" in figures and not cap.censored and cap.estimate > 0:
             errs.append(abs(figures["capacity_on_probes"] - cap.estimate) / cap.estimate)
     j.simulator_probe_error = max(errs) if errs else math.nan
@@ -65,18 +70,15 @@ def judge_search(search, jcfg: JudgeConfig | None = None, excluded: dict[str, st
     return j
 
 
-def simulated_figures(search, v: VariantSpec, samples: list, n: int) -> dict:
+def simulated_figures(search, v: VariantSpec, cal, n: int) -> dict:
     """The simulator's capacity, goodput and attainment at 1x, 1.5x and 2x the traffic's observed rate, and
     the capacity with gamma arrivals of the traffic's fitted burstiness and its length distribution (the
-    robustness arm), over ``n`` requests, calibrated on ``samples`` (the variant's measured steps)."""
+    robustness arm), over ``n`` requests, with ``cal`` (the cost model calibrated on the variant's measured
+    steps)."""
     from ops.predict.cost_model import predicted_capacity, simulate, synthetic_requests
     from ops.traffic.traces import profile
-    from ops.search.worker import calibration_from
 
     model, hw = search.model_spec, search.hardware
-    cal = calibration_from(model, hw, samples)
-    if cal is None:
-        return {}
     recs = search.bench.sim_records(n)
     sim = {k: x for k, x in search.cfg.sim.items() if k != "time_scale"}
     out = {"simulated_requests": len(recs),
@@ -94,21 +96,19 @@ def simulated_figures(search, v: VariantSpec, samples: list, n: int) -> dict:
     return out
 
 
-def on_probes(search, v: VariantSpec, samples: list, probes: list, records: list) -> dict:
+def on_probes(search, v: VariantSpec, cal, probes: list, records: list) -> dict:
     """The simulator replaying the judge's own probes of ``v``: each probe's window (``records`` from its index,
-    as many as it replayed), its rate, its warm-up and its counted requests, calibrated on the arm's measured
-    steps. Its capacity over those simulated probes (``capacity_on_probes``) against the measured one separates
+    as many as it replayed), its rate, its warm-up and its counted requests, with ``cal`` (calibrated on the
+    arm's measured steps). Its capacity over those simulated probes (``capacity_on_probes``) against the measured one separates
     the simulator's model error from the horizon: the prediction replays a thousand requests end to end, where a
     probe counts tens after a short warm-up, before a queue near capacity has grown to its steady state.
     ``attainment_error_on_probes``: the mean |simulated - measured| attainment over the probes."""
     from ops.measure.capacity import Probe, capacity_of
     from ops.predict.cost_model import simulate
-    from ops.search.worker import calibration_from
 
-    cal = calibration_from(search.model_spec, search.hardware, samples)
     counted = [p for p in probes if p.verdict != "void" and p.n and p.replayed
                and p.window + p.replayed <= len(records)]
-    if cal is None or not counted:
+    if not counted:
         return {}
     sim = {k: x for k, x in search.cfg.sim.items() if k != "time_scale"}
     out, diffs = [], []

@@ -414,20 +414,17 @@ def _tune(workload: Workload, module: torch.nn.Module, device: str, cfg: TuneCon
     given = trace is not None
     trace = trace or size_trace(workload, cfg.requests)
     sweep = find_static_best(workload, module, device, cfg, measure_until)
-    static_variant = sweep.variant
-    base = build_runner(workload, static_variant, module, device)
     mix = mix_requests(workload, trace, cfg.mix, cfg.seed + 2, device)
-    static = Arm(static_variant)
+    static = Arm(sweep.variant)
     _measure(workload, static, module, device, mix, cfg)
     if static.error and sweep.recorded:  # the recorded form fails here (another GPU's compile): sweep after all
-        was = sweep.recorded
+        was, error = sweep.recorded, static.error
         sweep = find_static_best(workload, module, device, replace(cfg, recorded=False), measure_until)
-        sweep.note = "; ".join(filter(None, [f"the form recorded on {was} failed here ({static.error}): swept",
-                                             sweep.note]))
-        static_variant = sweep.variant
-        base = build_runner(workload, static_variant, module, device)
-        static = Arm(static_variant)
+        sweep.note = "; ".join(filter(None, [f"the form recorded on {was} failed here ({error}): swept", sweep.note]))
+        static = Arm(sweep.variant)
         _measure(workload, static, module, device, mix, cfg)
+    static_variant = sweep.variant
+    base = build_runner(workload, static_variant, module, device)
     trace = _long_enough(workload, trace, given, static.fast, cfg)
     requests = workload.make_inputs(trace.sizes, cfg.seed + 3, device)
     if variants is None:

@@ -266,7 +266,7 @@ def test_static_best_is_swept_once_per_device_and_then_taken_from_its_record(tmp
         ["NVIDIA H100 80GB HBM3", "cpu"]
     good = (tmp_path / "sb.json").read_text()
     (tmp_path / "sb.json").write_text("{not json")
-    with pytest.raises(ValueError, match="not a workload static-best record"):
+    with pytest.raises(ValueError, match="not a static-best record"):
         sb.lookup("patchtst", "cpu")
     (tmp_path / "sb.json").write_text(good)
     fresh = find_static_best(w, module, "cpu", replace(cfg, record=False, recorded=False, sweep=(2,)))
