@@ -17,7 +17,8 @@ from bench.gpu.machine import attention_bandwidth, gemv_bandwidth, l2_survival, 
 from bench.gpu.moe import moe_decode
 from bench.gpu.precision.kv_fp8 import fp8_kv_cache
 from bench.gpu.precision.prefill import (decode_attention_kernels, prefill_attention_kernels, w8a8_checks,
-                                        w8a8_prefill, w8a8_projections, w8a8_quant_passes, w8a8_served)
+                                        w8a8_prefill, w8a8_projections, w8a8_quant_passes, w8a8_served,
+                                        w8a8_ttft)
 from bench.gpu.precision.weights import gemv_bandwidth_by_precision, llama8b_precision, quantized_kernel_checks
 from bench.gpu.precision.serve import activation_quant_checks, served_decode_by_precision
 from bench.gpu.precision.step import decode_forms_by_precision, projections_alone
@@ -28,7 +29,7 @@ from bench.lib.tiles import tiles_kept
 from engine.config.presets import preset_variant
 
 SECTIONS = ("attention", "gemv", "decode", "throughput", "swap", "moe", "experts", "precision", "precision-step",
-            "kv-fp8", "precision-serve", "qmma", "w8a8")  # --only
+            "kv-fp8", "precision-serve", "qmma", "w8a8", "w8a8-ttft")  # --only
 
 
 def add_cli_args(ap: argparse.ArgumentParser) -> None:
@@ -125,7 +126,7 @@ def _sections(args: argparse.Namespace) -> None:
         row("model figures", "skipped: correctness checks failed")
     else:
         if any(want(s) for s in ("decode", "throughput", "swap", "precision", "precision-step", "kv-fp8",
-                                        "precision-serve", "qmma", "w8a8")):
+                                        "precision-serve", "qmma", "w8a8", "w8a8-ttft")):
             m = section(Llama8B)()
             if m is not None:
                 if want("precision"):
@@ -146,6 +147,8 @@ def _sections(args: argparse.Namespace) -> None:
                 if want("w8a8"):
                     w8a8_prefill(m)
                     w8a8_served(m, args.out)
+                if want("w8a8-ttft"):
+                    w8a8_ttft(m)
                 if want("kv-fp8"):
                     fp8_kv_cache(m, bw, args.kv_length, check=not args.skip_checks)
                 best = llama8b_decode(m, bw, args.decode_quick) if want("decode") else None

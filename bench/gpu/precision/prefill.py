@@ -8,6 +8,7 @@ against its FP8 form as the tuner proposes it."""
 from __future__ import annotations
 
 import dataclasses
+import time
 import traceback
 
 import torch
@@ -301,3 +302,44 @@ def decode_attention_kernels(n_seq: int = 64, length: int = 2048) -> None:
                     f"splits {splits or 'auto'}, {block_n} keys, {warps} warps, {stages} stages",
                     f"{'OK' if err < 0.02 else 'ERROR'} (max |d| {err:.2g}); {sec * 1e6:.0f} us, "
                     f"{nbytes / sec / 1e9:,.0f} GB/s of cache")
+
+
+@section
+def w8a8_ttft(m: Llama8B, lengths=(128, 512, 1024, 2048), reps: int = 5) -> None:
+    """Time to first token of one prompt alone (the served TTFT at a low rate), static-best bf16 against its FP8
+    form as the tuner proposes it, per prompt length: the median of ``reps`` runs after two warm-up runs of each
+    length, the prefix cache emptied before each; where a 1,024-token prefill's time goes in each form."""
+    from engine import SamplingParams
+    from engine.config.presets import quantized_variant
+    from engine.config.static_best import lookup
+    from engine.loader.model_source import resolve
+
+    base = lookup(resolve("llama-3.1-8b"), "cuda", "bfloat16")
+    if base is None:
+        row("W8A8 TTFT", "skipped: no static-best recorded for the 8B on this device")
+        return
+    eng = m.engine
+    gen = torch.Generator().manual_seed(1)
+    prompts = {n: torch.randint(0, 128000, (n,), generator=gen).tolist() for n in lengths}
+    ms: dict[str, dict[int, float]] = {}
+
+    def once(p):
+        eng.block_manager.reset_prefix_cache()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        eng.generate([p], SamplingParams(max_tokens=1, ignore_eos=True))
+        torch.cuda.synchronize()
+        return 1e3 * (time.perf_counter() - t)
+
+    for label, spec in (("static-best bf16", base), ("its fp8 form", quantized_variant(base, "fp8", "cuda"))):
+        eng.apply_variant(spec)
+        ms[label] = {}
+        for n, p in prompts.items():
+            once(p), once(p)
+            ms[label][n] = sorted(once(p) for _ in range(reps))[reps // 2]
+        kernel_profile(f"8B prefill of one 1,024-token prompt, {label}", lambda: once(prompts[1024]), steps=3, top=8)
+    for n in lengths:
+        b, f = ms["static-best bf16"][n], ms["its fp8 form"][n]
+        row(f"8B TTFT of one {n}-token prompt", f"bf16 {b:.2f} ms, fp8 {f:.2f} ms: fp8 {b / f:.2f}x")
+    eng.apply_variant(base)
+    eng.block_manager.reset_prefix_cache()
