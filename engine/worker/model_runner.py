@@ -6,7 +6,7 @@ import torch
 from engine.config.model_config import ModelConfig
 from engine.model.forward_ops import ForwardOps
 from engine.model.transformer import CausalLM
-from kernels.attention.attention import AttentionMetadata
+from kernels.attention.attention import AttentionMetadata, device_ints
 from engine.model.rope import rope_cos_sin
 from engine.worker.cuda_graphs import DecodeGraphs
 from engine.sched.output import SchedulerOutput
@@ -116,11 +116,9 @@ class ModelRunner:
         tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch.scheduled]
         dev = self.device
         attn = AttentionMetadata.build(
-            torch.tensor(slots, dtype=torch.int64, device=dev), torch.tensor(tables, dtype=torch.int32, device=dev),
-            ctx_lens, qsl, dev,
+            device_ints(slots, torch.int64, dev), device_ints(tables, torch.int32, dev), ctx_lens, qsl, dev,
         )
-        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
-                attn, logits_idx)
+        return device_ints(ids, torch.int64, dev), device_ints(pos, torch.int64, dev), attn, logits_idx
 
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput, ops: ForwardOps, ahead: bool = False) -> torch.Tensor:
@@ -143,7 +141,7 @@ class ModelRunner:
             return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
         if len(logits_idx) == hidden.shape[0]:  # every token samples (decode): no gather
             return self.model.compute_logits(hidden, ops)
-        return self.model.compute_logits(hidden[torch.tensor(logits_idx, device=hidden.device)], ops)
+        return self.model.compute_logits(hidden[device_ints(logits_idx, torch.int64, hidden.device)], ops)
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:
         """(N,) int64 on the device: the argmax of each row of the last step's logits."""

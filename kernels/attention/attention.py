@@ -1,9 +1,19 @@
 """Attention over the paged KV cache, one signature for prefill, chunked prefill and decode."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+def device_ints(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.tensor(values, dtype, device)`` that does not wait for the stream: on a GPU the host copy is pinned
+    and copied without blocking (a copy from pageable memory first waits for all queued work, so a step that made
+    several could not launch ahead of the GPU)."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -22,6 +32,9 @@ class AttentionMetadata:
     query_start_loc_t: torch.Tensor  # (B + 1,) int32
     max_query_len: int  # 1 means a pure decode batch
     max_context_len: int  # an upper bound on context_lens (kernels size their work by it)
+    # per-step device tensors a kernel derives from the host lists, built by its first layer and read by the rest
+    # (a host-to-device copy from pageable memory waits for the stream: one per layer serialises every launch)
+    derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def build(cls, slot_mapping, block_tables, context_lens, query_start_loc, device) -> "AttentionMetadata":
@@ -30,8 +43,8 @@ class AttentionMetadata:
             block_tables=block_tables,
             context_lens=context_lens,
             query_start_loc=query_start_loc,
-            context_lens_t=torch.tensor(context_lens, dtype=torch.int32, device=device),
-            query_start_loc_t=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            context_lens_t=device_ints(context_lens, torch.int32, device),
+            query_start_loc_t=device_ints(query_start_loc, torch.int32, device),
             max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
             max_context_len=max(context_lens),
         )

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention.attention import AttentionMetadata
+from kernels.attention.attention import AttentionMetadata, device_ints
 from kernels.timing import interpreted
 
 LOG2E = 1.4426950408889634  # scores in base 2 (exp2)
@@ -118,6 +118,21 @@ def _prefill_kernel(
              out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
+def _tile_order(meta: AttentionMetadata, block_m: int, dev: torch.device):
+    """The step's query tiles of ``block_m`` rows, those with the most keys first (the last tiles of the longest
+    contexts, so the short ones fill the tail): their count and each one's sequence and first row on the device,
+    made once per step for all its layers, in one copy that does not wait for the stream."""
+    key = ("prefill_tiles", block_m, str(dev))
+    if key not in meta.derived:
+        qsl = meta.query_start_loc
+        tiles = sorted(((meta.context_lens[i] - (qsl[i + 1] - qsl[i]) + m0, i, m0)
+                        for i in range(len(meta.context_lens)) for m0 in range(0, qsl[i + 1] - qsl[i], block_m)),
+                       reverse=True)
+        both = device_ints([[i for _, i, _ in tiles], [m0 for _, _, m0 in tiles]], torch.int32, dev)
+        meta.derived[key] = (len(tiles), both[0], both[1])
+    return meta.derived[key]
+
+
 def prefill_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                       block_m: int = PREFILL_TILES["block_m"], block_n: int = PREFILL_TILES["block_n"],
                       num_warps: int = PREFILL_TILES["num_warps"], num_stages: int = PREFILL_TILES["num_stages"],
@@ -127,21 +142,14 @@ def prefill_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float
     loops (default: on a GPU; False runs the interpreter's while loops there too, for a comparison)."""
     t, h, d = q.shape
     kvh, bs = k_cache.shape[2], k_cache.shape[1]
-    qsl = meta.query_start_loc
-    # the tiles with the most keys first (the last tiles of the longest contexts), so the short ones fill the tail
-    tiles = sorted(((meta.context_lens[i] - (qsl[i + 1] - qsl[i]) + m0, i, m0)
-                    for i in range(len(meta.context_lens)) for m0 in range(0, qsl[i + 1] - qsl[i], block_m)),
-                   reverse=True)
+    n_tiles, tile_seq, tile_m0 = _tile_order(meta, block_m, q.device)
     out = torch.empty((t, h, d), device=q.device, dtype=q.dtype)
-    dev = q.device
-    args = (q, k_cache, v_cache, out, meta.block_tables, meta.context_lens_t, meta.query_start_loc_t,
-            torch.tensor([i for _, i, _ in tiles], dtype=torch.int32, device=dev),
-            torch.tensor([m0 for _, _, m0 in tiles], dtype=torch.int32, device=dev),
-            q.stride(0), q.stride(1), meta.block_tables.stride(0), scale * LOG2E, h // kvh, d, bs, kvh, h)
+    args = (q, k_cache, v_cache, out, meta.block_tables, meta.context_lens_t, meta.query_start_loc_t, tile_seq,
+            tile_m0, q.stride(0), q.stride(1), meta.block_tables.stride(0), scale * LOG2E, h // kvh, d, bs, kvh, h)
     common = dict(D_PAD=max(16, triton.next_power_of_2(d)), IEEE=q.dtype == torch.float32,
                   COUNTED=not interpreted() if counted is None else counted)
     try:
-        _prefill_kernel[(len(tiles), h)](*args, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        _prefill_kernel[(n_tiles, h)](*args, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
                                          num_stages=num_stages, **common)
     except triton.runtime.errors.OutOfResources:
         # a GPU with less shared memory than these tiles need (the defaults are sized for Hopper's): the keys per

@@ -153,7 +153,8 @@ def test_paged_attention(case):
     heads, kvh, d, bs, specs = case
     q, kc, vc, meta = _paged_case(len(specs) * 31 + d, heads, kvh, d, bs, specs)
     ref = paged_attention_ref(q, kc, vc, meta, d**-0.5)
-    for block_m, block_n in ((16, 16), (32, 64), (64, 16)):  # prefill tiles: rows, keys
+    # prefill tiles: rows, keys; the last reads the tile order the first left on the step's metadata
+    for block_m, block_n in ((16, 16), (32, 64), (64, 16), (16, 32)):
         got = paged_attention_triton(q, kc, vc, meta, d**-0.5, block_m=block_m, prefill_block_n=block_n)
         torch.testing.assert_close(got, ref, **TOL)
     # the same contexts as a pure decode batch: the decode kernel, whole and split
