@@ -5,7 +5,8 @@ head to the horizon, every series handled on its own (channel independence).
 
 A request is one multivariate series of ``size`` channels over the lookback window, [channels, LOOKBACK]; its
 forecast is [channels, HORIZON]. Because no layer mixes channels, requests of any channel count share a forward
-pass by concatenating their channels, with no padding.
+pass by concatenating their channels; ``pad`` adds copies of a real series up to a bounded row count when a variant
+asks for few shapes, and ``split`` drops them.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import math
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from engine.workloads.padding import check_target, padded_count
 
 LOOKBACK, HORIZON = 336, 96
 PATCH, STRIDE = 16, 8
@@ -114,5 +117,20 @@ def collate(requests: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {"series": torch.cat([r["series"] for r in requests])}
 
 
+def pad(batch: dict[str, torch.Tensor], rows: int | None = None) -> dict[str, torch.Tensor]:
+    """The collated batch with copies of its last series appended up to ``rows`` (default: ``padded_count`` of
+    its own). Copies, not zeros: RevIN divides by each series' standard deviation, which a constant row has none
+    of; a copy's forecast is a real one's, and the channels never mix, so no real forecast changes."""
+    series = batch["series"]  # [N, LOOKBACK]
+    n = series.shape[0]
+    rows = padded_count(n) if rows is None else rows
+    check_target("series", n, rows)
+    if rows == n:
+        return batch
+    return {**batch, "series": torch.cat([series, series[-1:].expand(rows - n, -1)])}
+
+
 def split(out: torch.Tensor, requests: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-    return list(out.split([r["series"].shape[0] for r in requests]))
+    """Each request's forecast [its series, HORIZON]; rows past the requests' own (``pad``'s copies) are dropped."""
+    sizes = [r["series"].shape[0] for r in requests]
+    return list(out[:sum(sizes)].split(sizes))

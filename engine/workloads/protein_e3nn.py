@@ -8,7 +8,9 @@ the destination, and passes the sum through a gated nonlinearity. The output per
 e.g. a confidence) and one vector (1o, e.g. a displacement): the scalar is invariant and the vector turns with
 any rotation of the input.
 
-Proteins of any sizes share a forward pass as one disjoint graph (their edges never cross), without padding.
+Proteins of any sizes share a forward pass as one disjoint graph (their edges never cross). When a variant asks
+for few shapes, ``pad`` adds dummy residues and edges among them only, up to bounded node and edge counts, so no
+real residue's messages change; ``split`` drops the dummies.
 e3nn is imported when the first model is built, not with this module: engine/ imports with torch alone.
 """
 from __future__ import annotations
@@ -19,12 +21,22 @@ import torch
 from torch import nn
 
 from engine.workloads.hot_ops import scatter_sum
+from engine.workloads.padding import check_target, padded_count
 
 CUTOFF = 10.0  # Angstrom: residues closer than this exchange messages
 N_TYPES = 20
 HIDDEN = "16x0e + 8x1o + 4x2e"
 OUTPUT = "1x0e + 1x1o"
 SEED = 47
+# ``pad``'s dummy residues lie on the x axis from DUMMY_ORIGIN, DUMMY_SPACING apart: far from any real protein
+# (centred at the origin) and from each other (beyond the cutoff), though only the edges given are ever used
+DUMMY_ORIGIN, DUMMY_SPACING = 1e4, 20.0
+# the grids ``pad`` rounds to (engine/workloads/padding.py): the edges carry the cost (each layer's tensor product
+# and radial MLP run per edge, 7 to 25 of them per residue), so they take the fine grid (under a quarter padding)
+# and the residues the coarse one (powers of two), which keeps the (residues, edges) pairs few: 60 over 3,000
+# simulated batches of the recorded sizes in buckets of up to 16 proteins, where four per octave each gave 111,
+# past what one runner captures (variants.MAX_GRAPHS, 64)
+NODES_PER_OCTAVE, EDGES_PER_OCTAVE = 1, 4
 
 
 @functools.cache
@@ -146,5 +158,38 @@ def collate(requests: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
             "edge_index": torch.cat([r["edge_index"] + o for r, o in zip(requests, offsets)], 1)}
 
 
+def pad(batch: dict[str, torch.Tensor], nodes: int | None = None,
+        edges: int | None = None) -> dict[str, torch.Tensor]:
+    """The collated graph with dummy residues appended up to ``nodes`` and dummy edges up to ``edges`` (defaults:
+    ``padded_count`` of its own counts on NODES_PER_OCTAVE's and EDGES_PER_OCTAVE's grids, with room for two
+    dummies when edges are added).
+
+    A dummy residue is type 0 at DUMMY_ORIGIN + i * DUMMY_SPACING on the x axis; dummy edge j runs from dummy
+    j % k to dummy (j + 1) % k of the k dummies: two distinct residues, since a zero-length edge has no direction
+    and its normalised harmonics would be NaN. Every dummy edge ends at a dummy, so no real residue's sums or
+    neighbour counts change, and the dummies' own outputs are finite and dropped by ``split``."""
+    pos, types, edge_index = batch["pos"], batch["types"], batch["edge_index"]  # [N, 3], [N], [2, E]
+    n, e = pos.shape[0], edge_index.shape[1]
+    edges = padded_count(e, EDGES_PER_OCTAVE) if edges is None else edges
+    check_target("edges", e, edges)
+    if nodes is None:
+        nodes = padded_count(n + 2 if edges > e else n, NODES_PER_OCTAVE)
+    check_target("residues", n, nodes)
+    k = nodes - n
+    if edges > e and k < 2:
+        raise ValueError(f"padding {e} edges to {edges} needs two dummy residues, but {nodes} residues leave {k}")
+    if k == 0:
+        return batch
+    offsets = torch.arange(k, device=pos.device, dtype=pos.dtype) * DUMMY_SPACING + DUMMY_ORIGIN
+    dummy_pos = torch.zeros(k, 3, device=pos.device, dtype=pos.dtype)
+    dummy_pos[:, 0] = offsets
+    j = torch.arange(edges - e, device=edge_index.device, dtype=edge_index.dtype)
+    dummy_edges = torch.stack([j % k, (j + 1) % k]) + n
+    return {"pos": torch.cat([pos, dummy_pos]), "types": torch.cat([types, types.new_zeros(k)]),
+            "edge_index": torch.cat([edge_index, dummy_edges], 1)}
+
+
 def split(out: torch.Tensor, requests: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-    return list(out.split([r["pos"].shape[0] for r in requests]))
+    """Each request's outputs [its residues, 4]; rows past the requests' own (``pad``'s dummies) are dropped."""
+    sizes = [r["pos"].shape[0] for r in requests]
+    return list(out[:sum(sizes)].split(sizes))

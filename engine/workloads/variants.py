@@ -57,8 +57,8 @@ class WorkloadVariant:
     hot_ops: str = _f(FORWARD, "torch")
     max_batch: int | None = _f(SCHEDULER, None)  # most requests per forward pass; None: the workload's policy
     # batch buckets: a group of n requests runs padded up to the smallest bucket >= n (the padding repeats its
-    # last request, whose copies' outputs are dropped), so compiled and captured forms see few batch shapes;
-    # empty: every group runs at its own size
+    # last request, whose copies' outputs are dropped), and a concat workload's rows are padded by its ``pad``
+    # hook, so compiled and captured forms see few batch shapes; empty: every group runs at its own size
     bucket_sizes: tuple[int, ...] = _f(SCHEDULER, ())
 
     def __post_init__(self) -> None:
@@ -347,6 +347,8 @@ class WorkloadRunner:
             group = [requests[i].tensors for i in idx]
             padded = group + [group[-1]] * (self._bucket(len(group)) - len(group))
             batch = self.workload.collate(padded)
+            if variant.bucket_sizes and self.workload.pad is not None:  # concatenated rows to few counts too
+                batch = self.workload.pad(batch)
             if variant.channels_last:
                 batch = {k: v.contiguous(memory_format=torch.channels_last) if v.dim() == 4 else v
                          for k, v in batch.items()}

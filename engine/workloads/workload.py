@@ -7,8 +7,10 @@ without changing any real output:
 
 - ``same_size``: only requests of equal size stack along a new batch axis (an FNO's FFT and a weather model's
   grid-to-mesh graph depend on the resolution, so a padded grid would change every output);
-- ``concat``: requests of any size join along the node or channel axis with no padding at all (protein graphs
-  are disjoint, a channel-independent forecaster never mixes series).
+- ``concat``: requests of any size join along the node or channel axis (protein graphs are disjoint, a
+  channel-independent forecaster never mixes series). The joined rows follow the requests' sizes, so a variant
+  that asks for few shapes (batch buckets) also has the workload's ``pad`` round them up to a bounded set
+  (engine/workloads/padding.py) with rows that touch no real one, and ``split`` drops them.
 
 The registry ``WORKLOADS`` holds the four models; ``get_workload`` names the known ones when asked for another.
 """
@@ -76,6 +78,9 @@ class Workload:
     image_input: bool = False  # its inputs are [B, C, H, W] images, which a channels-last layout applies to
     # the hot ops its forward calls (engine/workloads/hot_ops.py OPS), which a variant may run as Triton kernels
     hot_ops: tuple[str, ...] = ()
+    # concat only: the collated batch -> the same padded along its concat axes to ``padded_count`` rows, no real
+    # output changed (the runner applies it when the variant has batch buckets); None: shapes follow the data
+    pad: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.hot_ops) - set(OPS))
@@ -85,6 +90,8 @@ class Workload:
             raise ValueError(f"{self.name}: size_levels must be a non-empty ascending tuple")
         if self.size_levels[0] < self.min_size or self.size_levels[-1] > self.max_size:
             raise ValueError(f"{self.name}: size_levels {self.size_levels} outside [{self.min_size}, {self.max_size}]")
+        if self.pad is not None and self.batch.grouping != "concat":
+            raise ValueError(f"{self.name}: a pad hook pads concatenated rows; a {self.batch.grouping} batch has none")
 
     @property
     def default_size(self) -> int:
@@ -133,12 +140,12 @@ WORKLOADS: dict[str, Workload] = {
         protein_e3nn.build, protein_e3nn.make_request, protein_e3nn.collate, protein_e3nn.split,
         BatchPolicy(8, "concat"),
         "e3nn (the maintained library of O(3)-equivariant tensor products, behind NequIP/MACE-style models)",
-        hot_ops=(SCATTER_SUM,)),
+        hot_ops=(SCATTER_SUM,), pad=protein_e3nn.pad),
     "patchtst": Workload(
         "patchtst", "time-series", "series (channels) forecast together", (1, 3, 7, 12, 21), 1, 512,
         patchtst.build, patchtst.make_request, patchtst.collate, patchtst.split, BatchPolicy(16, "concat"),
         "plain torch, shaped like PatchTST (patching, channel independence, RevIN, flatten head): neuralforecast "
-        "wraps it in a training framework (pytorch-lightning, ray) that serving does not need"),
+        "wraps it in a training framework (pytorch-lightning, ray) that serving does not need", pad=patchtst.pad),
 }
 
 
