@@ -18,7 +18,7 @@ from bench.gpu.moe import moe_decode
 from bench.gpu.precision.kv_fp8 import fp8_kv_cache
 from bench.gpu.precision.prefill import (decode_attention_kernels, prefill_attention_kernels, w8a8_checks,
                                         w8a8_prefill, w8a8_projections, w8a8_quant_passes, w8a8_served,
-                                        w8a8_ttft)
+                                        w8a8_host_cost, w8a8_ttft)
 from bench.gpu.precision.weights import gemv_bandwidth_by_precision, llama8b_precision, quantized_kernel_checks
 from bench.gpu.precision.serve import activation_quant_checks, served_decode_by_precision
 from bench.gpu.precision.step import decode_forms_by_precision, projections_alone
@@ -29,7 +29,7 @@ from bench.lib.tiles import tiles_kept
 from engine.config.presets import preset_variant
 
 SECTIONS = ("attention", "gemv", "decode", "throughput", "swap", "moe", "experts", "precision", "precision-step",
-            "kv-fp8", "precision-serve", "qmma", "w8a8", "w8a8-ttft")  # --only
+            "kv-fp8", "precision-serve", "qmma", "w8a8", "w8a8-ttft", "w8a8-host")  # --only
 
 
 def add_cli_args(ap: argparse.ArgumentParser) -> None:
@@ -120,6 +120,8 @@ def _sections(args: argparse.Namespace) -> None:
         decode_attention_kernels()
         if not args.w8a8_no_projections:
             w8a8_projections()
+    if want("w8a8-host"):
+        w8a8_host_cost()
     if want("decode") or want("moe"):
         l2_survival()
     if not (ok and ok2):

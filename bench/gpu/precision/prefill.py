@@ -343,3 +343,39 @@ def w8a8_ttft(m: Llama8B, lengths=(128, 512, 1024, 2048), reps: int = 5) -> None
         row(f"8B TTFT of one {n}-token prompt", f"bf16 {b:.2f} ms, fp8 {f:.2f} ms: fp8 {b / f:.2f}x")
     eng.apply_variant(base)
     eng.block_manager.reset_prefix_cache()
+
+
+@section
+def w8a8_host_cost(rows=(16, 1024), calls: int = 300) -> None:
+    """Host time per call of each launch of a W8A8 projection against bf16's (o_proj's shape, 4,096 x 4,096): the
+    seconds ``calls`` back-to-back calls take to enqueue, over ``calls`` (at 16 rows the GPU finishes each call
+    before the next is issued, so the host bounds the rate), beside each call's GPU time. A prefill of a thousand
+    tokens whose host cost per layer exceeds its GPU time runs at the host's pace."""
+    from kernels.linear import w8a8_triton as wt
+    from kernels.linear.quant import quantize
+    from kernels.linear.w8a8 import fp8_rows_mm
+    from kernels.pointwise.norm_triton import fused_add_rms_norm_triton
+
+    torch.manual_seed(13)
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
+    qw = quantize(w, "fp8")
+    nw = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+    for t in rows:
+        x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
+        r = torch.randn_like(x)
+        q, s = wt.quantize_rows_e4m3(x)
+        forms = {"bf16 F.linear": lambda: F.linear(x, w), "torch._scaled_mm row-wise": lambda: fp8_rows_mm(q, s, qw),
+                 "rows' codes (Triton, one launch)": lambda: wt.quantize_rows_e4m3(x),
+                 "add + RMSNorm + codes (Triton)": lambda: wt.add_rms_norm_fp8(x, r, nw, 1e-5),
+                 "add + RMSNorm bf16 (Triton)": lambda: fused_add_rms_norm_triton(x, r, nw, 1e-5),
+                 "linear_w8a8 (codes + _scaled_mm)": lambda: wt.linear_w8a8(x, qw)}
+        for label, fn in forms.items():
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            host = (time.perf_counter() - start) / calls
+            torch.cuda.synchronize()
+            row(f"host per call, {t} rows, {label}", f"{host * 1e6:.1f} us host; {timed(fn) * 1e6:.1f} us GPU")
