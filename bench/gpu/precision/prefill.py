@@ -349,11 +349,12 @@ def w8a8_ttft(m: Llama8B, lengths=(128, 512, 1024, 2048), reps: int = 5) -> None
 def w8a8_host_cost(rows=(16, 1024), calls: int = 300) -> None:
     """Host time per call of each launch of a W8A8 projection against bf16's (o_proj's shape, 4,096 x 4,096): the
     seconds ``calls`` back-to-back calls take to enqueue, over ``calls`` (at 16 rows the GPU finishes each call
-    before the next is issued, so the host bounds the rate), beside each call's GPU time. A prefill of a thousand
-    tokens whose host cost per layer exceeds its GPU time runs at the host's pace."""
+    before the next is issued, so the host bounds the rate), beside each call's GPU time. A prefill chunk (512 rows
+    in static-best) whose host cost per layer exceeds its GPU time runs at the host's pace."""
     from kernels.linear import w8a8_triton as wt
     from kernels.linear.quant import quantize
     from kernels.linear.w8a8 import fp8_rows_mm
+    from engine.model.precision import w8a8_device
     from kernels.pointwise.norm_triton import fused_add_rms_norm_triton
 
     torch.manual_seed(13)
@@ -368,7 +369,8 @@ def w8a8_host_cost(rows=(16, 1024), calls: int = 300) -> None:
                  "rows' codes (Triton, one launch)": lambda: wt.quantize_rows_e4m3(x),
                  "add + RMSNorm + codes (Triton)": lambda: wt.add_rms_norm_fp8(x, r, nw, 1e-5),
                  "add + RMSNorm bf16 (Triton)": lambda: fused_add_rms_norm_triton(x, r, nw, 1e-5),
-                 "linear_w8a8 (codes + _scaled_mm)": lambda: wt.linear_w8a8(x, qw)}
+                 "linear_w8a8 (codes + _scaled_mm)": lambda: wt.linear_w8a8(x, qw),
+                 "the W8A8 path's device check (per projection)": lambda: w8a8_device(x)}
         for label, fn in forms.items():
             for _ in range(5):
                 fn()
