@@ -17,6 +17,7 @@ The Triton matrix-vector kernel (kernels/linear/linear_triton.py) reads ``q`` an
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -72,8 +73,14 @@ def quantize(weight: torch.Tensor, kind: str, keep_dequantized: bool = False) ->
 
 
 def fp8_gemm_supported(device: torch.device) -> bool:
-    """Whether ``device`` has FP8 tensor cores (Ada, Hopper and later)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    """Whether ``device`` has FP8 tensor cores (Ada, Hopper and later). Asked per projection of a step, so the
+    answer is kept per device: the capability query costs microseconds of host time a call."""
+    return device.type == "cuda" and _fp8_capable(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _fp8_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
