@@ -4,7 +4,8 @@ FP8 path (the codes made by the producing kernel, by a one-launch pass after it,
 ``torch._scaled_mm`` on codes made beforehand: the ceiling) against cuBLAS bf16 after the same bf16 producer; the
 8B's prefill of 8 x 2,048 tokens in 8,192-token steps in bf16, FP8 without and with W8A8, where each step's time
 goes and the last position's logits against bf16's; decode steps at 1, 32 and 64 sequences, static-best bf16
-against its FP8 form as the tuner proposes it."""
+against its FP8 form as the tuner proposes it; the TTFT of one prompt alone per length in both forms
+(``w8a8-ttft``); the host time per call of each W8A8 launch against bf16's (``w8a8-host``)."""
 from __future__ import annotations
 
 import dataclasses
