@@ -4,6 +4,7 @@ figures per arm. The bridge between the search and the judge, so the judge impor
 from __future__ import annotations
 
 import math
+import statistics
 
 from engine.config.variant import VariantSpec
 from ops.judge import rule as judge
@@ -48,11 +49,19 @@ def judge_search(search, jcfg: JudgeConfig | None = None, excluded: dict[str, st
                      search.cfg.max_output, jcfg, log=search.log)
     search.log(f"judge: static-best against {', '.join(v.name for _, v in picked) or 'no candidate'} in lockstep, "
                f"budget {jcfg.seconds:.0f} s")
+    calibrated_on = {a.variant.variant_id: len(a.samples) for a in arms}  # the slow tier's steps, before any probe
     j, caps = run_judgement(pj, arms[0], arms[1:], latencies)
     j.notes = notes + j.notes
     from ops.search.worker import calibration_from
 
     errs = []
+    for a in arms:
+        n0 = calibrated_on[a.variant.variant_id]
+        drift = step_drift(search.model_spec, search.hardware, a.samples[:n0], a.samples[n0:])
+        if drift is not None:
+            j.arms[a.variant.variant_id]["step_drift_on_probes"] = drift
+            search.log(f"judge: {a.variant.name}: the probes' steps took {drift:.2f}x the time the slow tier's "
+                       "calibration predicts for them (the median over runs of four steps)")
     for a in arms:  # the simulator's volume beside the measured figures, calibrated on each arm's own steps
         cal = calibration_from(search.model_spec, search.hardware, a.samples)
         if cal is None:
@@ -68,6 +77,23 @@ def judge_search(search, jcfg: JudgeConfig | None = None, excluded: dict[str, st
                       [r.id for r, _ in [base] + picked])
     search.log("judge: " + j.headline())
     return j
+
+
+def step_drift(model, hw, calibration: list, later: list, window: int = 4) -> float | None:
+    """The median over runs of ``window`` consecutive ``later`` steps of their measured time over the time the cost
+    model calibrated on ``calibration`` (steps as [new tokens, KV tokens, sequences, attended pairs, seconds])
+    predicts for them; None with too few of either. Above 1: the later replays (the judge's probes) ran slower steps
+    than those the simulator's capacity was predicted from, which near the knee of the attainment curve moves the
+    measured capacity well below the predicted one."""
+    from ops.predict.cost_model import StepShape, step_time
+    from ops.search.worker import calibration_from
+
+    cal = calibration_from(model, hw, calibration)
+    steps = [(StepShape(int(a), int(b), int(c), int(d)), t) for a, b, c, d, t in later if t > 0]
+    if cal is None or len(steps) < 2 * window:
+        return None
+    runs = [steps[k:k + window] for k in range(0, len(steps) - window + 1, window)]
+    return statistics.median(sum(t for _, t in r) / sum(step_time(model, hw, s, cal) for s, _ in r) for r in runs)
 
 
 def simulated_figures(search, v: VariantSpec, cal, n: int) -> dict:

@@ -140,3 +140,26 @@ def test_calibration_over_windows_survives_steps_a_call_early():
     shifted = [(s, t) for s, t in zip(shapes, times[1:] + [times[0]])]  # each time reported one step early
     assert calibrate(SPEC, HW, shifted, window=8).fit_mape < 0.05
     assert calibrate(SPEC, HW, shifted, window=8).mem == pytest.approx(1.2, rel=0.25)
+
+
+def test_step_drift_measures_later_steps_against_the_calibration():
+    from ops.search.judge_search import step_drift
+
+    rng = random.Random(5)
+    truth = Calibration(mem=1.4, compute=0.7, launch=20.0, per_seq_s=3e-4, fitted=True)
+
+    def steps(n, factor):
+        out = []
+        for _ in range(n):
+            s = (StepShape.prefill(rng.randint(16, 512)) if rng.random() < 0.3
+                 else StepShape.decode(rng.randint(1, 16), rng.randint(16, 512)))
+            t = step_time(SPEC, HW, s, truth) * factor * (1 + rng.uniform(-0.01, 0.01))
+            out.append([s.new_tokens, s.kv_tokens, s.seqs, s.attn_pairs, t])
+        return out
+
+    calibration = steps(60, 1.0)
+    assert step_drift(SPEC, HW, calibration, steps(40, 1.0)) == pytest.approx(1.0, abs=0.03)
+    # later steps 30% slower than those the calibration saw (another load, a busier host): the drift says so
+    assert step_drift(SPEC, HW, calibration, steps(40, 1.3)) == pytest.approx(1.3, abs=0.04)
+    assert step_drift(SPEC, HW, calibration, steps(7, 1.3)) is None  # fewer than two runs of four steps
+    assert step_drift(SPEC, HW, calibration[:5], steps(40, 1.0)) is None  # too few steps to calibrate on
