@@ -122,7 +122,7 @@ def _tile_order(meta: AttentionMetadata, block_m: int, dev: torch.device):
     """The step's query tiles of ``block_m`` rows, those with the most keys first (the last tiles of the longest
     contexts, so the short ones fill the tail): their count and each one's sequence and first row on the device,
     made once per step for all its layers, in one copy that does not wait for the stream."""
-    key = ("prefill_tiles", block_m, str(dev))
+    key = ("prefill_tiles", block_m)  # a step's metadata serves one device
     if key not in meta.derived:
         qsl = meta.query_start_loc
         tiles = sorted(((meta.context_lens[i] - (qsl[i + 1] - qsl[i]) + m0, i, m0)

@@ -55,14 +55,13 @@ def judge_search(search, jcfg: JudgeConfig | None = None, excluded: dict[str, st
     from ops.search.worker import calibration_from
 
     errs = []
-    for a in arms:
+    for a in arms:  # the simulator's volume beside the measured figures, calibrated on each arm's own steps
         n0 = calibrated_on[a.variant.variant_id]
         drift = step_drift(search.model_spec, search.hardware, a.samples[:n0], a.samples[n0:])
         if drift is not None:
             j.arms[a.variant.variant_id]["step_drift_on_probes"] = drift
             search.log(f"judge: {a.variant.name}: the probes' steps took {drift:.2f}x the time the slow tier's "
                        "calibration predicts for them (the median over runs of four steps)")
-    for a in arms:  # the simulator's volume beside the measured figures, calibrated on each arm's own steps
         cal = calibration_from(search.model_spec, search.hardware, a.samples)
         if cal is None:
             continue
@@ -85,11 +84,11 @@ def step_drift(model, hw, calibration: list, later: list, window: int = 4) -> fl
     predicts for them; None with too few of either. Above 1: the later replays (the judge's probes) ran slower steps
     than those the simulator's capacity was predicted from, which near the knee of the attainment curve moves the
     measured capacity well below the predicted one."""
-    from ops.predict.cost_model import StepShape, step_time
-    from ops.search.worker import calibration_from
+    from ops.predict.cost_model import step_time
+    from ops.search.worker import calibration_from, step_shapes
 
     cal = calibration_from(model, hw, calibration)
-    steps = [(StepShape(int(a), int(b), int(c), int(d)), t) for a, b, c, d, t in later if t > 0]
+    steps = step_shapes(later)
     if cal is None or len(steps) < 2 * window:
         return None
     runs = [steps[k:k + window] for k in range(0, len(steps) - window + 1, window)]

@@ -272,12 +272,18 @@ def _summary(r: dict) -> str:
     return f"{r.get('output_tok_s', 0.0):.1f} decode tok/s"
 
 
+def step_shapes(samples: list) -> list:
+    """A replay's step samples ([new tokens, KV tokens, sequences, attended pairs, seconds]) as (StepShape, seconds),
+    those of no measured time left out."""
+    from ops.predict.cost_model import StepShape
+
+    return [(StepShape(int(a), int(b), int(c), int(d)), t) for a, b, c, d, t in samples if t > 0]
+
+
 def calibration_from(model, hw, samples: list) -> Calibration | None:
     """The cost model fitted to a replay's own steps (sums over four steps: an engine that runs a step ahead
     spends one step's time in the call before), or None with too few of them."""
-    from ops.predict.cost_model import StepShape
-
-    shapes = [(StepShape(int(a), int(b), int(c), int(d)), t) for a, b, c, d, t in samples if t > 0]
+    shapes = step_shapes(samples)
     if len(shapes) < 8:
         return None
     return calibrate(model, hw, shapes, window=4)
