@@ -183,3 +183,27 @@ def test_a_prediction_too_slow_for_the_budget_is_probed_at_the_slowest_affordabl
         cap = caps[a.variant.variant_id]
         assert cap.requests >= 20 and cap.censored == "below" and len(cap.probes) >= 2
         assert cap.estimate == pytest.approx(min(p.rate for p in cap.probes))
+
+
+def test_the_judgement_says_whether_each_prediction_falls_inside_its_measured_interval(monkeypatch):
+    """The simulator's point error beside the fairer test on a host whose measured capacity is wide: whether
+    each arm's predicted capacity lies inside that arm's measured 95% interval (censored arms left out)."""
+    from ops.judge.paired import run_judgement
+    from ops.measure.capacity import Capacity
+    from ops.measure.tiers import SLO
+    from ops.traffic.traces import load_trace
+
+    base = VariantSpec(name="static-best")
+    other = dataclasses.replace(base, name="other", max_num_seqs=2 * base.max_num_seqs)
+    third = dataclasses.replace(base, name="third", max_num_seqs=3 * base.max_num_seqs)
+    arms = [ArmRun(base, saturation=5.0, predicted=2.5), ArmRun(other, saturation=5.0, predicted=4.0),
+            ArmRun(third, saturation=5.0, predicted=1.0)]
+    measured = {base.variant_id: Capacity(2.0, 1.5, 2.8), other.variant_id: Capacity(2.2, 1.9, 2.6),
+                third.variant_id: Capacity(0.5, 0.0, 0.5, censored="below")}
+    pj = PairedJudge(lambda v: None, lambda recs, seed: [], Windows(load_trace(str(TRACE))),
+                     SLO(ttft_s=0.5, tpot_s=0.1), 8, JudgeConfig.for_cpu(first_look=20, cap=60))
+    monkeypatch.setattr(pj, "measure_saturation", lambda a: 0)
+    monkeypatch.setattr(pj, "search", lambda a, err=None: measured)
+    j, _ = run_judgement(pj, arms[0], arms[1:], {})
+    assert j.kept and j.simulator_error == pytest.approx(max(0.5 / 2.0, 1.8 / 2.2))
+    assert "the simulator's capacity falls inside the measured 95% interval for 1 of 2 arms" in j.notes
