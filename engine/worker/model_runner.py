@@ -1,6 +1,7 @@
 """One forward pass of the scheduled batch: pack inputs, run the model with the active ops, pick logits."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.config.model_config import ModelConfig
@@ -90,11 +91,7 @@ class ModelRunner:
         whose value is not known on the host yet (the returned ids are then placeholders)."""
         bs = self.kv.block_size
         ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        ctx_lens: list[int] = []
-        qsl = [0]
-        logits_idx: list[int] = []
+        starts, counts, ctx_lens, qsl, logits_idx = [], [], [], [0], []
         for item in batch.scheduled:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens + int(ahead)
@@ -105,15 +102,19 @@ class ModelRunner:
                 ids.extend(item.draft)
             else:
                 ids.extend(seq.token_ids[start : start + n])
-            for p in range(start, start + n):
-                pos.append(p)
-                slots.append(seq.block_table[p // bs] * bs + p % bs)
+            starts.append(start)
+            counts.append(n)
             ctx_lens.append(start + n)
             qsl.append(qsl[-1] + n)
             if item.samples:  # the last position; with a draft, every position
                 logits_idx.extend(range(qsl[-1] - 1 - len(item.draft), qsl[-1]))
         width = max(len(item.seq.block_table) for item in batch.scheduled)
         tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch.scheduled]
+        # each token's position and KV slot in array operations (a prefill step packs thousands of tokens)
+        row = np.repeat(np.arange(len(counts)), counts)
+        pos = np.repeat(np.asarray(starts, dtype=np.int64) - np.asarray(qsl[:-1], dtype=np.int64), counts) \
+            + np.arange(qsl[-1], dtype=np.int64)
+        slots = np.asarray(tables, dtype=np.int64)[row, pos // bs] * bs + pos % bs
         dev = self.device
         attn = AttentionMetadata.build(
             device_ints(slots, torch.int64, dev), device_ints(tables, torch.int32, dev), ctx_lens, qsl, dev,
