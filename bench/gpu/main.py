@@ -120,8 +120,9 @@ def _sections(args: argparse.Namespace) -> None:
         decode_attention_kernels()
         if not args.w8a8_no_projections:
             w8a8_projections()
-    if want("w8a8-host"):
+    if want("w8a8-host"):  # no model load: the host's cost per launch, then the codes' kernels and their tiles
         w8a8_host_cost()
+        w8a8_quant_passes()
     if want("decode") or want("moe"):
         l2_survival()
     if not (ok and ok2):

@@ -127,7 +127,7 @@ def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch
     return q, s, summed
 
 
-def _quant_rows(x: torch.Tensor, width: int, act: int, block: int, one_pass: bool | None
+def _quant_rows(x: torch.Tensor, width: int, act: int, block: int, one_pass: bool | None, warps: int | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     t = x.shape[0]
     q = torch.empty(t, width, device=x.device, dtype=torch.float8_e4m3fn)
@@ -138,29 +138,30 @@ def _quant_rows(x: torch.Tensor, width: int, act: int, block: int, one_pass: boo
         if row > MAX_ONE_PASS:
             raise ValueError(f"rows of {width} exceed the {MAX_ONE_PASS} one pass holds in registers")
         _quant_row_kernel[(t,)](x, q, s, x.stride(0), q.stride(0), width=width, FP8_MAX=FP8_MAX, ACT=act, BLOCK=row,
-                                num_warps=max(4, min(16, row // 512)))
+                                num_warps=warps or max(4, min(16, row // 512)))
     elif t:
         block = min(block, row)
         _quant_rows_kernel[(t,)](x, q, s, x.stride(0), q.stride(0), width=width, FP8_MAX=FP8_MAX, ACT=act, BLOCK=block,
-                                 num_warps=4 if block <= 1024 else 8)
+                                 num_warps=warps or (4 if block <= 1024 else 8))
     return q, s
 
 
-def silu_and_mul_fp8(x: torch.Tensor, block: int = 2048, one_pass: bool | None = None
+def silu_and_mul_fp8(x: torch.Tensor, block: int = 2048, one_pass: bool | None = None, warps: int | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """x: (T, 2I) holding [gate | up] -> (e4m3 codes of silu(gate) * up (T, I), float32 scales (T, 1)).
-    ``one_pass``: the whole row in registers (default: where it fits, MAX_ONE_PASS), else two passes of ``block``."""
+    ``one_pass``: the whole row in registers (default: where it fits, MAX_ONE_PASS), else two passes of ``block``;
+    ``warps``: a program's warps (default: by the row's width)."""
     x = _rows2d("silu_and_mul_fp8", x)
     if x.shape[1] % 2:
         raise ValueError(f"silu_and_mul_fp8 takes [gate | up] rows of even width, got {x.shape[1]}")
-    return _quant_rows(x, x.shape[1] // 2, 1, block, one_pass)
+    return _quant_rows(x, x.shape[1] // 2, 1, block, one_pass, warps)
 
 
-def quantize_rows_e4m3(x: torch.Tensor, block: int = 2048, one_pass: bool | None = None
+def quantize_rows_e4m3(x: torch.Tensor, block: int = 2048, one_pass: bool | None = None, warps: int | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """x: (T, K) -> (e4m3 codes (T, K), float32 scales (T, 1)): kernels.linear.quant.quantize_rows in one launch."""
     x = _rows2d("quantize_rows_e4m3", x)
-    return _quant_rows(x, x.shape[1], 0, block, one_pass)
+    return _quant_rows(x, x.shape[1], 0, block, one_pass, warps)
 
 
 def norm_linear_w8a8(x, residual, norm_weight, eps, weight: QuantizedWeight, bias=None):

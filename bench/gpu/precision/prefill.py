@@ -201,6 +201,24 @@ def w8a8_quant_passes(t: int = 8192, width: int = 14336) -> None:
         row(f"W8A8 codes, {label}, {t} x {x.shape[1]} bf16: one pass / two passes",
             f"{'OK' if same else 'ERROR (codes differ)'}: {one * 1e6:.0f} / {two * 1e6:.0f} us = {two / one:.2f}x; "
             f"one pass {nbytes / one / 1e9:,.0f} GB/s")
+        forms = {f"one pass, {w} warps": dict(one_pass=True, warps=w) for w in (4, 8, 16, 32)}
+        forms.update({f"two passes of {b}, {w} warps": dict(one_pass=False, block=b, warps=w)
+                      for b in (1024, 2048, 4096) for w in (4, 8)})
+        for name, kw in forms.items():  # the tile sweep: each form's codes equal the default's
+            try:
+                q, s = fn(x, **kw)
+                ok = torch.equal(q.float(), q1.float()) and torch.equal(s, s1)
+                sec = timed(lambda: fn(x, **kw))
+                row(f"W8A8 codes, {label}, {t} x {x.shape[1]}, {name}",
+                    f"{'OK' if ok else 'ERROR (codes differ)'}: {sec * 1e6:.0f} us, {nbytes / sec / 1e9:,.0f} GB/s")
+            except Exception as e:  # a form the compiler cannot fit (registers, shared memory) is a row, not a stop
+                row(f"W8A8 codes, {label}, {t} x {x.shape[1]}, {name}", f"FAILED {type(e).__name__}: {str(e)[:120]}")
+    from kernels.pointwise.activation_triton import silu_and_mul_triton
+
+    x = torch.randn(t, 2 * width, device="cuda", dtype=torch.bfloat16)
+    sec = timed(lambda: silu_and_mul_triton(x))
+    row(f"bf16 SiLU-and-multiply (the bf16 step's kernel), {t} x {2 * width}",
+        f"{sec * 1e6:.0f} us, {(x.numel() * 3 // 2) * 2 / sec / 1e9:,.0f} GB/s")
 
 
 @section
