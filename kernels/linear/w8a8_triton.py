@@ -138,7 +138,7 @@ def _quant_rows(x: torch.Tensor, width: int, act: int, block: int, one_pass: boo
         if row > MAX_ONE_PASS:
             raise ValueError(f"rows of {width} exceed the {MAX_ONE_PASS} one pass holds in registers")
         _quant_row_kernel[(t,)](x, q, s, x.stride(0), q.stride(0), width=width, FP8_MAX=FP8_MAX, ACT=act, BLOCK=row,
-                                num_warps=warps or max(4, min(16, row // 512)))
+                                num_warps=warps or max(4, min(32, row // 512)))
     elif t:
         block = min(block, row)
         _quant_rows_kernel[(t,)](x, q, s, x.stride(0), q.stride(0), width=width, FP8_MAX=FP8_MAX, ACT=act, BLOCK=block,
