@@ -10,8 +10,8 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
-from array import array
 import os
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 

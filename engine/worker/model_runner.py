@@ -109,12 +109,13 @@ class ModelRunner:
             if item.samples:  # the last position; with a draft, every position
                 logits_idx.extend(range(qsl[-1] - 1 - len(item.draft), qsl[-1]))
         width = max(len(item.seq.block_table) for item in batch.scheduled)
-        tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch.scheduled]
+        tables = np.asarray([item.seq.block_table + [0] * (width - len(item.seq.block_table))
+                             for item in batch.scheduled], dtype=np.int32)
         # each token's position and KV slot in array operations (a prefill step packs thousands of tokens)
         row = np.repeat(np.arange(len(counts)), counts)
         pos = np.repeat(np.asarray(starts, dtype=np.int64) - np.asarray(qsl[:-1], dtype=np.int64), counts) \
             + np.arange(qsl[-1], dtype=np.int64)
-        slots = np.asarray(tables, dtype=np.int64)[row, pos // bs] * bs + pos % bs
+        slots = tables[row, pos // bs].astype(np.int64) * bs + pos % bs
         dev = self.device
         attn = AttentionMetadata.build(
             device_ints(slots, torch.int64, dev), device_ints(tables, torch.int32, dev), ctx_lens, qsl, dev,

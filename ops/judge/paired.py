@@ -276,12 +276,11 @@ def run_judgement(pj: PairedJudge, base: ArmRun, cands: list[ArmRun], latencies:
         return judge.Arm(a.variant.variant_id, a.variant.name, caps[a.variant.variant_id], a.saturation, ttft, tpot,
                          a.predicted, list(a.rounds))
     j = judge.decide(arm(base), [arm(c) for c in cands], allow_trade=pj.cfg.allow_trade)
-    errs = [abs(a.predicted - caps[a.variant.variant_id].estimate) / caps[a.variant.variant_id].estimate
-            for a in arms if a.predicted > 0 and not caps[a.variant.variant_id].censored
-            and caps[a.variant.variant_id].estimate > 0]
+    predicted = [(a.predicted, caps[a.variant.variant_id]) for a in arms
+                 if a.predicted > 0 and not caps[a.variant.variant_id].censored]
+    errs = [abs(p - c.estimate) / c.estimate for p, c in predicted if c.estimate > 0]
     j.simulator_error = max(errs) if errs else math.nan
-    inside = [caps[a.variant.variant_id].low <= a.predicted <= caps[a.variant.variant_id].high for a in arms
-              if a.predicted > 0 and not caps[a.variant.variant_id].censored]
+    inside = [c.low <= p <= c.high for p, c in predicted]
     if inside:  # where the measurement itself is wide (a small host), the fairer test of the simulator
         j.notes.append(f"the simulator's capacity falls inside the measured 95% interval for {sum(inside)} of "
                        f"{len(inside)} arms")
