@@ -9,7 +9,8 @@ Capacity is the highest request rate at which at least 90% of requests meet thei
   generator lagged behind the schedule, which says nothing about the engine).
 - **The search** (``search_capacity``) starts from the measured saturation throughput (or a prediction
   below it), doubles or halves until a fitted pass and a fitted fail bracket the capacity, and bisects to a
-  bracket of 10%; a baseline that fails even where requests run alone is reported as "capacity below X".
+  bracket of 10%; an end of the bracket that no probe decided gets a probe beyond it; a baseline that fails
+  even where requests run alone is reported as "capacity below X".
 - **The capacity** (``capacity_of``) is where one monotone (non-increasing) attainment curve, fitted over
   every probe, crosses the target; its 95% interval comes from a block bootstrap over each probe's requests,
   each replicate placing the crossing anywhere inside its bracket (a capacity is only known to lie between
@@ -322,7 +323,7 @@ class Searcher:
 
     From ``start`` (the measured saturation throughput, or a prediction below it) the rate is multiplied or
     divided by ``step`` until the fitted curve has a pass and a fail, then bisected (geometrically) until their
-    ratio is at most ``resolution``. ``floor``: the rate below which requests no longer overlap (no lower rate
+    ratio is at most ``resolution`` (then ``_settle`` probes beyond an undecided end). ``floor``: the rate below which requests no longer overlap (no lower rate
     can do better): failing there, the capacity is censored below it. ``ceiling``: the rate at which the window
     arrives at once: passing there, censored above. A void probe (the load generator lagged) is repeated once;
     ``max_probes`` spent ends the search "undecided" unless it has converged."""
@@ -352,7 +353,7 @@ class Searcher:
         if lo > 0 and hi < math.inf:
             if hi / lo <= self.resolution * (1 + 1e-9):
                 self.status = "converged"
-                return None
+                return self._settle(counted, lo, hi)
             rate = math.sqrt(lo * hi)
         elif lo == 0.0:  # every rate so far failed: lower, down to where requests run alone
             lowest = min(q.rate for q in counted)
@@ -371,6 +372,22 @@ class Searcher:
         if any(abs(q.rate - rate) <= 1e-9 * rate for q in counted):
             return None  # nothing new to probe
         return rate
+
+    def _settle(self, counted: list[Probe], lo: float, hi: float) -> float | None:
+        """Once bracketed: a probe beyond an end of the bracket that no probe decided (no pass at or below ``lo``,
+        no fail at or above ``hi``), a step of ``resolution`` squared past the farthest probe on that side, so
+        that the capacity's interval gets a bound there instead of one drawn to either side; None when both ends
+        are decided or the floor or ceiling stops it."""
+        tol = 1 + 1e-9
+        if not any(q.verdict == "pass" and q.rate <= lo * tol for q in counted):
+            rate = max(min(q.rate for q in counted) / self.resolution ** 2, self.floor)
+            if rate * tol < min(q.rate for q in counted):
+                return rate
+        if not any(q.verdict == "fail" and q.rate * tol >= hi for q in counted):
+            rate = min(max(q.rate for q in counted) * self.resolution ** 2, self.ceiling)
+            if rate > max(q.rate for q in counted) * tol:
+                return rate
+        return None
 
     def censored_below(self) -> float | None:
         """The lowest rate probed when every counted probe failed (the capacity censored below it), else None."""

@@ -9,7 +9,7 @@ import pytest
 
 from ops.measure.capacity import (Capacity, Probe, Searcher, capacity_of, fit, looks, newcombe, outcome,
                                   search_capacity, sequential_stop, wilson)
-from ops.judge.rule import Arm, compare, confirm, decide, holm, verify_live
+from ops.judge.rule import Arm, compare, confirm, decide, holm, ratio_interval, verify_live
 
 
 def test_wilson_and_newcombe_match_published_values():
@@ -122,6 +122,44 @@ def test_a_search_censored_at_a_raised_floor_reopens_lower_and_brackets_the_capa
     done = Searcher(1.0, floor=1.0)
     done.record(_probe(lambda _: 0.3, 1.0, plan, rng))
     assert done.rate is None and done.censored_below() == 1.0 and not done.reopen(1.0)
+
+
+def _fixed(attain, rate, n=160):
+    """A probe of ``n`` requests whose attainment is exactly attain(rate), the good ones spread evenly."""
+    good = round(attain(rate) * n)
+    outcomes = [int((i + 1) * good // n > i * good // n) for i in range(n)]
+    return Probe(rate=rate, outcomes=outcomes, verdict=outcome(good, n))
+
+
+def test_a_bracket_whose_ends_decided_nothing_is_settled_by_a_probe_beyond_each():
+    """Attainment sits at the target from 3 to 4 req/s and just below it up to 4.8: the bisection brackets the
+    capacity between two undecided probes, which bound nothing (a ratio against it has no lower bound). The
+    search then steps below (and above) until a probe decides, and the ratio gets its lower bound."""
+    def attain(r):
+        return 1.0 if r <= 3.0 else 0.9 if r <= 4.0 else 0.88 if r <= 4.8 else 0.5
+
+    s = Searcher(4.0, resolution=1.1, max_probes=12)
+    bracketed: list[Probe] = []
+    while s.rate is not None:
+        s.record(_fixed(attain, s.rate))
+        if s.status == "converged" and not bracketed:
+            bracketed = list(s.probes)
+    cap = s.capacity()
+    assert cap.status == "converged" and not cap.censored and len(cap.probes) > len(bracketed)
+    lo = max(p.rate for p in bracketed if p.rate <= 4.0)
+    assert [p.verdict for p in bracketed if p.rate <= 4.0] == ["undecided"]  # nothing decided below the bracket
+    extra = cap.probes[len(bracketed):]
+    assert [p.rate for p in extra] == pytest.approx([lo / 1.21, lo / 1.21 ** 2])  # down until a probe passes
+    assert [p.verdict for p in extra] == ["undecided", "pass"]
+    assert 3.0 < cap.estimate < 4.8 and cap.low <= cap.estimate <= cap.high
+    base = capacity_of([_fixed(lambda r: 1.0 if r <= 1.0 else 0.5, r) for r in (0.9, 1.0, 1.1)])
+    assert ratio_interval(capacity_of(bracketed), base)[1] == 0.0  # before: no lower bound
+    assert ratio_interval(cap, base)[1] >= 2.5  # after: the decided pass at 2.73 req/s bounds it
+    # both ends decided already: nothing more to probe
+    done = Searcher(4.0, resolution=1.1, max_probes=12)
+    while done.rate is not None:
+        done.record(_fixed(lambda r: 1.0 if r <= 4.0 else 0.0, done.rate))
+    assert all(p.verdict != "undecided" for p in done.probes) and done.status == "converged"
 
 
 def test_two_censored_capacities_still_report_their_attainments_at_a_shared_rate():
