@@ -84,13 +84,17 @@ def main(args: argparse.Namespace) -> int:
     kw = {k: v for k, v in (("seconds", args.judge_seconds), ("first_look", args.first_look), ("cap", args.cap))
           if v is not None}
     jcfg = JudgeConfig.for_cpu(**kw) if cfg.device == "cpu" else JudgeConfig(**kw)
+    # the steps the prediction was calibrated on (as the main job's judge: the slow tier's and its saturation's)
     arms = [ArmRun(v, predicted=measured[v.variant_id].get("capacity_predicted", 0.0),
-                   samples=list(measured[v.variant_id].get("step_samples", []))) for v in (a, b)]
+                   samples=list(measured[v.variant_id].get("step_samples", []))
+                   + list(measured[v.variant_id].get("saturation_samples", []))) for v in (a, b)]
+    calibrated_on = {arm.variant.variant_id: len(arm.samples) for arm in arms}
     latencies = {k: (d.get("ttfts", []), d.get("tpots", [])) for k, d in measured.items()}
     pj = PairedJudge(lambda v: bench.engine(SLOW, v), bench.prompts_for,
                      Windows(bench.stream, skip=len(bench.records)), cfg.slo, cfg.max_output, jcfg,
                      log=lambda m: print(m, flush=True))
-    j, _ = run_judgement(pj, arms[0], arms[1:], latencies)
+    j, caps = run_judgement(pj, arms[0], arms[1:], latencies)
+    simulator_on_probes(bench, cfg, j, arms, caps, calibrated_on, pj.windows.records)
     print()
     for line in j.lines():
         print(line)
@@ -99,6 +103,37 @@ def main(args: argparse.Namespace) -> int:
         args.out.write_text(json.dumps({"slo": [cfg.slo_ttft_s, cfg.slo_tpot_s], "judgement": j.to_json(),
                                         "config": jcfg.to_json()}, indent=1))
     return 0
+
+
+def simulator_on_probes(bench: Workbench, cfg: SearchConfig, j, arms: list[ArmRun], caps: dict, calibrated_on: dict,
+                        records: list) -> None:
+    """Where the simulator's capacity error comes from, per arm (as the main job's judge reports it,
+    ops/search/judge_search.py): the probes' steps against the time the slow tier's calibration predicts for them
+    (``step_drift``: the step model), and the simulator replaying the judge's own probes with the calibration
+    refitted on every step measured (``on_probes``: the scheduling, with the step model corrected)."""
+    from types import SimpleNamespace
+
+    from ops.search.judge_search import on_probes, step_drift
+    from ops.search.worker import calibration_from
+
+    spec = bench.spec_for(SLOW)
+    for arm in arms:
+        vid, n0 = arm.variant.variant_id, calibrated_on[arm.variant.variant_id]
+        drift = step_drift(spec, bench.hardware, arm.samples[:n0], arm.samples[n0:])
+        cal = calibration_from(spec, bench.hardware, arm.samples)
+        got = on_probes(SimpleNamespace(model_spec=spec, hardware=bench.hardware, cfg=cfg), arm.variant, cal,
+                        caps[vid].probes, records) if cal is not None else {}
+        if drift is not None:
+            got["step_drift_on_probes"] = drift
+        j.arms[vid].update(got)
+        parts = [f"the steps replayed after the calibration took {drift:.2f}x its prediction"] if drift else []
+        if "capacity_on_probes" in got:
+            censored = f" (censored {got['censored_on_probes']})" if got.get("censored_on_probes") else ""
+            parts.append(f"capacity over the simulated probes {got['capacity_on_probes']:.3f} req/s{censored}, "
+                         f"measured {caps[vid].estimate:.3f}; mean attainment error "
+                         f"{got['attainment_error_on_probes']:.2f}")
+        if parts:
+            print(f"simulator on {arm.variant.name}: " + "; ".join(parts), flush=True)
 
 
 if __name__ == "__main__":

@@ -277,7 +277,8 @@ def run_judgement(pj: PairedJudge, base: ArmRun, cands: list[ArmRun], latencies:
                          a.predicted, list(a.rounds))
     j = judge.decide(arm(base), [arm(c) for c in cands], allow_trade=pj.cfg.allow_trade)
     predicted = [(a.predicted, caps[a.variant.variant_id]) for a in arms
-                 if a.predicted > 0 and not caps[a.variant.variant_id].censored]
+                 if a.predicted > 0 and not caps[a.variant.variant_id].censored
+                 and caps[a.variant.variant_id].status != "unmeasured"]
     errs = [abs(p - c.estimate) / c.estimate for p, c in predicted if c.estimate > 0]
     j.simulator_error = max(errs) if errs else math.nan
     inside = [c.low <= p <= c.high for p, c in predicted]

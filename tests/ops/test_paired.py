@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from pathlib import Path
 
@@ -187,7 +188,8 @@ def test_a_prediction_too_slow_for_the_budget_is_probed_at_the_slowest_affordabl
 
 def test_the_judgement_says_whether_each_prediction_falls_inside_its_measured_interval(monkeypatch):
     """The simulator's point error beside the fairer test on a host whose measured capacity is wide: whether
-    each arm's predicted capacity lies inside that arm's measured 95% interval (censored arms left out)."""
+    each arm's predicted capacity lies inside that arm's measured 95% interval (censored and unmeasured arms left
+    out)."""
     from ops.judge.paired import run_judgement
     from ops.measure.capacity import Capacity
     from ops.measure.tiers import SLO
@@ -207,3 +209,7 @@ def test_the_judgement_says_whether_each_prediction_falls_inside_its_measured_in
     j, _ = run_judgement(pj, arms[0], arms[1:], {})
     assert j.kept and j.simulator_error == pytest.approx(max(0.5 / 2.0, 1.8 / 2.2))
     assert "the simulator's capacity falls inside the measured 95% interval for 1 of 2 arms" in j.notes
+    # arms the budget never reached (no estimate, no bound) are neither inside nor outside: no note, no error
+    measured = {v.variant_id: Capacity(0.0, 0.0, math.inf, status="unmeasured") for v in (base, other, third)}
+    j, _ = run_judgement(pj, arms[0], arms[1:], {})
+    assert math.isnan(j.simulator_error) and not any("inside the measured" in n for n in j.notes)
