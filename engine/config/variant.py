@@ -113,6 +113,9 @@ class VariantSpec:
                              "twice the blocks in the same memory")
     cuda_graph_batch_sizes: tuple[int, ...] = _f(FORWARD, (), {"type": "array", "maxItems": 32, "items": {
         "type": "integer", "minimum": 1, "maximum": 1024}}, "decode batch sizes captured as CUDA graphs")
+    prefill_graph_tokens: tuple[int, ...] = _f(FORWARD, (), {"type": "array", "maxItems": 16, "items": {
+        "type": "integer", "minimum": 16, "maximum": 65536}}, "token counts of steps with prefill tokens captured as "
+        "CUDA graphs (a step is padded to the next; dense models)")
     compile_mode: str = _f(FORWARD, "none", {"enum": list(COMPILE_MODES)}, "torch.compile mode (GPU)")
     # kernel choice per operation: a built-in name, or "generated:<module>.<function>"
     kernels: tuple[tuple[str, str], ...] = _f(FORWARD, (), _op_map({"type": "string"}),
@@ -137,20 +140,24 @@ class VariantSpec:
             params = {op: tuple(sorted(dict(p).items())) for op, p in dict(self.kernel_params).items()}
             source = dict(self.generated_source)
             graphs = tuple(sorted(set(self.cuda_graph_batch_sizes)))
+            steps = tuple(sorted(set(self.prefill_graph_tokens)))
         except (TypeError, ValueError) as e:
             raise ConfigError("variant fields kernels, kernel_params (op -> {param: value}) and generated_source "
-                              f"must be objects, cuda_graph_batch_sizes a list of integers: {e}") from None
+                              "must be objects, cuda_graph_batch_sizes and prefill_graph_tokens lists of integers: "
+                              f"{e}") from None
         for what, mapping in (("kernels", kernels), ("generated_source", source)):
             if not all(isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
                 raise ConfigError(f"variant field {what} must map names to strings")
         if not all(isinstance(k, str) for p in params.values() for k, _ in p):
             raise ConfigError("kernel_params' parameter names must be strings")
-        if not all(isinstance(b, int) and not isinstance(b, bool) for b in graphs):
-            raise ConfigError(f"cuda_graph_batch_sizes must be integers, got {list(graphs)}")
+        for what, sizes in (("cuda_graph_batch_sizes", graphs), ("prefill_graph_tokens", steps)):
+            if not all(isinstance(b, int) and not isinstance(b, bool) for b in sizes):
+                raise ConfigError(f"{what} must be integers, got {list(sizes)}")
         object.__setattr__(self, "kernels", tuple(sorted(kernels.items())))
         object.__setattr__(self, "kernel_params", tuple(sorted(params.items())))
         object.__setattr__(self, "generated_source", tuple(sorted(source.items())))
         object.__setattr__(self, "cuda_graph_batch_sizes", graphs)
+        object.__setattr__(self, "prefill_graph_tokens", steps)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tp", "dp"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -183,6 +190,8 @@ class VariantSpec:
             raise ConfigError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
         if any(b < 1 for b in self.cuda_graph_batch_sizes):
             raise ConfigError("cuda_graph_batch_sizes must be positive")
+        if any(not 16 <= t <= 65536 for t in self.prefill_graph_tokens):
+            raise ConfigError(f"prefill_graph_tokens must lie in 16-65536, got {list(self.prefill_graph_tokens)}")
         for op, impl in self.kernels:
             if op not in OP_NAMES:
                 raise ConfigError(f"unknown operation {op!r} in kernels; known: {', '.join(OP_NAMES)}")
@@ -203,6 +212,7 @@ class VariantSpec:
         d["kernel_params"] = {op: dict(p) for op, p in self.kernel_params}
         d["generated_source"] = dict(self.generated_source)
         d["cuda_graph_batch_sizes"] = list(self.cuda_graph_batch_sizes)
+        d["prefill_graph_tokens"] = list(self.prefill_graph_tokens)
         d["variant_id"] = self.variant_id
         return d
 
@@ -228,8 +238,9 @@ class VariantSpec:
         if unknown:
             raise ConfigError(f"unknown variant fields: {', '.join(sorted(unknown))}")
         try:
-            if "cuda_graph_batch_sizes" in data:
-                data["cuda_graph_batch_sizes"] = tuple(data["cuda_graph_batch_sizes"])
+            for name in ("cuda_graph_batch_sizes", "prefill_graph_tokens"):
+                if name in data:
+                    data[name] = tuple(data[name])
             spec = cls(**data)
         except (TypeError, ValueError) as e:
             if isinstance(e, ConfigError):
@@ -298,6 +309,6 @@ class VariantSpec:
 # prompt-lookup speculation's fields (engine/sched/speculation.py), added after ids were first recorded
 SPECULATION_FIELDS = ("speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "speculative_max_batch",
                       "speculative_min_acceptance")
-_LATER_FIELDS = (*SPECULATION_FIELDS, "weight_dtype", "kv_cache_dtype")
+_LATER_FIELDS = (*SPECULATION_FIELDS, "weight_dtype", "kv_cache_dtype", "prefill_graph_tokens")
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(VariantSpec)}
 REFERENCE_VARIANT = VariantSpec(name="reference")

@@ -157,7 +157,8 @@ class LLMEngine:
         ctx = variant_swap.context(self)
         self.ops = variant_swap.build_ops_for(ctx, self.variant)
         self.runner.forward_fn = variant_swap.forward_fn(ctx, self.variant)
-        self.runner.graphs = variant_swap.graphs_for(ctx, self.variant, self.ops, self.kv, self.notes)
+        self.runner.install(self.runner.forward_fn, variant_swap.graphs_for(ctx, self.variant, self.ops, self.kv,
+                                                                            self.notes))
         self.lock = threading.RLock()  # a swap happens between two steps, never inside one
         self._inflight: _Launched | None = None  # a step launched ahead, not yet collected
         self._drained: list[RequestOutput] = []  # outputs of an ahead step collected by a swap, for the next step

@@ -53,7 +53,7 @@ class ModelContext:
     dtype: torch.dtype
     tokenizer: Any
     max_model_len: int
-    runner: Any  # ModelRunner: warm_up and capture_graphs only
+    runner: Any  # ModelRunner: warm_up, capture_graphs and capture_step_graphs only
     variant: VariantSpec  # the active one
     ops: ForwardOps  # the active one's table
     kv: KVCache  # the active pool
@@ -182,19 +182,26 @@ def forward_fn(ctx: ModelContext, spec: VariantSpec):
 
 
 def graphs_for(ctx: ModelContext, spec: VariantSpec, ops: ForwardOps, kv: KVCache, notes: list[str]):
-    """Captured decode graphs for the spec, or None. On a CPU, graphs and compile modes are skipped with a note
-    (appended to ``notes``)."""
-    if not (spec.cuda_graph_batch_sizes or spec.compile_mode != "none"):
+    """Captured graphs for the spec, (decode steps, steps with prefill tokens; either None), or None. On a CPU,
+    graphs and compile modes are skipped with a note (appended to ``notes``), as are graphs of steps with prefill
+    tokens for a model with MoE layers (whose routing is not row by row)."""
+    if not (spec.cuda_graph_batch_sizes or spec.prefill_graph_tokens or spec.compile_mode != "none"):
         return None
     if ctx.device.type != "cuda":
         notes.append(f"variant {spec.variant_id}: CUDA graphs and compile mode skipped on {ctx.device.type}")
         return None
-    if not spec.cuda_graph_batch_sizes:
+    steps = spec.prefill_graph_tokens
+    if steps and any(ctx.model_config.layer_is_moe(i) for i in range(ctx.model_config.num_hidden_layers)):
+        notes.append(f"variant {spec.variant_id}: prefill_graph_tokens skipped: the model has MoE layers")
+        steps = ()
+    if not (spec.cuda_graph_batch_sizes or steps):
         return None
     if not spec.impl("attention").startswith("triton"):
         raise VariantError("CUDA graphs need a Triton attention kernel (the reference loops over host values)")
     try:
-        return ctx.runner.capture_graphs(ops, spec.cuda_graph_batch_sizes, kv)
+        return (ctx.runner.capture_graphs(ops, spec.cuda_graph_batch_sizes, kv) if spec.cuda_graph_batch_sizes
+                else None,
+                ctx.runner.capture_step_graphs(ops, steps, spec.max_num_seqs, kv) if steps else None)
     except Exception as e:
         raise VariantError(f"CUDA graph capture failed: {type(e).__name__}: {e}") from None
 

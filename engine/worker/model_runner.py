@@ -10,6 +10,7 @@ from engine.model.transformer import CausalLM
 from kernels.attention.attention import AttentionMetadata, device_ints
 from engine.model.rope import rope_cos_sin
 from engine.worker.cuda_graphs import DecodeGraphs
+from engine.worker.step_graphs import StepGraphs
 from engine.sched.output import SchedulerOutput
 
 
@@ -50,6 +51,7 @@ class ModelRunner:
         self.cos_sin = rope_cos_sin(cfg, max_model_len, device)
         self.kv_layers = kv.layers()
         self.graphs: DecodeGraphs | None = None  # captured decode steps of the active variant, on a GPU
+        self.step_graphs: StepGraphs | None = None  # captured steps with prefill tokens, likewise
         self.forward_fn = model  # the model itself, or a torch.compile'd wrapper of it
         # (N,) int64 on the device: the greedy token of each sampling row of the last step, once asked for
         # (a graph replay computes it itself); the input of a step run ahead of that one's results
@@ -73,11 +75,13 @@ class ModelRunner:
 
     def drop_kv(self) -> None:
         """Lets go of the pool and what was captured over it (before the pool is released)."""
-        self.graphs, self.kv_layers = None, []
+        self.graphs, self.step_graphs, self.kv_layers = None, None, []
 
-    def install(self, forward_fn, graphs: "DecodeGraphs | None") -> None:
-        """A prepared variant's forward (the model or its compiled wrapper) and decode graphs, made active."""
-        self.forward_fn, self.graphs = forward_fn, graphs
+    def install(self, forward_fn, graphs: "tuple[DecodeGraphs | None, StepGraphs | None] | None") -> None:
+        """A prepared variant's forward (the model or its compiled wrapper) and graphs (decode steps, steps with
+        prefill tokens), made active."""
+        self.forward_fn = forward_fn
+        self.graphs, self.step_graphs = graphs or (None, None)
 
     def capture_graphs(self, ops: ForwardOps, batch_sizes: tuple[int, ...], kv: KVCache | None = None) -> "DecodeGraphs":
         """Captures decode steps for ``batch_sizes`` with ``ops`` over ``kv`` (default: the current pool)."""
@@ -85,10 +89,28 @@ class ModelRunner:
         return DecodeGraphs(self.model, kv, kv.layers(), self.cos_sin, ops, batch_sizes,
                             -(-self.max_model_len // kv.block_size), self.device)
 
+    def capture_step_graphs(self, ops: ForwardOps, token_sizes: tuple[int, ...], max_seqs: int,
+                            kv: KVCache | None = None, capture: bool = True) -> StepGraphs:
+        """Captures steps with prefill tokens of ``token_sizes`` tokens and up to ``max_seqs`` sequences
+        (``capture=False``: the same buffers run eagerly)."""
+        kv = kv or self.kv
+        return StepGraphs(self.model, kv, kv.layers(), self.cos_sin, ops, token_sizes, max_seqs,
+                          -(-self.max_model_len // kv.block_size), self.device, capture)
+
     def prepare(self, batch: SchedulerOutput, ahead: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Packed inputs of the batch. ``ahead``: each row starts one token past its ``num_computed_tokens``,
-        whose value is not known on the host yet (the returned ids are then placeholders)."""
+        """Packed inputs of the batch on the device (``host_inputs``)."""
+        ids, pos, slots, tables, ctx_lens, qsl, logits_idx = self.host_inputs(batch, ahead)
+        dev = self.device
+        attn = AttentionMetadata.build(
+            device_ints(slots, torch.int64, dev), device_ints(tables, torch.int32, dev), ctx_lens, qsl, dev,
+        )
+        return device_ints(ids, torch.int64, dev), device_ints(pos, torch.int64, dev), attn, logits_idx
+
+    def host_inputs(self, batch: SchedulerOutput, ahead: bool = False):
+        """Packed inputs of the batch on the host: (token ids, positions, KV slots, block tables, context lengths,
+        query offsets, the rows whose logits are sampled). ``ahead``: each row starts one token past its
+        ``num_computed_tokens``, whose value is not known on the host yet (the ids are then placeholders)."""
         bs = self.kv.block_size
         ids: list[int] = []
         starts, counts, ctx_lens, qsl, logits_idx = [], [], [], [0], []
@@ -116,11 +138,7 @@ class ModelRunner:
         pos = np.repeat(np.asarray(starts, dtype=np.int64) - np.asarray(qsl[:-1], dtype=np.int64), counts) \
             + np.arange(qsl[-1], dtype=np.int64)
         slots = tables[row, pos // bs].astype(np.int64) * bs + pos % bs
-        dev = self.device
-        attn = AttentionMetadata.build(
-            device_ints(slots, torch.int64, dev), device_ints(tables, torch.int32, dev), ctx_lens, qsl, dev,
-        )
-        return device_ints(ids, torch.int64, dev), device_ints(pos, torch.int64, dev), attn, logits_idx
+        return ids, pos, slots, tables, ctx_lens, qsl, logits_idx
 
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput, ops: ForwardOps, ahead: bool = False) -> torch.Tensor:
@@ -135,10 +153,14 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(batch):
             logits, self.greedy_tokens = self.graphs.run(batch, ahead, prev)
             return logits
-        input_ids, positions, attn, logits_idx = self.prepare(batch, ahead)
-        if ahead:
-            input_ids = prev
-        hidden = self.forward_fn(input_ids, positions, self.cos_sin, self.kv_layers, attn, ops)
+        if self.step_graphs is not None and self.step_graphs.fits(batch, ahead):
+            ids, pos, slots, tables, ctx_lens, qsl, logits_idx = self.host_inputs(batch)
+            hidden = self.step_graphs.run(ids, pos, slots, tables, ctx_lens, qsl)
+        else:
+            input_ids, positions, attn, logits_idx = self.prepare(batch, ahead)
+            if ahead:
+                input_ids = prev
+            hidden = self.forward_fn(input_ids, positions, self.cos_sin, self.kv_layers, attn, ops)
         if not logits_idx:
             return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
         if len(logits_idx) == hidden.shape[0]:  # every token samples (decode): no gather

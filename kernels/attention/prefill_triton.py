@@ -118,18 +118,31 @@ def _prefill_kernel(
              out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
+def tile_order(context_lens: list[int], query_start_loc: list[int], block_m: int) -> tuple[list[int], list[int]]:
+    """The query tiles of ``block_m`` rows of a step's sequences, those with the most keys first (the last tiles of
+    the longest contexts, so the short ones fill the tail): each one's sequence and first new row."""
+    qsl = query_start_loc
+    tiles = sorted(((context_lens[i] - (qsl[i + 1] - qsl[i]) + m0, i, m0)
+                    for i in range(len(context_lens)) for m0 in range(0, qsl[i + 1] - qsl[i], block_m)),
+                   reverse=True)
+    return [i for _, i, _ in tiles], [m0 for _, _, m0 in tiles]
+
+
+def tile_key(block_m: int) -> tuple[str, int]:
+    """Where a step's metadata keeps its tiles of ``block_m`` rows (``AttentionMetadata.derived``): (their count,
+    each one's sequence, each one's first row), the last two on the device. A captured step
+    (engine/worker/step_graphs.py) puts static buffers there, padded with tiles of an empty sequence."""
+    return "prefill_tiles", block_m
+
+
 def _tile_order(meta: AttentionMetadata, block_m: int, dev: torch.device):
-    """The step's query tiles of ``block_m`` rows, those with the most keys first (the last tiles of the longest
-    contexts, so the short ones fill the tail): their count and each one's sequence and first row on the device,
-    made once per step for all its layers, in one copy that does not wait for the stream."""
-    key = ("prefill_tiles", block_m)  # a step's metadata serves one device
+    """``tile_order`` on the device, made once per step for all its layers, in one copy that does not wait for the
+    stream."""
+    key = tile_key(block_m)  # a step's metadata serves one device
     if key not in meta.derived:
-        qsl = meta.query_start_loc
-        tiles = sorted(((meta.context_lens[i] - (qsl[i + 1] - qsl[i]) + m0, i, m0)
-                        for i in range(len(meta.context_lens)) for m0 in range(0, qsl[i + 1] - qsl[i], block_m)),
-                       reverse=True)
-        both = device_ints([[i for _, i, _ in tiles], [m0 for _, _, m0 in tiles]], torch.int32, dev)
-        meta.derived[key] = (len(tiles), both[0], both[1])
+        seqs, rows = tile_order(meta.context_lens, meta.query_start_loc, block_m)
+        both = device_ints([seqs, rows], torch.int32, dev)
+        meta.derived[key] = (len(seqs), both[0], both[1])
     return meta.derived[key]
 
 

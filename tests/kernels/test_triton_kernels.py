@@ -238,3 +238,31 @@ def test_rotary_attention(heads, kvh, d, bs, contexts, norm):
     got = rotary_attention_triton(*parts, qw, kw, 1e-6, ppos, cs, a_kc, a_vc, pmeta, d**-0.5, block_n=8)
     torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(a_kc, pkc, **TOL)
+
+
+def test_prefill_attention_reads_padded_tiles_from_static_buffers():
+    """A captured step (engine/worker/step_graphs.py): more sequence slots and query rows than the step has, and
+    the tile list padded to a fixed count with tiles of an empty sequence. The real rows equal the reference; the
+    padding computes nothing."""
+    from kernels.attention.prefill_triton import tile_key, tile_order
+
+    heads, kvh, d, bs, specs = 4, 2, 16, 8, [(40, 12), (9, 1), (30, 30)]
+    q, kc, vc, meta = _paged_case(7, heads, kvh, d, bs, specs)
+    ref = paged_attention_ref(q, kc, vc, meta, d**-0.5)
+    n, slots, pad_rows, block_m = q.shape[0], 6, 21, 16  # six sequence slots (three used), 21 padding rows
+    ctx = meta.context_lens + [0] * (slots + 1 - len(specs))
+    qsl = meta.query_start_loc + [n] * (slots + 1 - len(specs))
+    tables = torch.zeros((slots + 1, meta.block_tables.shape[1]), dtype=torch.int32)
+    tables[:len(specs)] = meta.block_tables
+    padded = AttentionMetadata(torch.zeros(n + pad_rows, dtype=torch.int64), tables, ctx, qsl,
+                               torch.tensor(ctx, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32),
+                               max_query_len=2, max_context_len=64)
+    seqs, rows = tile_order(meta.context_lens, meta.query_start_loc, block_m)
+    count = -(-(n + pad_rows) // block_m) + slots
+    assert count > len(seqs)
+    seq_buf = torch.tensor(seqs + [slots] * (count - len(seqs)), dtype=torch.int32)
+    row_buf = torch.tensor(rows + [0] * (count - len(rows)), dtype=torch.int32)
+    padded.derived[tile_key(block_m)] = (count, seq_buf, row_buf)
+    qp = torch.cat([q, torch.full((pad_rows, heads, d), float("nan"))])
+    got = paged_attention_triton(qp, kc, vc, padded, d**-0.5, block_m=block_m, prefill_block_n=16)
+    torch.testing.assert_close(got[:n], ref, **TOL)

@@ -326,10 +326,12 @@ def decode_attention_kernels(n_seq: int = 64, length: int = 2048) -> None:
 @section
 def w8a8_ttft(m: Llama8B, lengths=(128, 512, 1024, 2048), reps: int = 5) -> None:
     """Time to first token of one prompt alone (the served TTFT at a low rate), static-best bf16 against its FP8
-    form as the tuner proposes it and that form with prefill chunks two and four times as long (its projections
-    take about half the time, and at static-best's chunks the host's launches outlast its kernels), per prompt
-    length: the median of ``reps`` runs after two warm-up runs of each length, the prefix cache emptied before
-    each; where a 1,024-token prefill's time goes in each form."""
+    form as the tuner proposes it, that form with prefill chunks two and four times as long (its projections take
+    about half the time, and at static-best's chunks the host's launches outlast its kernels), and both precisions
+    with their steps with prefill tokens replayed as CUDA graphs (``prefill_graph_tokens``), per prompt length: the
+    median of ``reps`` runs after two warm-up runs of each length, the prefix cache emptied before each; where a
+    1,024-token prefill's time goes in each form. A graphed form's first logits are checked against its eager
+    form's first."""
     from engine import SamplingParams
     from engine.config.presets import quantized_variant
     from engine.config.static_best import lookup
@@ -352,23 +354,53 @@ def w8a8_ttft(m: Llama8B, lengths=(128, 512, 1024, 2048), reps: int = 5) -> None
         torch.cuda.synchronize()
         return 1e3 * (time.perf_counter() - t)
 
+    def first_logits(p) -> torch.Tensor:
+        got: list[torch.Tensor] = []
+        eng.logits_sink = lambda ids, logits: got.append(logits.float().clone())
+        try:
+            once(p)
+        finally:
+            eng.logits_sink = None
+        return got[0][0]
+
     fp8 = quantized_variant(base, "fp8", "cuda")
     chunk = fp8.prefill_chunk_size or fp8.max_num_batched_tokens
-    longer = {k: dataclasses.replace(fp8, prefill_chunk_size=min(k * chunk, fp8.max_num_batched_tokens))
-              for k in (2, 4)}
-    for label, spec in (("static-best bf16", base), ("its fp8 form", fp8), ("fp8, chunks x2", longer[2]),
-                        ("fp8, chunks x4", longer[4])):
-        eng.apply_variant(spec)
+    top = fp8.max_num_batched_tokens
+    graphed = tuple(x for x in (128, 256, 512, 1024, 2048, 4096, 8192) if x < top) + (top,)
+    forms = {"static-best bf16": base, "its fp8 form": fp8}
+    forms |= {f"fp8, chunks x{k}": dataclasses.replace(fp8, prefill_chunk_size=min(k * chunk, top)) for k in (2, 4)}
+    forms |= {"bf16, prefill graphs": dataclasses.replace(base, prefill_graph_tokens=graphed),
+              "fp8, prefill graphs": dataclasses.replace(fp8, prefill_graph_tokens=graphed),
+              "fp8, prefill graphs, chunks x4": dataclasses.replace(fp8, prefill_graph_tokens=graphed,
+                                                                    prefill_chunk_size=min(4 * chunk, top))}
+    eager_logits: dict[str, torch.Tensor] = {}
+    for label, spec in forms.items():
+        try:
+            eng.apply_variant(spec)
+        except Exception as e:  # a capture that fails is a figure too
+            row(f"8B TTFT, {label}", f"ERROR: {type(e).__name__}: {e}")
+            continue
+        kind = "fp8" if spec.weight_dtype == "fp8" else "bf16"
+        probe = first_logits(prompts[1024])
+        if not spec.prefill_graph_tokens:
+            eager_logits.setdefault(kind, probe)
+        elif kind in eager_logits:
+            ref = eager_logits[kind]
+            err = (probe - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
+            row(f"8B {label}: first logits of a 1,024-token prompt against the eager form's",
+                f"{'OK' if err < 2e-2 else 'ERROR'} (max |d| / max |logit| {err:.2g}; argmax "
+                f"{'equal' if probe.argmax() == ref.argmax() else 'differs'})")
         ms[label] = {}
         for n, p in prompts.items():
             once(p), once(p)
             ms[label][n] = sorted(once(p) for _ in range(reps))[reps // 2]
         kernel_profile(f"8B prefill of one 1,024-token prompt, {label}", lambda: once(prompts[1024]), steps=3, top=8)
     for n in lengths:
-        b, f = ms["static-best bf16"][n], ms["its fp8 form"][n]
-        alt = {v.prefill_chunk_size: ms[f"fp8, chunks x{k}"][n] for k, v in longer.items()}
-        row(f"8B TTFT of one {n}-token prompt", f"bf16 {b:.2f} ms, fp8 {f:.2f} ms: fp8 {b / f:.2f}x; " + "; ".join(
-            f"chunks of {c} {t:.2f} ms: {b / t:.2f}x" for c, t in alt.items()))
+        b = ms.get("static-best bf16", {}).get(n)
+        if b is None:
+            continue
+        row(f"8B TTFT of one {n}-token prompt", f"bf16 {b:.2f} ms; " + "; ".join(
+            f"{label} {t[n]:.2f} ms: {b / t[n]:.2f}x" for label, t in ms.items() if label != "static-best bf16"))
     eng.apply_variant(base)
     eng.block_manager.reset_prefix_cache()
 
