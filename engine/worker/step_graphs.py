@@ -102,7 +102,7 @@ class StepGraphs:
     def run(self, ids, positions, slots, tables: np.ndarray, context_lens: list[int], query_start_loc: list[int]
             ) -> torch.Tensor:
         """The step's hidden states, (T, hidden), from its packed inputs (``ModelRunner.host_inputs``): the inputs
-        staged into pinned memory, copied in three transfers, the smallest captured size that holds them replayed
+        staged into pinned memory, copied in three contiguous transfers, the smallest captured size that holds them replayed
         (a view of its static output, which the next replay overwrites)."""
         n, b, s = len(ids), len(context_lens), self.max_seqs
         size = next(x for x in self.sizes if x >= n)
@@ -125,11 +125,12 @@ class StepGraphs:
             ints[at:at + k], ints[at + k:at + count] = seq_ids, s  # padding tiles: the empty sequence s
             ints[at + cap:at + cap + k], ints[at + cap + k:at + cap + count] = rows, 0
             at += 2 * cap
-        width = tables.shape[1]
-        tab[:b, :width] = tables
-        self.tokens[:, :size].copy_(staging.tokens[:, :size], non_blocking=True)
+        tab[:b, :tables.shape[1]] = tables
+        # whole rows: a contiguous copy from pinned memory does not wait for the stream (what lies past the step's
+        # tokens and blocks is stale, and nothing reads it)
+        self.tokens.copy_(staging.tokens, non_blocking=True)
         self.ints.copy_(staging.ints, non_blocking=True)
-        self.tables[:b, :width].copy_(staging.tables[:b, :width], non_blocking=True)
+        self.tables[:b].copy_(staging.tables[:b], non_blocking=True)
         staging.done.record()
         graph, hidden = self.graphs[size]
         if graph is None:  # not captured: the same buffers, eagerly
