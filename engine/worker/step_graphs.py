@@ -102,8 +102,8 @@ class StepGraphs:
     def run(self, ids, positions, slots, tables: np.ndarray, context_lens: list[int], query_start_loc: list[int]
             ) -> torch.Tensor:
         """The step's hidden states, (T, hidden), from its packed inputs (``ModelRunner.host_inputs``): the inputs
-        staged into pinned memory, copied in three contiguous transfers, the smallest captured size that holds them replayed
-        (a view of its static output, which the next replay overwrites)."""
+        staged into pinned memory, copied in three contiguous transfers, the smallest captured size that holds them
+        replayed (a view of its static output, which the next replay overwrites)."""
         n, b, s = len(ids), len(context_lens), self.max_seqs
         size = next(x for x in self.sizes if x >= n)
         staging = self._stages[self._turn]
