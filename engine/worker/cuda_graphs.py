@@ -116,7 +116,8 @@ class DecodeGraphs:
         tables[b:size, :width] = scratch
         rows = 3 if ahead else 4
         self.inputs[:rows].copy_(staging.stage[:rows], non_blocking=True)
-        self.block_tables[:size, :width].copy_(staging.tables[:size, :width], non_blocking=True)
+        # whole rows: a strided copy would stage through pageable memory, which waits for the stream
+        self.block_tables[:size].copy_(staging.tables[:size], non_blocking=True)
         staging.done.record()
         if ahead and (prev_tokens is None or prev_tokens.data_ptr() != self.input_ids.data_ptr()):
             self.input_ids[:b].copy_(prev_tokens)  # the tokens came from an eager step, not from a replay
