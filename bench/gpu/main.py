@@ -55,6 +55,8 @@ def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--qmma-no-served", action="store_true", help="qmma: batch-1 decode only, no served steps")
     ap.add_argument("--qmma-no-projections", action="store_true",
                     help="qmma: the kernel checks, but not each projection timed alone")
+    ap.add_argument("--w8a8-ttft-quick", action="store_true",
+                    help="w8a8-ttft: bf16, fp8 and fp8 with prefill graphs only, prompts of 512-2,048 tokens")
     ap.add_argument("--w8a8-no-projections", action="store_true",
                     help="w8a8: the checks, the prefill attention kernel and the model figures, but not each "
                          "projection timed alone")
@@ -151,7 +153,7 @@ def _sections(args: argparse.Namespace) -> None:
                     w8a8_prefill(m)
                     w8a8_served(m, args.out)
                 if want("w8a8-ttft"):
-                    w8a8_ttft(m)
+                    w8a8_ttft(m, quick=args.w8a8_ttft_quick)
                 if want("kv-fp8"):
                     fp8_kv_cache(m, bw, args.kv_length, check=not args.skip_checks)
                 best = llama8b_decode(m, bw, args.decode_quick) if want("decode") else None

@@ -324,14 +324,14 @@ def decode_attention_kernels(n_seq: int = 64, length: int = 2048) -> None:
 
 
 @section
-def w8a8_ttft(m: Llama8B, lengths=(128, 512, 1024, 2048), reps: int = 5) -> None:
+def w8a8_ttft(m: Llama8B, lengths=(128, 512, 1024, 2048), reps: int = 5, quick: bool = False) -> None:
     """Time to first token of one prompt alone (the served TTFT at a low rate), static-best bf16 against its FP8
     form as the tuner proposes it, that form with prefill chunks two and four times as long (its projections take
     about half the time, and at static-best's chunks the host's launches outlast its kernels), and both precisions
     with their steps with prefill tokens replayed as CUDA graphs (``prefill_graph_tokens``), per prompt length: the
     median of ``reps`` runs after two warm-up runs of each length, the prefix cache emptied before each; where a
     1,024-token prefill's time goes in each form. A graphed form's first logits are checked against its eager
-    form's first."""
+    form's first. ``quick``: bf16, fp8 and fp8 with graphs, prompts of 512 tokens or more."""
     from engine import SamplingParams
     from engine.config.presets import quantized_variant
     from engine.config.static_best import lookup
@@ -373,6 +373,9 @@ def w8a8_ttft(m: Llama8B, lengths=(128, 512, 1024, 2048), reps: int = 5) -> None
               "fp8, prefill graphs": dataclasses.replace(fp8, prefill_graph_tokens=graphed),
               "fp8, prefill graphs, chunks x4": dataclasses.replace(fp8, prefill_graph_tokens=graphed,
                                                                     prefill_chunk_size=min(4 * chunk, top))}
+    if quick:
+        forms = {k: v for k, v in forms.items() if k in ("static-best bf16", "its fp8 form", "fp8, prefill graphs")}
+        prompts = {n: p for n, p in prompts.items() if n >= 512}
     eager_logits: dict[str, torch.Tensor] = {}
     for label, spec in forms.items():
         try:
@@ -395,7 +398,7 @@ def w8a8_ttft(m: Llama8B, lengths=(128, 512, 1024, 2048), reps: int = 5) -> None
             once(p), once(p)
             ms[label][n] = sorted(once(p) for _ in range(reps))[reps // 2]
         kernel_profile(f"8B prefill of one 1,024-token prompt, {label}", lambda: once(prompts[1024]), steps=3, top=8)
-    for n in lengths:
+    for n in prompts:
         b = ms.get("static-best bf16", {}).get(n)
         if b is None:
             continue
