@@ -228,3 +228,16 @@ def quantized_variant(base: VariantSpec, kind: str, device: str, name: str | Non
                 params[op] = {**params.get(op, {}), **QUANTIZED_MMA[kind]}
     return dataclasses.replace(base, name=name or f"{base.name} + {kind} weights", weight_dtype=kind,
                                kernels=kernels, kernel_params=params)
+
+
+def prefill_graphed(spec: VariantSpec) -> VariantSpec:
+    """``spec`` with prefill chunks as long as a step's token budget and its steps with prefill tokens replayed as
+    CUDA graphs (``prefill_graph_tokens``: powers of two from 128 up to that budget, and the budget): where FP8's
+    projections are shorter than the host's launches, the form that keeps its prefill from running at the host's
+    pace (on an H100, one 1,024-token prompt 34.4 ms eager, 18.1 ms so: bf16 28.5 ms;
+    bench/results/2026-12-07-h100-prefill-graphs.md). ``spec`` itself when the budget is under 16 tokens."""
+    top = spec.max_num_batched_tokens
+    if top < 16:
+        return spec
+    sizes = tuple(x for x in (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768) if x < top) + (top,)
+    return dataclasses.replace(spec, prefill_chunk_size=top, prefill_graph_tokens=sizes)

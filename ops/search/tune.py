@@ -1,6 +1,5 @@
-"""A search: agents propose, workers measure on the fast tier, the best go to the slow tier, and the
-decision records why. ``polyinf tune`` and the pipeline's
-``variant_candidates`` / bench assets run this code.
+"""A search: agents propose, workers measure on the fast tier, the best go to the slow tier, and the decision records
+why. ``polyinf tune`` and the pipeline's ``variant_candidates`` / bench assets run this code.
 
 Budget: at most ``experiments`` measurements (fast and slow together) and ``seconds`` of wall time;
 the slow tier's share (the baseline and the ``slow_top`` best of the fast tier) is kept back.
@@ -209,18 +208,20 @@ class Search:
                 for d in self.plan.layouts if d["fits"] and (d["tp"], d["dp"]) != (1, 1)]
 
     def precision_candidate(self) -> VariantSpec | None:
-        """The baseline with quantized dense weights: FP8 where the device has FP8 tensor cores, int8 elsewhere
-        (``engine.config.presets.quantized_variant``: on a GPU with the Triton projections, which read the bytes and
-        scales in registers); None where static-best already has a precision of its own."""
+        """The baseline with quantized dense weights, FP8 where the device has FP8 tensor cores, else int8 (presets'
+        ``quantized_variant``; on a GPU with ``prefill_graphed``, as its kernels are shorter than the host's launches);
+        None where static-best already has a precision of its own."""
         if self.baseline.weight_dtype != "auto":
             return None
         import torch
 
-        from engine.config.presets import quantized_variant
+        from engine.config.presets import prefill_graphed, quantized_variant
         from kernels.linear.quant import fp8_gemm_supported
 
         kind = "fp8" if fp8_gemm_supported(torch.device(self.cfg.device)) else "int8"
-        return quantized_variant(self.baseline, kind, self.cfg.device, name=f"static-best + {kind} weights")
+        spec = quantized_variant(self.baseline, kind, self.cfg.device, name=f"static-best + {kind} weights")
+        gpu = self.cfg.device.startswith("cuda")
+        return replace(prefill_graphed(spec), name=f"{spec.name}, prefill graphs") if gpu else spec
 
     def gate(self, variant: VariantSpec) -> dict:
         """The quality and contamination gates (checks/gates.py) for ``variant`` against static-best on the slow

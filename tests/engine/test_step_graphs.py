@@ -77,3 +77,19 @@ def test_a_model_with_moe_layers_gets_no_step_graphs():
     spec = VariantSpec(prefill_graph_tokens=(64,), kernels={"attention": "triton_paged"})
     assert variant_swap.graphs_for(ctx, spec, eng.ops, eng.kv, notes) is None
     assert any("MoE layers" in n for n in notes)
+
+
+def test_prefill_graphed_chunks_a_step_long_and_graphs_every_size_up_to_it():
+    from engine.config.presets import prefill_graphed
+    from engine.errors import ConfigError
+
+    base = VariantSpec(max_num_batched_tokens=2048, prefill_chunk_size=512)
+    got = prefill_graphed(base)
+    assert got.prefill_chunk_size == 2048 and got.prefill_graph_tokens == (128, 256, 512, 1024, 2048)
+    assert prefill_graphed(VariantSpec(max_num_batched_tokens=100)).prefill_graph_tokens == (100,)
+    assert VariantSpec.from_json(got.to_json()) == got and got.variant_id != base.variant_id
+    assert VariantSpec().variant_id == VariantSpec(prefill_graph_tokens=()).variant_id  # recorded ids stay valid
+    assert VariantSpec(prefill_graph_tokens=[512, 128, 512]).prefill_graph_tokens == (128, 512)
+    for bad in ([8], [1 << 20], ["512"], [True]):
+        with pytest.raises(ConfigError):
+            VariantSpec(prefill_graph_tokens=bad)

@@ -326,14 +326,15 @@ def decode_attention_kernels(n_seq: int = 64, length: int = 2048) -> None:
 @section
 def w8a8_ttft(m: Llama8B, lengths=(128, 512, 1024, 2048), reps: int = 5, quick: bool = False) -> None:
     """Time to first token of one prompt alone (the served TTFT at a low rate), static-best bf16 against its FP8
-    form as the tuner proposes it, that form with prefill chunks two and four times as long (its projections take
-    about half the time, and at static-best's chunks the host's launches outlast its kernels), and both precisions
-    with their steps with prefill tokens replayed as CUDA graphs (``prefill_graph_tokens``), per prompt length: the
-    median of ``reps`` runs after two warm-up runs of each length, the prefix cache emptied before each; where a
-    1,024-token prefill's time goes in each form. A graphed form's first logits are checked against its eager
-    form's first. ``quick``: bf16, fp8 and fp8 with graphs, prompts of 512 tokens or more."""
+    form (``quantized_variant``), that form with prefill chunks two and four times as long (its projections take
+    about half the time, and at static-best's chunks the host's launches outlast its kernels), both precisions
+    with their steps with prefill tokens replayed as CUDA graphs (``prefill_graph_tokens``), and the form the tuner
+    proposes (``prefill_graphed``: graphs and step-long chunks), per prompt length: the median of ``reps`` runs
+    after two warm-up runs of each length, the prefix cache emptied before each; where a 1,024-token prefill's time
+    goes in each form. A graphed form's first logits are checked against its eager form's first. ``quick``: bf16,
+    fp8 and fp8's graphed forms, prompts of 512 tokens or more."""
     from engine import SamplingParams
-    from engine.config.presets import quantized_variant
+    from engine.config.presets import prefill_graphed, quantized_variant
     from engine.config.static_best import lookup
     from engine.loader.model_source import resolve
 
@@ -366,15 +367,15 @@ def w8a8_ttft(m: Llama8B, lengths=(128, 512, 1024, 2048), reps: int = 5, quick: 
     fp8 = quantized_variant(base, "fp8", "cuda")
     chunk = fp8.prefill_chunk_size or fp8.max_num_batched_tokens
     top = fp8.max_num_batched_tokens
-    graphed = tuple(x for x in (128, 256, 512, 1024, 2048, 4096, 8192) if x < top) + (top,)
+    graphed = prefill_graphed(fp8).prefill_graph_tokens
     forms = {"static-best bf16": base, "its fp8 form": fp8}
     forms |= {f"fp8, chunks x{k}": dataclasses.replace(fp8, prefill_chunk_size=min(k * chunk, top)) for k in (2, 4)}
     forms |= {"bf16, prefill graphs": dataclasses.replace(base, prefill_graph_tokens=graphed),
               "fp8, prefill graphs": dataclasses.replace(fp8, prefill_graph_tokens=graphed),
-              "fp8, prefill graphs, chunks x4": dataclasses.replace(fp8, prefill_graph_tokens=graphed,
-                                                                    prefill_chunk_size=min(4 * chunk, top))}
+              "fp8, prefill graphs, step-long chunks (the tuner's form)": prefill_graphed(fp8)}
     if quick:
-        forms = {k: v for k, v in forms.items() if k in ("static-best bf16", "its fp8 form", "fp8, prefill graphs")}
+        forms = {k: v for k, v in forms.items() if k in ("static-best bf16", "its fp8 form", "fp8, prefill graphs",
+                                                         "fp8, prefill graphs, step-long chunks (the tuner's form)")}
         prompts = {n: p for n, p in prompts.items() if n >= 512}
     eager_logits: dict[str, torch.Tensor] = {}
     for label, spec in forms.items():
