@@ -43,7 +43,7 @@ def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--change", default="{}", help="JSON object of VariantSpec fields to change in static-best")
     ap.add_argument("--quantize", choices=["fp8", "int8"],
                     help="B is static-best with these weights, as the tuner proposes it "
-                         "(engine.config.presets.quantized_variant), before --change")
+                         "(engine.config.presets.quantized_variant; on a GPU with prefill_graphed), before --change")
     ap.add_argument("--judge-seconds", type=float, help="the judge's budget (default: 140 on a CPU, 600 on a GPU)")
     ap.add_argument("--first-look", type=int, help="counted requests at a probe's first look")
     ap.add_argument("--cap", type=int, help="most counted requests of one probe")
@@ -68,10 +68,12 @@ def main(args: argparse.Namespace) -> int:
     if not change and not args.quantize:
         sys.exit("capacity_ab: nothing to compare: give --change, --quantize or both")
     try:
-        from engine.config.presets import quantized_variant
+        from engine.config.presets import prefill_graphed, quantized_variant
 
         b = quantized_variant(a, args.quantize, cfg.device, name=f"static-best + {args.quantize} weights") \
             if args.quantize else a
+        if args.quantize and cfg.device.startswith("cuda"):  # as ops/search/tune.py's precision candidate
+            b = dataclasses.replace(prefill_graphed(b), name=f"{b.name}, prefill graphs")
         b = dataclasses.replace(b, name=" + ".join([b.name] + ([args.change] if change else [])), **change)
     except Exception as e:  # an unknown field (TypeError) or a value the spec refuses (ConfigError)
         sys.exit(f"capacity_ab: --change / --quantize: {type(e).__name__}: {e}")
