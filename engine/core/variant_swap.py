@@ -71,7 +71,7 @@ class PreparedVariant:
     spec: VariantSpec
     ops: ForwardOps
     forward_fn: object  # the model, or its torch.compile'd wrapper
-    graphs: object  # DecodeGraphs, or None
+    graphs: object  # (DecodeGraphs | None, StepGraphs | None), or None
     seconds: float
     notes: tuple[str, ...] = ()
 

@@ -32,6 +32,9 @@ class StepGraphs:
         # per token: input id, position, KV slot; per sequence (and one more, the empty sequence padding tiles
         # point at): its block table, context length and query offsets (s + 2), then the attention's tiles
         self.tokens = torch.zeros((3, t), dtype=torch.int64, device=device)
+        # until a step fills them, every KV write goes to the scratch block: a capture's warm-up runs while another
+        # variant may be serving from the same pool
+        self.tokens[2].fill_(self.scratch * kv.block_size)
         self.tables = torch.full((s + 1, max_blocks_per_seq), self.scratch, dtype=torch.int32, device=device)
         self.block_ms = self._warm_up(t, device)  # the tile heights the attention kernel asked for
         counts = {bm: -(-t // bm) + s for bm in self.block_ms}  # every sequence adds at most one partial tile

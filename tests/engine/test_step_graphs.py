@@ -30,6 +30,8 @@ def test_a_padded_step_through_static_buffers_gives_the_plain_steps_logits(dense
                                  load_tokenizer=False))
     runner = eng.runner
     steps = runner.capture_step_graphs(eng.ops, (16, 24, 40), variant.max_num_seqs, capture=False)
+    # before a step fills them, the buffers send every KV write to the scratch block (a capture runs them once)
+    assert bool((steps.tokens[2] == eng.kv.scratch_block * variant.block_size).all())
     plain = runner.run
     seen: list[tuple[int, int]] = []
 
