@@ -109,26 +109,19 @@ def main(args: argparse.Namespace) -> int:
 
 def simulator_on_probes(bench: Workbench, cfg: SearchConfig, j, arms: list[ArmRun], caps: dict, calibrated_on: dict,
                         records: list) -> None:
-    """Where the simulator's capacity error comes from, per arm (as the main job's judge reports it,
-    ops/search/judge_search.py): the probes' steps against the time the slow tier's calibration predicts for them
-    (``step_drift``: the step model), and the simulator replaying the judge's own probes with the calibration
-    refitted on every step measured (``on_probes``: the scheduling, with the step model corrected)."""
+    """Where the simulator's capacity error comes from, per arm, as the main job's judge reports it
+    (``ops.search.judge_search.probe_diagnostics``): recorded on the judgement and printed."""
     from types import SimpleNamespace
 
-    from ops.search.judge_search import on_probes, step_drift
-    from ops.search.worker import calibration_from
+    from ops.search.judge_search import probe_diagnostics
 
-    spec = bench.spec_for(SLOW)
+    search = SimpleNamespace(model_spec=bench.spec_for(SLOW), hardware=bench.hardware, cfg=cfg)
     for arm in arms:
-        vid, n0 = arm.variant.variant_id, calibrated_on[arm.variant.variant_id]
-        drift = step_drift(spec, bench.hardware, arm.samples[:n0], arm.samples[n0:])
-        cal = calibration_from(spec, bench.hardware, arm.samples)
-        got = on_probes(SimpleNamespace(model_spec=spec, hardware=bench.hardware, cfg=cfg), arm.variant, cal,
-                        caps[vid].probes, records) if cal is not None else {}
-        if drift is not None:
-            got["step_drift_on_probes"] = drift
+        vid = arm.variant.variant_id
+        got, _ = probe_diagnostics(search, arm, calibrated_on[vid], caps[vid], records)
         j.arms[vid].update(got)
-        parts = [f"the steps replayed after the calibration took {drift:.2f}x its prediction"] if drift else []
+        parts = [f"the steps replayed after the calibration took {got['step_drift_on_probes']:.2f}x its "
+                 "prediction"] if "step_drift_on_probes" in got else []
         if "capacity_on_probes" in got:
             censored = f" (censored {got['censored_on_probes']})" if got.get("censored_on_probes") else ""
             parts.append(f"capacity over the simulated probes {got['capacity_on_probes']:.3f} req/s{censored}, "

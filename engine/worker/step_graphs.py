@@ -26,7 +26,7 @@ class StepGraphs:
     def __init__(self, model, kv, kv_layers, cos_sin, ops, token_sizes, max_seqs: int, max_blocks_per_seq: int,
                  device, capture: bool = True) -> None:
         self.model, self.kv_layers, self.cos_sin, self.ops = model, kv_layers, cos_sin, ops
-        self.sizes, self.max_seqs, self.capture = sorted(set(token_sizes)), max_seqs, capture
+        self.sizes, self.max_seqs = sorted(set(token_sizes)), max_seqs
         self.block_size, self.scratch = kv.block_size, kv.scratch_block
         t, s = self.sizes[-1], max_seqs
         # per token: input id, position, KV slot; per sequence (and one more, the empty sequence padding tiles
@@ -37,14 +37,17 @@ class StepGraphs:
         self.tokens[2].fill_(self.scratch * kv.block_size)
         self.tables = torch.full((s + 1, max_blocks_per_seq), self.scratch, dtype=torch.int32, device=device)
         self.block_ms = self._warm_up(t, device)  # the tile heights the attention kernel asked for
-        counts = {bm: -(-t // bm) + s for bm in self.block_ms}  # every sequence adds at most one partial tile
-        self.ints = torch.zeros(2 * s + 3 + 2 * sum(counts.values()), dtype=torch.int32, device=device)
-        self.context_lens, self.query_start_loc = self.ints[:s + 1], self.ints[s + 1:2 * s + 3]
-        self.tiles, at = {}, 2 * s + 3
-        for bm, n in counts.items():
-            self.tiles[bm] = (self.ints[at:at + n], self.ints[at + n:at + 2 * n])
-            at += 2 * n
-        self._stages = [_Staging(t, self.ints.numel(), s + 1, max_blocks_per_seq) for _ in range(2)]
+        # one int32 buffer, one transfer: where each part lies in it, for the device views and the staging alike
+        self._parts, at = {}, 0
+        for name, n in [("context_lens", s + 1), ("query_start_loc", s + 2)] + [
+                (part, -(-t // bm) + s) for bm in self.block_ms for part in (("seqs", bm), ("rows", bm))]:
+            self._parts[name], at = slice(at, at + n), at + n  # a tile list: every sequence adds one partial tile
+        self.ints = torch.zeros(at, dtype=torch.int32, device=device)
+        self.context_lens = self.ints[self._parts["context_lens"]]
+        self.query_start_loc = self.ints[self._parts["query_start_loc"]]
+        self.tiles = {bm: (self.ints[self._parts["seqs", bm]], self.ints[self._parts["rows", bm]])
+                      for bm in self.block_ms}
+        self._stages = [_Staging(t, at, s + 1, max_blocks_per_seq) for _ in range(2)]
         self._turn = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         pool = None
@@ -77,7 +80,7 @@ class StepGraphs:
         pos = torch.arange(t, dtype=torch.int64, device=device) % bs  # the scratch block's positions only
         with torch.inference_mode():
             self.model(ids, pos, self.cos_sin, self.kv_layers, meta, self.ops)
-        return sorted(k[1] for k in meta.derived if isinstance(k, tuple) and k[:1] == tile_key(0)[:1])
+        return sorted(k[1] for k in meta.derived if isinstance(k, tuple) and len(k) == 2 and k == tile_key(k[1]))
 
     def _meta(self, n: int, context_lens: list[int], query_start_loc: list[int]) -> AttentionMetadata:
         """The step's metadata over the static buffers for a step of ``n`` tokens (captured: the host lists are
@@ -116,18 +119,16 @@ class StepGraphs:
         tok[0, :n], tok[1, :n], tok[2, :n] = ids, positions, slots
         tok[:2, n:size] = 0
         tok[2, n:size] = self.scratch * self.block_size
-        ints[:b] = context_lens
-        ints[b:s + 1] = 0
-        ints[s + 1:s + 2 + b] = query_start_loc
-        ints[s + 2 + b:2 * s + 3] = n  # sequences past the step's: no new tokens
-        at = 2 * s + 3
-        for bm, (seqs, _) in self.tiles.items():
-            count, cap = -(-size // bm) + s, seqs.numel()
+        ctx, qsl = ints[self._parts["context_lens"]], ints[self._parts["query_start_loc"]]
+        ctx[:b], ctx[b:] = context_lens, 0
+        qsl[:b + 1], qsl[b + 1:] = query_start_loc, n  # sequences past the step's: no new tokens
+        for bm in self.block_ms:
+            seq_buf, row_buf = ints[self._parts["seqs", bm]], ints[self._parts["rows", bm]]
+            count = -(-size // bm) + s
             seq_ids, rows = tile_order(context_lens, query_start_loc, bm)
             k = len(seq_ids)
-            ints[at:at + k], ints[at + k:at + count] = seq_ids, s  # padding tiles: the empty sequence s
-            ints[at + cap:at + cap + k], ints[at + cap + k:at + cap + count] = rows, 0
-            at += 2 * cap
+            seq_buf[:k], seq_buf[k:count] = seq_ids, s  # padding tiles: the empty sequence s
+            row_buf[:k], row_buf[k:count] = rows, 0
         tab[:b, :tables.shape[1]] = tables
         # whole rows: a contiguous copy from pinned memory does not wait for the stream (what lies past the step's
         # tokens and blocks is stale, and nothing reads it)

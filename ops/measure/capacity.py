@@ -323,10 +323,11 @@ class Searcher:
 
     From ``start`` (the measured saturation throughput, or a prediction below it) the rate is multiplied or
     divided by ``step`` until the fitted curve has a pass and a fail, then bisected (geometrically) until their
-    ratio is at most ``resolution`` (then ``_settle`` probes beyond an undecided end). ``floor``: the rate below which requests no longer overlap (no lower rate
-    can do better): failing there, the capacity is censored below it. ``ceiling``: the rate at which the window
-    arrives at once: passing there, censored above. A void probe (the load generator lagged) is repeated once;
-    ``max_probes`` spent ends the search "undecided" unless it has converged."""
+    ratio is at most ``resolution`` (then ``_settle`` probes beyond an undecided end). ``floor``: the rate below
+    which requests no longer overlap (no lower rate can do better): failing there, the capacity is censored below
+    it. ``ceiling``: the rate at which the window arrives at once: passing there, censored above. A void probe (the
+    load generator lagged) is repeated once; ``max_probes`` spent ends the search "undecided" unless it has
+    converged."""
 
     def __init__(self, start: float, *, target: float = TARGET, resolution: float = 1.10, step: float = 2.0,
                  max_probes: int = 8, floor: float = 0.0, ceiling: float = math.inf):

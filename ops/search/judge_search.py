@@ -52,23 +52,16 @@ def judge_search(search, jcfg: JudgeConfig | None = None, excluded: dict[str, st
     calibrated_on = {a.variant.variant_id: len(a.samples) for a in arms}  # the slow tier's steps, before any probe
     j, caps = run_judgement(pj, arms[0], arms[1:], latencies)
     j.notes = notes + j.notes
-    from ops.search.worker import calibration_from
-
     errs = []
     for a in arms:  # the simulator's volume beside the measured figures, calibrated on each arm's own steps
-        n0 = calibrated_on[a.variant.variant_id]
-        drift = step_drift(search.model_spec, search.hardware, a.samples[:n0], a.samples[n0:])
-        if drift is not None:
-            j.arms[a.variant.variant_id]["step_drift_on_probes"] = drift
-            search.log(f"judge: {a.variant.name}: the probes' steps took {drift:.2f}x the time the slow tier's "
-                       "calibration predicts for them (the median over runs of four steps)")
-        cal = calibration_from(search.model_spec, search.hardware, a.samples)
-        if cal is None:
-            continue
-        cap = caps[a.variant.variant_id]
-        figures = simulated_figures(search, a.variant, cal, jcfg.simulated_requests)
-        figures.update(on_probes(search, a.variant, cal, cap.probes, windows.records))
-        j.arms[a.variant.variant_id].update(figures)
+        vid, cap = a.variant.variant_id, caps[a.variant.variant_id]
+        figures, cal = probe_diagnostics(search, a, calibrated_on[vid], cap, windows.records)
+        if "step_drift_on_probes" in figures:
+            search.log(f"judge: {a.variant.name}: the probes' steps took {figures['step_drift_on_probes']:.2f}x the "
+                       "time the slow tier's calibration predicts for them (the median over runs of four steps)")
+        if cal is not None:
+            figures.update(simulated_figures(search, a.variant, cal, jcfg.simulated_requests))
+        j.arms[vid].update(figures)
         if "capacity_on_probes" in figures and not cap.censored and cap.estimate > 0:
             errs.append(abs(figures["capacity_on_probes"] - cap.estimate) / cap.estimate)
     j.simulator_probe_error = max(errs) if errs else math.nan
@@ -76,6 +69,24 @@ def judge_search(search, jcfg: JudgeConfig | None = None, excluded: dict[str, st
                       [r.id for r, _ in [base] + picked])
     search.log("judge: " + j.headline())
     return j
+
+
+def probe_diagnostics(search, arm, n0: int, cap, records: list) -> tuple[dict, object]:
+    """Where the simulator's error on one judged arm comes from: the probes' steps against the time the
+    calibration on the arm's first ``n0`` steps predicts (``step_drift_on_probes``: the step model), and the
+    simulator replaying the judge's own probes with the calibration refitted on every step (``on_probes``: the
+    scheduling, with the step model corrected). ``search``: anything with ``model_spec``, ``hardware`` and
+    ``cfg.sim``. Returns (those figures, the refitted calibration or None)."""
+    from ops.search.worker import calibration_from
+
+    figures = {}
+    drift = step_drift(search.model_spec, search.hardware, arm.samples[:n0], arm.samples[n0:])
+    if drift is not None:
+        figures["step_drift_on_probes"] = drift
+    cal = calibration_from(search.model_spec, search.hardware, arm.samples)
+    if cal is not None:
+        figures.update(on_probes(search, arm.variant, cal, cap.probes, records))
+    return figures, cal
 
 
 def step_drift(model, hw, calibration: list, later: list, window: int = 4) -> float | None:
