@@ -80,8 +80,8 @@ def main(args: argparse.Namespace) -> int:
     bench = Workbench(cfg, probe(cfg.device, size_mb=64 if cfg.device == "cpu" else 256))
     cfg = bench.with_slo(a)
     print(f"A: {a.name} ({a.variant_id}); B: {b.name} ({b.variant_id}): {b.changes_from(a)}")
-    print(f"SLO: TTFT <= {1e3 * cfg.slo_ttft_s:.0f} ms, TPOT <= {1e3 * cfg.slo_tpot_s:.0f} ms ({cfg.slo_source}); "
-          f"slow tier on {args.requests} requests of {args.trace}", flush=True)
+    print(f"SLO: {cfg.slo.describe()} ({cfg.slo_source}); slow tier on {args.requests} requests of {args.trace}",
+          flush=True)
     measured = {v.variant_id: bench.evaluate(v, SLOW) for v in (a, b)}
     kw = {k: v for k, v in (("seconds", args.judge_seconds), ("first_look", args.first_look), ("cap", args.cap))
           if v is not None}
@@ -102,7 +102,7 @@ def main(args: argparse.Namespace) -> int:
         print(line)
     print(f"\nB / A: {j.headline()}")
     if args.out:
-        args.out.write_text(json.dumps({"slo": [cfg.slo_ttft_s, cfg.slo_tpot_s], "judgement": j.to_json(),
+        args.out.write_text(json.dumps({"slo": dataclasses.asdict(cfg.slo), "judgement": j.to_json(),
                                         "config": jcfg.to_json()}, indent=1))
     return 0
 
