@@ -103,7 +103,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"\nB / A: {j.headline()}")
     if args.out:
         args.out.write_text(json.dumps({"slo": dataclasses.asdict(cfg.slo), "judgement": j.to_json(),
-                                        "config": jcfg.to_json()}, indent=1))
+                                        "config": jcfg.to_json(),
+                                        "step_samples": {a.variant.variant_id: a.samples for a in arms}}, indent=1))
     return 0
 
 
@@ -113,7 +114,7 @@ def simulator_on_probes(bench: Workbench, cfg: SearchConfig, j, arms: list[ArmRu
     (``ops.search.judge_search.probe_diagnostics``): recorded on the judgement and printed."""
     from types import SimpleNamespace
 
-    from ops.search.judge_search import probe_diagnostics
+    from ops.search.judge_search import drift_kinds, probe_diagnostics
 
     search = SimpleNamespace(model_spec=bench.spec_for(SLOW), hardware=bench.hardware, cfg=cfg)
     for arm in arms:
@@ -121,7 +122,7 @@ def simulator_on_probes(bench: Workbench, cfg: SearchConfig, j, arms: list[ArmRu
         got, _ = probe_diagnostics(search, arm, calibrated_on[vid], caps[vid], records)
         j.arms[vid].update(got)
         parts = [f"the steps replayed after the calibration took {got['step_drift_on_probes']:.2f}x its "
-                 "prediction"] if "step_drift_on_probes" in got else []
+                 "prediction" + drift_kinds(got)] if "step_drift_on_probes" in got else []
         if "capacity_on_probes" in got:
             censored = f" (censored {got['censored_on_probes']})" if got.get("censored_on_probes") else ""
             parts.append(f"capacity over the simulated probes {got['capacity_on_probes']:.3f} req/s{censored}, "

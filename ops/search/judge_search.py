@@ -58,7 +58,8 @@ def judge_search(search, jcfg: JudgeConfig | None = None, excluded: dict[str, st
         figures, cal = probe_diagnostics(search, a, calibrated_on[vid], cap, windows.records)
         if "step_drift_on_probes" in figures:
             search.log(f"judge: {a.variant.name}: the probes' steps took {figures['step_drift_on_probes']:.2f}x the "
-                       "time the slow tier's calibration predicts for them (the median over runs of four steps)")
+                       "time the slow tier's calibration predicts for them (the median over runs of four steps)"
+                       + drift_kinds(figures))
         if cal is not None:
             figures.update(simulated_figures(search, a.variant, cal, jcfg.simulated_requests))
         j.arms[vid].update(figures)
@@ -83,10 +84,18 @@ def probe_diagnostics(search, arm, n0: int, cap, records: list) -> tuple[dict, o
     drift = step_drift(search.model_spec, search.hardware, arm.samples[:n0], arm.samples[n0:])
     if drift is not None:
         figures["step_drift_on_probes"] = drift
+    figures.update(drift_by_kind(search.model_spec, search.hardware, arm.samples[:n0], arm.samples[n0:]))
     cal = calibration_from(search.model_spec, search.hardware, arm.samples)
     if cal is not None:
         figures.update(on_probes(search, arm.variant, cal, cap.probes, records))
     return figures, cal
+
+
+def drift_kinds(figures: dict) -> str:
+    """``drift_by_kind``'s figures as a clause of the log's line ("" where neither was measured)."""
+    parts = [f"{kind} steps {figures[f'step_drift_{kind}']:.2f}x" for kind in ("decode", "prefill")
+             if f"step_drift_{kind}" in figures]
+    return f"; summed: {', '.join(parts)}" if parts else ""
 
 
 def step_drift(model, hw, calibration: list, later: list, window: int = 4) -> float | None:
@@ -104,6 +113,26 @@ def step_drift(model, hw, calibration: list, later: list, window: int = 4) -> fl
         return None
     runs = [steps[k:k + window] for k in range(0, len(steps) - window + 1, window)]
     return statistics.median(sum(t for _, t in r) / sum(step_time(model, hw, s, cal) for s, _ in r) for r in runs)
+
+
+def drift_by_kind(model, hw, calibration: list, later: list) -> dict:
+    """The ``later`` steps' summed time over the summed time the calibration on ``calibration`` predicts for them,
+    apart for steps of decode rows only (``step_drift_decode``) and steps that carry prefill tokens
+    (``step_drift_prefill``): the median drift follows the many decode steps, while a request's TTFT waits on
+    the prefill steps, so a step model that is right on decode and short on prefill shows only here. A kind
+    with fewer than four steps is left out."""
+    from ops.predict.cost_model import step_time
+    from ops.search.worker import calibration_from, step_shapes
+
+    cal = calibration_from(model, hw, calibration)
+    if cal is None:
+        return {}
+    out = {}
+    for kind, steps in (("decode", [(s, t) for s, t in step_shapes(later) if s.new_tokens == s.seqs]),
+                        ("prefill", [(s, t) for s, t in step_shapes(later) if s.new_tokens > s.seqs])):
+        if len(steps) >= 4:
+            out[f"step_drift_{kind}"] = sum(t for _, t in steps) / sum(step_time(model, hw, s, cal) for s, _ in steps)
+    return out
 
 
 def simulated_figures(search, v: VariantSpec, cal, n: int) -> dict:
@@ -138,7 +167,8 @@ def on_probes(search, v: VariantSpec, cal, probes: list, records: list) -> dict:
     arm's measured steps). Its capacity over those simulated probes (``capacity_on_probes``) against the measured one separates
     the simulator's model error from the horizon: the prediction replays a thousand requests end to end, where a
     probe counts tens after a short warm-up, before a queue near capacity has grown to its steady state.
-    ``attainment_error_on_probes``: the mean |simulated - measured| attainment over the probes."""
+    ``attainment_error_on_probes``: the mean |simulated - measured| attainment over the probes;
+    ``probes_simulated``: [rate, measured attainment, simulated attainment] per probe."""
     from ops.measure.capacity import Probe, capacity_of
     from ops.predict.cost_model import simulate
 
@@ -147,7 +177,7 @@ def on_probes(search, v: VariantSpec, cal, probes: list, records: list) -> dict:
     if not counted:
         return {}
     sim = {k: x for k, x in search.cfg.sim.items() if k != "time_scale"}
-    out, diffs = [], []
+    out, diffs, pairs = [], [], []
     for p in counted:
         recs = records[p.window:p.window + p.replayed]
         got = simulate(search.model_spec, search.hardware, recs, v, cal, time_scale=own_rate(recs) / p.rate,
@@ -155,6 +185,7 @@ def on_probes(search, v: VariantSpec, cal, probes: list, records: list) -> dict:
         good = round(got * p.n)
         out.append(Probe(rate=p.rate, outcomes=[1] * good + [0] * (p.n - good), warmup=p.warmup, window=p.window))
         diffs.append(abs(got - p.attainment))
+        pairs.append([p.rate, p.attainment, got])
     cap = capacity_of(out)
     return {"capacity_on_probes": cap.estimate, "censored_on_probes": cap.censored,
-            "attainment_error_on_probes": sum(diffs) / len(diffs)}
+            "attainment_error_on_probes": sum(diffs) / len(diffs), "probes_simulated": pairs}

@@ -163,3 +163,31 @@ def test_step_drift_measures_later_steps_against_the_calibration():
     assert step_drift(SPEC, HW, calibration, steps(40, 1.3)) == pytest.approx(1.3, abs=0.04)
     assert step_drift(SPEC, HW, calibration, steps(7, 1.3)) is None  # fewer than two runs of four steps
     assert step_drift(SPEC, HW, calibration[:5], steps(40, 1.0)) is None  # too few steps to calibrate on
+
+
+def test_drift_by_kind_finds_prefill_steps_slower_than_the_calibration_says():
+    """Later prefill steps 1.5x the calibrated time, decode steps as calibrated: the per-kind sums say so, where
+    the median over runs of four steps (mostly decode) stays near 1."""
+    from ops.search.judge_search import drift_by_kind, drift_kinds, step_drift
+
+    rng = random.Random(11)
+    truth = Calibration(mem=1.2, compute=0.8, launch=15.0, per_seq_s=2e-4, fitted=True)
+
+    def steps(n, prefill_factor):
+        out = []
+        for _ in range(n):
+            prefill = rng.random() < 0.15
+            s = StepShape.prefill(rng.randint(64, 512)) if prefill else StepShape.decode(rng.randint(1, 16), 256)
+            t = step_time(SPEC, HW, s, truth) * (prefill_factor if prefill else 1.0) * (1 + rng.uniform(-0.01, 0.01))
+            out.append([s.new_tokens, s.kv_tokens, s.seqs, s.attn_pairs, t])
+        return out
+
+    calibration, later = steps(80, 1.0), steps(80, 1.5)
+    got = drift_by_kind(SPEC, HW, calibration, later)
+    assert got["step_drift_decode"] == pytest.approx(1.0, abs=0.03)
+    assert got["step_drift_prefill"] == pytest.approx(1.5, abs=0.05)
+    assert step_drift(SPEC, HW, calibration, later) < 1.2
+    assert drift_kinds(got) == f"; summed: decode steps {got['step_drift_decode']:.2f}x, prefill steps " \
+                               f"{got['step_drift_prefill']:.2f}x"
+    assert drift_by_kind(SPEC, HW, calibration[:5], later) == {}  # too few steps to calibrate on
+    assert "step_drift_prefill" not in drift_by_kind(SPEC, HW, calibration, [r for r in later if r[0] == r[2]])
