@@ -70,8 +70,9 @@ class Comparison:
             return "no ratio (an arm was not measured)"
         if self.high == math.inf and self.low == 0.0:
             return "no ratio (its 95% interval runs from 0 to inf: an arm is known only as a bound)"
-        hi = "inf" if self.high == math.inf else f"{self.high:.2f}"
-        return f"{self.ratio:.2f}x (95% {self.low:.2f}-{hi}x)"
+        if self.high == math.inf:  # some redrawn baselines passed no rate: bounded below only
+            return f"{self.ratio:.2f}x (95% {self.low:.2f}x, no upper bound)"
+        return f"{self.ratio:.2f}x (95% {self.low:.2f}-{self.high:.2f}x)"
 
     @property
     def measured(self) -> bool:

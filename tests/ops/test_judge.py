@@ -367,3 +367,11 @@ def test_a_replicate_that_passes_everywhere_is_bounded_by_the_saturation_through
     assert unbounded[1] == 0.0 and unbounded[0] == pytest.approx(bounded[0])
     assert 0.5 < bounded[1] < bounded[0] < bounded[2] < math.inf, bounded
     assert bounded[1] < 1.05  # still no detectable difference: the ceiling only removes the infinite end
+
+
+def test_a_ratio_bounded_below_only_says_so_in_words():
+    from ops.judge.rule import Comparison
+
+    assert Comparison("b", "B", 1.32, 1.19, math.inf, 0.0, "better").line() == "1.32x (95% 1.19x, no upper bound)"
+    assert Comparison("b", "B", 1.32, 1.19, 1.5, 0.0, "better").line() == "1.32x (95% 1.19-1.50x)"
+    assert "no ratio" in Comparison("b", "B", 1.0, 0.0, math.inf, 1.0, "censored").line()
