@@ -144,8 +144,10 @@ def derive_slo(unloaded) -> SLO:
 
 def candidates(device: str, hidden_size: int) -> list[VariantSpec]:
     """The sweep's forms: the default and a knob grid; on a GPU also the validated kernel forms with CUDA
-    graphs for every decode batch up to max_num_seqs."""
-    from engine.config.presets import preset_variant
+    graphs for every decode batch up to max_num_seqs, and each of them at 32 sequences with its steps that carry
+    prefill tokens replayed as graphs too (``presets.prefill_graphed``, the form the tuner's precision candidate
+    takes: static-best has it where it pays in bf16, so a precision's gain is not the graphs')."""
+    from engine.config.presets import preset_variant, prefill_graphed
 
     if device.startswith("cuda"):
         knobs = [dict(max_num_seqs=s, max_num_batched_tokens=2048, prefill_chunk_size=c)
@@ -161,9 +163,12 @@ def candidates(device: str, hidden_size: int) -> list[VariantSpec]:
         for k in knobs:
             graphs = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= k["max_num_seqs"])
             try:
-                out.append(preset_variant(name, hidden_size, cuda_graph_batch_sizes=graphs, **k))
+                v = preset_variant(name, hidden_size, cuda_graph_batch_sizes=graphs, **k)
             except Exception:  # a preset this device cannot run (e.g. dependent launch before Hopper)
                 continue
+            out.append(v)
+            if k["max_num_seqs"] == 32 and k["prefill_chunk_size"] is None:
+                out.append(dataclasses.replace(prefill_graphed(v), name=f"{v.name}, prefill graphs"))
     return out
 
 

@@ -218,3 +218,20 @@ def test_the_search_capacity_is_interpolated_where_the_attainment_crosses_the_ta
     _, _, found = capacity_search(attain, 1.0, resolution=1.25, max_probes=20)
     assert search_crossing(found) == pytest.approx(true, rel=1e-9)
     assert capacity_search(attain, 1.0, resolution=1.25, max_probes=20)[0] < 0.97 * true
+
+
+def test_the_gpu_sweep_has_static_forms_with_prefill_graphs():
+    """The tuner's precision candidate replays its prefill steps as graphs; static-best's sweep offers the same
+    graphs in bf16, so a precision's measured gain cannot be the graphs'. CPU forms have none (no CUDA graphs)."""
+    from ops.measure.static_best_sweep import candidates
+
+    gpu = candidates("cuda", 4096)
+    graphed = [v for v in gpu if v.prefill_graph_tokens]
+    assert {v.name for v in graphed} == {"triton-paged, prefill graphs", "dense-decode, prefill graphs"}
+    for v in graphed:
+        assert v.max_num_seqs == 32 and v.prefill_chunk_size == v.max_num_batched_tokens == 2048
+        assert v.prefill_graph_tokens == (128, 256, 512, 1024, 2048) and v.cuda_graph_batch_sizes
+        plain = next(p for p in gpu if p.name == v.name.split(",")[0] and p.max_num_seqs == 32
+                     and p.prefill_chunk_size is None)
+        assert v.changes_from(plain)  # a form of its own, not a duplicate the sweep would measure twice
+    assert not any(v.prefill_graph_tokens for v in candidates("cpu", 576))
