@@ -83,7 +83,8 @@ def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cap", type=int, help="most counted requests of one probe")
     ap.add_argument("--judge-seconds", type=float, help="the judge's budget")
     ap.add_argument("--judge-top", type=int, help="candidates the judge compares with static-best")
-    ap.add_argument("--bursty-requests", type=int, default=4000)
+    ap.add_argument("--bursty-requests", type=int, default=8000,
+                    help="the bursty slice's length (at 4,000 a GPU judge's search part was replayed twice)")
     ap.add_argument("--bursty-rate", type=float, default=2.0, help="the bursty slice's mean rate (req/s)")
     ap.add_argument("--bursty-cv", type=float, default=3.0, help="its inter-arrival coefficient of variation")
     ap.add_argument("--gate", action="store_true", help="run the gates on each choice (costs device time)")
