@@ -50,6 +50,7 @@ class Calibration:
     compute: float = 1.0
     launch: float = 1.0
     per_seq_s: float = 0.0
+    eager: float = 0.0  # a GPU step not replayed as a graph: the host's launches (fitted beside graphed steps only)
     fitted: bool = False
     samples: int = 0
     fit_mape: float = 0.0  # error on the samples it was fitted to
@@ -66,7 +67,7 @@ def scaled(cal: Calibration, factor: float) -> Calibration:
     if not cal.fitted:
         return cal
     return dataclasses.replace(cal, mem=cal.mem * factor, compute=cal.compute * factor, launch=cal.launch * factor,
-                               per_seq_s=cal.per_seq_s * factor)
+                               per_seq_s=cal.per_seq_s * factor, eager=cal.eager * factor)
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,21 @@ def _elem(model: ModelSpec) -> int:
     return 2 if model.dtype in ("bfloat16", "float16") else 4
 
 
-def features(model: ModelSpec, hw: HardwareProfile, s: StepShape, tp: int = 1) -> tuple[float, float, float, float]:
-    """(memory seconds, compute seconds, launch seconds, sequences) of one step, at the roofline."""
+def graphed(model: ModelSpec, v: VariantSpec, s: StepShape) -> bool:
+    """Whether the engine replays a step of this shape as a CUDA graph under ``v``: decode rows only, as many as its
+    largest ``cuda_graph_batch_sizes``; a step with prefill tokens (a dense model's) up to its largest
+    ``prefill_graph_tokens`` (engine/worker/step_graphs.py)."""
+    if s.new_tokens == s.seqs:
+        return bool(v.cuda_graph_batch_sizes) and s.seqs <= max(v.cuda_graph_batch_sizes)
+    return bool(v.prefill_graph_tokens) and not model.experts and s.new_tokens <= max(v.prefill_graph_tokens)
+
+
+def features(model: ModelSpec, hw: HardwareProfile, s: StepShape, tp: int = 1,
+             v: VariantSpec | None = None) -> tuple[float, float, float, float, float]:
+    """(memory seconds, compute seconds, launch seconds, sequences, eager launch seconds) of one step, at the
+    roofline. The last is the launch seconds again for a GPU step that ``v`` runs eagerly (``graphed``), else 0:
+    a graph's replay costs the host one launch where an eager step pays every kernel's, so with both kinds in a
+    replay (graphed decode, eager prefill chunks) one launch factor fits neither."""
     params = model.param_bytes / _elem(model)
     moved = (model.param_bytes + s.kv_tokens * model.kv_bytes_per_token) / tp
     flops = (2 * params * s.new_tokens + 4 * model.layers * model.heads * model.head_dim * s.attn_pairs) / tp
@@ -100,20 +114,24 @@ def features(model: ModelSpec, hw: HardwareProfile, s: StepShape, tp: int = 1) -
         bw = hw.interconnect_bandwidth or hw.memory_bandwidth / 10
         volume = 2 * model.layers * s.new_tokens * model.hidden_size * _elem(model) * 2 * (tp - 1) / tp
         launch += volume / bw + 2 * model.layers * ALLREDUCE_LATENCY_S
-    return moved / hw.memory_bandwidth, flops / rate, launch, float(s.seqs)
+    eager = launch if v is not None and hw.device.startswith("cuda") and not graphed(model, v, s) else 0.0
+    return moved / hw.memory_bandwidth, flops / rate, launch, float(s.seqs), eager
 
 
 def step_time(model: ModelSpec, hw: HardwareProfile, shape: StepShape, cal: Calibration = ROOFLINE,
-              tp: int = 1) -> float:
-    mem, comp, launch, seqs = features(model, hw, shape, tp)
+              tp: int = 1, v: VariantSpec | None = None) -> float:
+    """One step's modelled seconds; ``v``: the variant that runs it (which steps are graphs, ``features``)."""
+    mem, comp, launch, seqs, eager = features(model, hw, shape, tp, v)
     if not cal.fitted:
         return max(mem, comp) + launch
-    return cal.mem * mem + cal.compute * comp + cal.launch * launch + cal.per_seq_s * seqs
+    return cal.mem * mem + cal.compute * comp + cal.launch * launch + cal.per_seq_s * seqs + cal.eager * eager
 
 
 def calibrate(model: ModelSpec, hw: HardwareProfile, samples: list[tuple[StepShape, float]],
-              window: int = 1) -> Calibration:
-    """Non-negative factors minimizing the relative squared error over measured (shape, seconds).
+              window: int = 1, v: VariantSpec | None = None) -> Calibration:
+    """Non-negative factors minimizing the relative squared error over measured (shape, seconds). With ``v``, the
+    variant that ran them, a GPU's eager steps get a launch factor of their own where graphed steps are beside
+    them (``features``); else (``v`` None, a CPU, or every step of one kind) that factor stays 0.
 
     ``window`` > 1 fits sums over that many consecutive steps instead of single steps: an engine
     that runs a step ahead of the host spends one step's time in the call before, so single step
@@ -122,7 +140,10 @@ def calibrate(model: ModelSpec, hw: HardwareProfile, samples: list[tuple[StepSha
         return ROOFLINE
     if any(t < 0 for _, t in samples):
         raise ValueError("measured step times must not be negative")
-    feats = np.array([features(model, hw, s) for s, _ in samples], dtype=np.float64)
+    feats = np.array([features(model, hw, s, 1, v) for s, _ in samples], dtype=np.float64)
+    eager = feats[:, 4] > 0
+    cols_fit = 5 if eager.any() and not eager.all() else 4  # both kinds: else the column is 0 or the launch's
+    feats = feats[:, :cols_fit]
     times = np.array([t for _, t in samples], dtype=np.float64)
     if window > 1:
         n = len(samples) // window * window or len(samples)
@@ -135,8 +156,8 @@ def calibrate(model: ModelSpec, hw: HardwareProfile, samples: list[tuple[StepSha
     w = 1.0 / y  # relative error
     best = None
     # exact non-negative least squares for four unknowns: the best unconstrained fit on each support
-    for k in range(1, 5):
-        for cols in combinations(range(4), k):
+    for k in range(1, cols_fit + 1):
+        for cols in combinations(range(cols_fit), k):
             a = x[:, cols] * w[:, None]
             coef, *_ = np.linalg.lstsq(a, y * w, rcond=None)
             if np.any(coef < 0):
@@ -144,12 +165,12 @@ def calibrate(model: ModelSpec, hw: HardwareProfile, samples: list[tuple[StepSha
             err = float(np.sum((a @ coef - y * w) ** 2))
             if best is None or err < best[0] - 1e-15:
                 best = (err, cols, coef)
-    full = np.zeros(4)
+    full = np.zeros(5)
     full[list(best[1])] = best[2]
-    pred = x @ full
+    pred = x @ full[:cols_fit]
     fit_mape = float(np.mean(np.abs(pred - y) / y))
     return Calibration(mem=float(full[0]), compute=float(full[1]), launch=float(full[2]), per_seq_s=float(full[3]),
-                       fitted=True, samples=len(samples), fit_mape=fit_mape)
+                       eager=float(full[4]), fitted=True, samples=len(samples), fit_mape=fit_mape)
 
 
 def shapes_from_fast(step_times_ms: dict[str, float]) -> list[tuple[StepShape, float]]:
@@ -244,7 +265,7 @@ def simulate(model: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], 
                           len(batch.scheduled),
                           sum(item.num_new_tokens * (item.seq.num_computed_tokens + (item.num_new_tokens + 1) // 2)
                               for item in batch.scheduled))
-        t += step_time(model, hw, shape, cal, v.tp)
+        t += step_time(model, hw, shape, cal, v.tp, v)
         steps += 1
         if steps_out is not None:
             steps_out.append(shape)

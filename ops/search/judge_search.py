@@ -81,11 +81,11 @@ def probe_diagnostics(search, arm, n0: int, cap, records: list) -> tuple[dict, o
     from ops.search.worker import calibration_from
 
     figures = {}
-    drift = step_drift(search.model_spec, search.hardware, arm.samples[:n0], arm.samples[n0:])
+    drift = step_drift(search.model_spec, search.hardware, arm.samples[:n0], arm.samples[n0:], v=arm.variant)
     if drift is not None:
         figures["step_drift_on_probes"] = drift
-    figures.update(drift_by_kind(search.model_spec, search.hardware, arm.samples[:n0], arm.samples[n0:]))
-    cal = calibration_from(search.model_spec, search.hardware, arm.samples)
+    figures.update(drift_by_kind(search.model_spec, search.hardware, arm.samples[:n0], arm.samples[n0:], arm.variant))
+    cal = calibration_from(search.model_spec, search.hardware, arm.samples, arm.variant)
     if cal is not None:
         figures.update(on_probes(search, arm.variant, cal, cap.probes, records))
     return figures, cal
@@ -98,24 +98,25 @@ def drift_kinds(figures: dict) -> str:
     return f"; summed: {', '.join(parts)}" if parts else ""
 
 
-def step_drift(model, hw, calibration: list, later: list, window: int = 4) -> float | None:
+def step_drift(model, hw, calibration: list, later: list, window: int = 4, v=None) -> float | None:
     """The median over runs of ``window`` consecutive ``later`` steps of their measured time over the time the cost
     model calibrated on ``calibration`` (steps as [new tokens, KV tokens, sequences, attended pairs, seconds])
     predicts for them; None with too few of either. Above 1: the later replays (the judge's probes) ran slower steps
     than those the simulator's capacity was predicted from, which near the knee of the attainment curve moves the
-    measured capacity well below the predicted one."""
+    measured capacity well below the predicted one. ``v``: the variant that ran the steps."""
     from ops.predict.cost_model import step_time
     from ops.search.worker import calibration_from, step_shapes
 
-    cal = calibration_from(model, hw, calibration)
+    cal = calibration_from(model, hw, calibration, v)
     steps = step_shapes(later)
     if cal is None or len(steps) < 2 * window:
         return None
     runs = [steps[k:k + window] for k in range(0, len(steps) - window + 1, window)]
-    return statistics.median(sum(t for _, t in r) / sum(step_time(model, hw, s, cal) for s, _ in r) for r in runs)
+    return statistics.median(sum(t for _, t in r) / sum(step_time(model, hw, s, cal, 1, v) for s, _ in r)
+                             for r in runs)
 
 
-def drift_by_kind(model, hw, calibration: list, later: list) -> dict:
+def drift_by_kind(model, hw, calibration: list, later: list, v=None) -> dict:
     """The ``later`` steps' summed time over the summed time the calibration on ``calibration`` predicts for them,
     apart for steps of decode rows only (``step_drift_decode``) and steps that carry prefill tokens
     (``step_drift_prefill``): the median drift follows the many decode steps, while a request's TTFT waits on
@@ -124,14 +125,15 @@ def drift_by_kind(model, hw, calibration: list, later: list) -> dict:
     from ops.predict.cost_model import step_time
     from ops.search.worker import calibration_from, step_shapes
 
-    cal = calibration_from(model, hw, calibration)
+    cal = calibration_from(model, hw, calibration, v)
     if cal is None:
         return {}
     out = {}
     for kind, steps in (("decode", [(s, t) for s, t in step_shapes(later) if s.new_tokens == s.seqs]),
                         ("prefill", [(s, t) for s, t in step_shapes(later) if s.new_tokens > s.seqs])):
         if len(steps) >= 4:
-            out[f"step_drift_{kind}"] = sum(t for _, t in steps) / sum(step_time(model, hw, s, cal) for s, _ in steps)
+            out[f"step_drift_{kind}"] = sum(t for _, t in steps) / sum(step_time(model, hw, s, cal, 1, v)
+                                                                        for s, _ in steps)
     return out
 
 
@@ -164,8 +166,8 @@ def simulated_figures(search, v: VariantSpec, cal, n: int) -> dict:
 def on_probes(search, v: VariantSpec, cal, probes: list, records: list) -> dict:
     """The simulator replaying the judge's own probes of ``v``: each probe's window (``records`` from its index,
     as many as it replayed), its rate, its warm-up and its counted requests, with ``cal`` (calibrated on the
-    arm's measured steps). Its capacity over those simulated probes (``capacity_on_probes``) against the measured one separates
-    the simulator's model error from the horizon: the prediction replays a thousand requests end to end, where a
+    arm's measured steps). Its capacity over those simulated probes (``capacity_on_probes``) against the measured
+    one separates the simulator's model error from the horizon: the prediction replays a thousand requests end to end, where a
     probe counts tens after a short warm-up, before a queue near capacity has grown to its steady state.
     ``attainment_error_on_probes``: the mean |simulated - measured| attainment over the probes;
     ``probes_simulated``: [rate, measured attainment, simulated attainment] per probe."""

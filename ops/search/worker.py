@@ -175,7 +175,7 @@ class Workbench:
     def simulated_capacity(self, variant: VariantSpec, samples: list, n: int = 1000) -> float:
         """The simulator's capacity of ``variant`` over ``n`` requests of the search part, calibrated on its own
         measured steps (``samples``: [new tokens, KV tokens, sequences, attended pairs, seconds] per step)."""
-        cal = calibration_from(self.spec_for(SLOW), self.hardware, samples)
+        cal = calibration_from(self.spec_for(SLOW), self.hardware, samples, variant)
         if cal is None:
             return 0.0
         return predicted_capacity(self.spec_for(SLOW), self.hardware, self.sim_records(n), variant, cal, **self.cfg.sim)
@@ -280,13 +280,14 @@ def step_shapes(samples: list) -> list:
     return [(StepShape(int(a), int(b), int(c), int(d)), t) for a, b, c, d, t in samples if t > 0]
 
 
-def calibration_from(model, hw, samples: list) -> Calibration | None:
+def calibration_from(model, hw, samples: list, variant=None) -> Calibration | None:
     """The cost model fitted to a replay's own steps (sums over four steps: an engine that runs a step ahead
-    spends one step's time in the call before), or None with too few of them."""
+    spends one step's time in the call before), or None with too few of them. ``variant``: the one that ran them
+    (its graphed and eager steps apart, ``cost_model.features``)."""
     shapes = step_shapes(samples)
     if len(shapes) < 8:
         return None
-    return calibrate(model, hw, shapes, window=4)
+    return calibrate(model, hw, shapes, window=4, v=variant)
 
 
 def reference_from(board: Board, search: str) -> tuple | None:

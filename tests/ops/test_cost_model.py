@@ -60,13 +60,13 @@ def test_calibration_recovers_known_factors():
 
 
 def test_roofline_step_time_is_the_larger_bound_plus_launches():
-    mem, comp, launch, _ = features(SPEC, HW, StepShape.decode(1, 100))
+    mem, comp, launch, _, eager = features(SPEC, HW, StepShape.decode(1, 100))
     assert step_time(SPEC, HW, StepShape.decode(1, 100)) == pytest.approx(max(mem, comp) + launch)
-    assert mem > comp  # batch-1 decode is memory-bound
-    mem, comp, _, _ = features(SPEC, HW, StepShape.prefill(2048))
+    assert mem > comp and eager == 0  # batch-1 decode is memory-bound; no variant given: no eager launches
+    mem, comp, _, _, _ = features(SPEC, HW, StepShape.prefill(2048))
     assert comp > mem  # a long prefill is compute-bound
-    m1, _, l1, _ = features(SPEC, HW, StepShape.decode(8, 100), tp=1)
-    m2, _, l2, _ = features(SPEC, HW, StepShape.decode(8, 100), tp=2)
+    m1, _, l1, _, _ = features(SPEC, HW, StepShape.decode(8, 100), tp=1)
+    m2, _, l2, _, _ = features(SPEC, HW, StepShape.decode(8, 100), tp=2)
     assert m2 == pytest.approx(m1 / 2) and l2 > l1  # TP halves bytes per device, adds all-reduces
 
 
@@ -191,3 +191,40 @@ def test_drift_by_kind_finds_prefill_steps_slower_than_the_calibration_says():
                                f"{got['step_drift_prefill']:.2f}x"
     assert drift_by_kind(SPEC, HW, calibration[:5], later) == {}  # too few steps to calibrate on
     assert "step_drift_prefill" not in drift_by_kind(SPEC, HW, calibration, [r for r in later if r[0] == r[2]])
+
+
+def test_eager_steps_beside_graphed_ones_get_their_own_launch_factor():
+    """On a GPU a variant's decode steps replay as CUDA graphs while its prefill chunks run eagerly and pay the host
+    every kernel's launch (a constant whatever the chunk's length). Calibrated with the variant, the model tells the
+    two apart and predicts a short eager chunk to within a few percent; one launch factor for both (no variant, as
+    before) misses it badly. With no graphed step (or on a CPU) the fit is the old one."""
+    from ops.predict.cost_model import graphed
+
+    gpu = dataclasses.replace(HW, device="cuda:0", memory_bandwidth=3e12, matmul_flops={"float32": 4e14},
+                              launch_overhead_s=4e-6)
+    v = VariantSpec(name="graphs", cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32), prefill_chunk_size=512)
+    truth = Calibration(mem=1.3, compute=0.9, launch=1.0, per_seq_s=5e-5, eager=12.0, fitted=True)
+    rng = random.Random(3)
+
+    def step(s):
+        return s, step_time(SPEC, gpu, s, truth, 1, v) * (1 + rng.uniform(-0.01, 0.01))
+    shapes = [StepShape.decode(rng.randint(1, 32), rng.randint(64, 1024)) for _ in range(120)]
+    shapes += [StepShape.prefill(rng.choice([16, 48, 200, 512])) for _ in range(24)]
+    rng.shuffle(shapes)
+    samples = [step(s) for s in shapes]
+    assert not graphed(SPEC, v, StepShape.prefill(16)) and graphed(SPEC, v, StepShape.decode(32, 100))
+    assert not graphed(SPEC, v, StepShape.decode(33, 100))
+    short = StepShape.prefill(16)
+    with_v = calibrate(SPEC, gpu, samples, v=v)
+    assert with_v.eager > 0 and with_v.fit_mape < 0.03
+    true_short = step_time(SPEC, gpu, short, truth, 1, v)
+    assert step_time(SPEC, gpu, short, with_v, 1, v) == pytest.approx(true_short, rel=0.05)
+    one_factor = calibrate(SPEC, gpu, samples)
+    assert one_factor.eager == 0
+    assert abs(step_time(SPEC, gpu, short, one_factor) / true_short - 1) > 0.2
+    # the prefill graphs make every step a graph: no eager column to fit, as on a CPU
+    graphs = dataclasses.replace(v, prefill_graph_tokens=(128, 512), prefill_chunk_size=512)
+    assert graphed(SPEC, graphs, short) and calibrate(SPEC, gpu, samples, v=graphs).eager == 0
+    assert calibrate(SPEC, HW, samples, v=v).eager == 0
+    moe = dataclasses.replace(SPEC, experts=8, experts_per_token=2)
+    assert not graphed(moe, graphs, short)  # step graphs are a dense model's only
