@@ -155,7 +155,7 @@ def calibrate(model: ModelSpec, hw: HardwareProfile, samples: list[tuple[StepSha
     x, y = feats, times
     w = 1.0 / y  # relative error
     best = None
-    # exact non-negative least squares for four unknowns: the best unconstrained fit on each support
+    # exact non-negative least squares for four or five unknowns: the best unconstrained fit on each support
     for k in range(1, cols_fit + 1):
         for cols in combinations(range(cols_fit), k):
             a = x[:, cols] * w[:, None]

@@ -167,8 +167,8 @@ def on_probes(search, v: VariantSpec, cal, probes: list, records: list) -> dict:
     """The simulator replaying the judge's own probes of ``v``: each probe's window (``records`` from its index,
     as many as it replayed), its rate, its warm-up and its counted requests, with ``cal`` (calibrated on the
     arm's measured steps). Its capacity over those simulated probes (``capacity_on_probes``) against the measured
-    one separates the simulator's model error from the horizon: the prediction replays a thousand requests end to end, where a
-    probe counts tens after a short warm-up, before a queue near capacity has grown to its steady state.
+    one separates the simulator's model error from the horizon: the prediction replays a thousand requests end to
+    end, where a probe counts tens after a short warm-up, before a queue near capacity has grown to its steady state.
     ``attainment_error_on_probes``: the mean |simulated - measured| attainment over the probes;
     ``probes_simulated``: [rate, measured attainment, simulated attainment] per probe."""
     from ops.measure.capacity import Probe, capacity_of
