@@ -168,7 +168,8 @@ def w8a8_prefill(m: Llama8B, profile: bool = True) -> None:
 
 @section
 def w8a8_served(m: Llama8B, out=None, batches=(1, 32, 64)) -> None:
-    """Decode steps of static-best bf16 and its FP8 form as the tuner proposes it, at 1, 32 and 64 sequences."""
+    """Decode steps of static-best bf16 and its FP8 form as the tuner proposes it, at 1, 32 and 64 sequences, and
+    the kernels of each one's step at 32."""
     from bench.gpu.precision.serve import served_steps
     from engine.config.presets import quantized_variant
     from engine.config.static_best import lookup
@@ -179,7 +180,7 @@ def w8a8_served(m: Llama8B, out=None, batches=(1, 32, 64)) -> None:
         row("W8A8 served", "skipped: no static-best recorded for the 8B on this device")
         return
     served_steps(m.engine, {"static-best bf16": base, "fp8 as the tuner proposes it":
-                            quantized_variant(base, "fp8", "cuda")}, batches, out, "w8a8_change.json")
+                            quantized_variant(base, "fp8", "cuda")}, batches, out, "w8a8_change.json", profile_at=32)
 
 
 @section

@@ -93,8 +93,30 @@ def served_decode_by_precision(m: Llama8B, out=None, batches=(1, 8, 16, 32)) -> 
     served_steps(eng, {"static-best bf16": base, **fp8_forms(base)}, batches, out, "fp8_change.json")
 
 
-def served_steps(eng, forms: dict, batches, out, change_file: str) -> None:
-    """Decode steps of each form (the first is the baseline) at each batch size, a row per form; the fastest other
+def decode_profile(eng, label: str, b: int, ctx: int = 192, steps: int = 8) -> None:
+    """The kernels of the served decode step at ``b`` sequences of ``ctx`` tokens (``kernel_profile``: GPU time
+    per kernel and the step's time no kernel covers), after every sequence's prefill, as the step replays."""
+    from bench.gpu.harness import kernel_profile
+    from engine import SamplingParams
+
+    eng.block_manager.reset_prefix_cache()
+    ids = [eng.add_request([(i * 7919 + j * 31) % 30000 + 10 for j in range(ctx)],
+                           SamplingParams(max_tokens=4 * steps + 16, ignore_eos=True)) for i in range(b)]
+    started: set = set()
+    while len(started) < b and eng.has_unfinished():  # the prefills, and the first tokens out
+        started.update(o.request_id for o in eng.step() if o.token_ids)
+    try:
+        kernel_profile(f"8B decode step at {b} sequences, {label}", eng.step, steps=steps, top=12)
+    finally:
+        for rid in ids:
+            eng.abort(rid)
+        while eng.has_unfinished():
+            eng.step()
+
+
+def served_steps(eng, forms: dict, batches, out, change_file: str, profile_at: int = 0) -> None:
+    """Decode steps of each form (the first is the baseline) at each batch size, a row per form, and with
+    ``profile_at`` the kernels of each form's step at that many sequences (``decode_profile``); the fastest other
     form's change to the baseline (over the batches) to ``out``/``change_file`` (for bench/tuning/capacity_ab.py)."""
     import json
 
@@ -106,6 +128,8 @@ def served_steps(eng, forms: dict, batches, out, change_file: str) -> None:
             eng.apply_variant(spec)
             prepared = time.perf_counter() - t
             got[label] = {b: _step_ms(eng, b) for b in batches}
+            if profile_at:
+                decode_profile(eng, label, profile_at)
         except Exception as e:
             traceback.print_exc()
             row(f"8B decode step, {label}", f"FAILED {type(e).__name__}: {str(e)[:160]}")
