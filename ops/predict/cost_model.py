@@ -222,13 +222,16 @@ def simulate(model: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], 
              cal: Calibration = ROOFLINE, *, time_scale: float = 1.0, max_input: int | None = None,
              max_output: int | None = None, num_kv_blocks: int = 512, slo_ttft_s: float = 2.0,
              slo_tpot_s: float = 0.2, slo_ttft_per_token_s: float = 0.0, tpot_min_tokens: int = 8,
-             steps_out: list | None = None, counted: tuple[int, int] | None = None) -> Prediction:
+             steps_out: list | None = None, counted: tuple[int, int] | None = None,
+             run_ahead: bool | None = None) -> Prediction:
     """Replays the records through the engine's own Scheduler and BlockManager (continuous batching, chunked
     prefill, prefix caching over prompts built as the slow tier builds them, preemption by recompute) on a
     simulated clock that advances by each step's modelled time. ``steps_out``, when given, receives every
     step's StepShape. A request larger than the whole KV pool is left out, as the engine refuses it.
     ``counted``: (first, end) record indices whose outcomes make the attainment (a rate probe's counted requests,
-    after its warm-up); an unfinished one counts as missed. Default: every request."""
+    after its warm-up); an unfinished one counts as missed. Default: every request. ``run_ahead`` (default: on a
+    GPU, as the engine): a step of decode rows only, launched with nothing waiting, has the next one launched
+    before its tokens are read, so a request that arrives during it joins the step after next."""
     if not records:
         raise ValueError("simulate needs at least one request")
     t0 = records[0].arrival_s
@@ -246,20 +249,31 @@ def simulate(model: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], 
     first: dict[str, float] = {}
     done: list[tuple[Sequence, float]] = []
     t, steps = 0.0, 0
+    ahead = None if not (hw.device.startswith("cuda") if run_ahead is None else run_ahead) else False
+    launched_at = 0.0  # the last step's start: with ``ahead`` the next step was fixed then
 
     def stop_at_length(seq: Sequence) -> None:
         if len(seq.output_token_ids) >= seq.params.max_tokens:
             seq.finish_reason = FinishReason.LENGTH
 
     while pending or sched.has_unfinished():
-        while pending and pending[0][0] <= t:
+        cutoff = launched_at if ahead else t  # a step launched ahead admits no one who came after its launch
+        while pending and pending[0][0] <= cutoff:
             sched.add(pending.popleft()[1])
         batch = sched.schedule() if sched.has_unfinished() else None
         if batch is None or batch.is_empty:
+            if ahead:  # every row of the step launched ahead had finished: the engine schedules afresh
+                ahead = False
+                continue
             if not pending:
                 break  # nothing can run (cannot happen for requests that fit the pool)
             t = max(t, pending[0][0])
             continue
+        if ahead is not None:  # as LLMEngine._can_run_ahead, at this step's launch
+            ahead = (not sched.waiting and not (pending and pending[0][0] <= t)
+                     and len(batch.scheduled) == len(sched.running)
+                     and all(item.num_new_tokens == 1 and item.samples for item in batch.scheduled))
+            launched_at = t
         shape = StepShape(batch.num_batched_tokens,
                           sum(item.seq.num_computed_tokens + item.num_new_tokens for item in batch.scheduled),
                           len(batch.scheduled),

@@ -228,3 +228,40 @@ def test_eager_steps_beside_graphed_ones_get_their_own_launch_factor():
     assert calibrate(SPEC, HW, samples, v=v).eager == 0
     moe = dataclasses.replace(SPEC, experts=8, experts_per_token=2)
     assert not graphed(moe, graphs, short)  # step graphs are a dense model's only
+
+
+def test_a_step_launched_ahead_admits_an_arrival_one_step_later_as_the_engine_does(one_layer):
+    """On a GPU the engine launches a decode step's successor before reading its tokens (run-ahead): a request
+    that arrives meanwhile joins the step after next. Driven by hand on the CPU with run-ahead on, the engine's
+    steps and the simulator's (each step 1 s, the second request arriving during step 5) batch the same tokens."""
+    from engine import LLMEngine, SamplingParams
+
+    eng = LLMEngine.with_loaded(one_layer, dataclasses.replace(one_layer.config, async_decode=True,
+                                                               variant=VariantSpec()))
+    run: dict[str, int] = {}
+    measured = []
+
+    def step():
+        outs = eng.step()
+        new = 0
+        for o in outs:
+            new += o.num_tokens_run - run.get(o.request_id, 0)
+            run[o.request_id] = o.num_tokens_run
+        measured.append((new, len(outs)))
+    eng.add_request(list(range(100, 132)), SamplingParams(max_tokens=12, ignore_eos=True))
+    for _ in range(6):
+        step()
+    eng.add_request(list(range(200, 216)), SamplingParams(max_tokens=4, ignore_eos=True))
+    while eng.has_unfinished():
+        step()
+    recs = [TraceRecord(arrival_s=0.0, input_tokens=32, output_tokens=12, source="t"),
+            TraceRecord(arrival_s=5.5, input_tokens=16, output_tokens=4, source="t")]
+    per_step = Calibration(mem=0.0, compute=0.0, launch=0.0, per_seq_s=0.0, fitted=True)
+    gpu = dataclasses.replace(HW, device="cuda:0")
+    unit = dataclasses.replace(per_step, launch=1.0 / (12 * SPEC.layers * gpu.launch_overhead_s))  # 1 s a step
+    ahead, plain = [], []
+    simulate(SPEC, gpu, recs, VariantSpec(), unit, steps_out=ahead)
+    simulate(SPEC, gpu, recs, VariantSpec(), unit, steps_out=plain, run_ahead=False)
+    assert [(s.new_tokens, s.seqs) for s in ahead] == measured
+    assert (17, 2) in measured and measured.index((17, 2)) == 7  # the arrival of step 5 prefilled in step 7
+    assert [(s.new_tokens, s.seqs) for s in plain].index((17, 2)) == 6  # without run-ahead, in step 6
