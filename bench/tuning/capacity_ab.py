@@ -102,9 +102,9 @@ def main(args: argparse.Namespace) -> int:
         print(line)
     print(f"\nB / A: {j.headline()}")
     if args.out:
+        samples = {arm.variant.variant_id: arm.samples for arm in arms}
         args.out.write_text(json.dumps({"slo": dataclasses.asdict(cfg.slo), "judgement": j.to_json(),
-                                        "config": jcfg.to_json(),
-                                        "step_samples": {a.variant.variant_id: a.samples for a in arms}}, indent=1))
+                                        "config": jcfg.to_json(), "step_samples": samples}, indent=1))
     return 0
 
 

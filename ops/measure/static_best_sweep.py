@@ -142,11 +142,12 @@ def derive_slo(unloaded) -> SLO:
     return SLO(ttft_s=TTFT_FACTOR * base, tpot_s=TPOT_FACTOR * tpot, ttft_per_token_s=TTFT_FACTOR * slope)
 
 
-def candidates(device: str, hidden_size: int) -> list[VariantSpec]:
+def candidates(device: str, hidden_size: int, moe: bool = False) -> list[VariantSpec]:
     """The sweep's forms: the default and a knob grid; on a GPU also the validated kernel forms with CUDA
     graphs for every decode batch up to max_num_seqs, and each of them at 32 sequences with its steps that carry
     prefill tokens replayed as graphs too (``presets.prefill_graphed``, the form the tuner's precision candidate
-    takes: static-best has it where it pays in bf16, so a precision's gain is not the graphs')."""
+    takes: static-best has it where it pays in bf16, so a precision's gain is not the graphs'); not for a
+    mixture-of-experts model (``moe``), whose steps with prefill tokens the engine does not capture."""
     from engine.config.presets import preset_variant, prefill_graphed
 
     if device.startswith("cuda"):
@@ -167,7 +168,7 @@ def candidates(device: str, hidden_size: int) -> list[VariantSpec]:
             except Exception:  # a preset this device cannot run (e.g. dependent launch before Hopper)
                 continue
             out.append(v)
-            if k["max_num_seqs"] == 32 and k["prefill_chunk_size"] is None:
+            if k["max_num_seqs"] == 32 and k["prefill_chunk_size"] is None and not moe:
                 out.append(dataclasses.replace(prefill_graphed(v), name=f"{v.name}, prefill graphs"))
     return out
 
@@ -196,7 +197,7 @@ def sweep(source: ModelSource, device: str = "cpu", dtype: str = "float32", slo:
     if derived:
         slo = derive_slo(unloaded)
         log(f"SLO from the default's unloaded latency: TTFT {1e3 * slo.ttft_s:.0f} ms, TPOT {1e3 * slo.tpot_s:.1f} ms")
-    variants = variants or candidates(device, engine.model_config.hidden_size)
+    variants = variants or candidates(device, engine.model_config.hidden_size, engine.model_config.num_experts > 0)
     # the first rate tried: a few requests in flight at the unloaded latency (later: the last capacity found)
     guess = 4.0 / (unloaded[0] + workload.output * unloaded[1])
     # past this rate the whole workload arrives within a twentieth of one unloaded request: at once

@@ -102,19 +102,19 @@ def graphed(model: ModelSpec, v: VariantSpec, s: StepShape) -> bool:
 def features(model: ModelSpec, hw: HardwareProfile, s: StepShape, tp: int = 1,
              v: VariantSpec | None = None) -> tuple[float, float, float, float, float]:
     """(memory seconds, compute seconds, launch seconds, sequences, eager launch seconds) of one step, at the
-    roofline. The last is the launch seconds again for a GPU step that ``v`` runs eagerly (``graphed``), else 0:
-    a graph's replay costs the host one launch where an eager step pays every kernel's, so with both kinds in a
-    replay (graphed decode, eager prefill chunks) one launch factor fits neither."""
+    roofline. The last is the kernels' launch seconds again for a GPU step that ``v`` runs eagerly (``graphed``),
+    else 0: a graph's replay costs the host one launch where an eager step pays every kernel's, so with both kinds
+    in a replay (graphed decode, eager prefill chunks) one launch factor fits neither."""
     params = model.param_bytes / _elem(model)
     moved = (model.param_bytes + s.kv_tokens * model.kv_bytes_per_token) / tp
     flops = (2 * params * s.new_tokens + 4 * model.layers * model.heads * model.head_dim * s.attn_pairs) / tp
     rate = hw.matmul_flops.get(model.dtype) or next(iter(hw.matmul_flops.values()))
-    launch = KERNELS_PER_LAYER * model.layers * hw.launch_overhead_s
+    launch = kernels = KERNELS_PER_LAYER * model.layers * hw.launch_overhead_s
     if tp > 1:
         bw = hw.interconnect_bandwidth or hw.memory_bandwidth / 10
         volume = 2 * model.layers * s.new_tokens * model.hidden_size * _elem(model) * 2 * (tp - 1) / tp
         launch += volume / bw + 2 * model.layers * ALLREDUCE_LATENCY_S
-    eager = launch if v is not None and hw.device.startswith("cuda") and not graphed(model, v, s) else 0.0
+    eager = kernels if v is not None and hw.device.startswith("cuda") and not graphed(model, v, s) else 0.0
     return moved / hw.memory_bandwidth, flops / rate, launch, float(s.seqs), eager
 
 
@@ -140,7 +140,7 @@ def calibrate(model: ModelSpec, hw: HardwareProfile, samples: list[tuple[StepSha
         return ROOFLINE
     if any(t < 0 for _, t in samples):
         raise ValueError("measured step times must not be negative")
-    feats = np.array([features(model, hw, s, 1, v) for s, _ in samples], dtype=np.float64)
+    feats = np.array([features(model, hw, s, v.tp if v is not None else 1, v) for s, _ in samples], dtype=np.float64)
     eager = feats[:, 4] > 0
     cols_fit = 5 if eager.any() and not eager.all() else 4  # both kinds: else the column is 0 or the launch's
     feats = feats[:, :cols_fit]
@@ -231,7 +231,8 @@ def simulate(model: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], 
     ``counted``: (first, end) record indices whose outcomes make the attainment (a rate probe's counted requests,
     after its warm-up); an unfinished one counts as missed. Default: every request. ``run_ahead`` (default: on a
     GPU, as the engine): a step of decode rows only, launched with nothing waiting, has the next one launched
-    before its tokens are read, so a request that arrives during it joins the step after next."""
+    before its tokens are read, with the same rows, so a request that arrives during it joins the step after next,
+    and a row that finished in it runs once more, dead (LLMEngine._can_run_ahead)."""
     if not records:
         raise ValueError("simulate needs at least one request")
     t0 = records[0].arrival_s
@@ -250,7 +251,7 @@ def simulate(model: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], 
     done: list[tuple[Sequence, float]] = []
     t, steps = 0.0, 0
     ahead = None if not (hw.device.startswith("cuda") if run_ahead is None else run_ahead) else False
-    launched_at = 0.0  # the last step's start: with ``ahead`` the next step was fixed then
+    launched_at, prev = 0.0, None  # the last step's start (with ``ahead`` the next step was fixed then) and shape
 
     def stop_at_length(seq: Sequence) -> None:
         if len(seq.output_token_ids) >= seq.params.max_tokens:
@@ -262,24 +263,28 @@ def simulate(model: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], 
             sched.add(pending.popleft()[1])
         batch = sched.schedule() if sched.has_unfinished() else None
         if batch is None or batch.is_empty:
-            if ahead:  # every row of the step launched ahead had finished: the engine schedules afresh
+            if ahead:  # every row of the step launched ahead had finished: it runs dead, then one is scheduled
+                t += step_time(model, hw, _one_further(prev), cal, v.tp, v)
                 ahead = False
                 continue
             if not pending:
                 break  # nothing can run (cannot happen for requests that fit the pool)
             t = max(t, pending[0][0])
             continue
-        if ahead is not None:  # as LLMEngine._can_run_ahead, at this step's launch
-            ahead = (not sched.waiting and not (pending and pending[0][0] <= t)
-                     and len(batch.scheduled) == len(sched.running)
-                     and all(item.num_new_tokens == 1 and item.samples for item in batch.scheduled))
-            launched_at = t
         shape = StepShape(batch.num_batched_tokens,
                           sum(item.seq.num_computed_tokens + item.num_new_tokens for item in batch.scheduled),
                           len(batch.scheduled),
                           sum(item.num_new_tokens * (item.seq.num_computed_tokens + (item.num_new_tokens + 1) // 2)
                               for item in batch.scheduled))
-        t += step_time(model, hw, shape, cal, v.tp, v)
+        run = _one_further(prev) if ahead else shape  # launched ahead: the last step's rows, finished ones too
+        if ahead is not None:  # as LLMEngine._can_run_ahead, at this step's launch
+            ahead = ((run.seqs == shape.seqs) and not sched.waiting and not (pending and pending[0][0] <= t)
+                     and len(batch.scheduled) == len(sched.running)
+                     and all(item.num_new_tokens == 1 and item.samples for item in batch.scheduled)
+                     and not (v.speculative_tokens > 0 and len(batch.scheduled) <= v.speculative_max_batch))
+            launched_at = t
+        prev = run
+        t += step_time(model, hw, run, cal, v.tp, v)
         steps += 1
         if steps_out is not None:
             steps_out.append(shape)
@@ -307,6 +312,11 @@ def simulate(model: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], 
                       total_tok_s=(out_tokens + in_tokens) / wall, ttft_p99=percentile(ttft, .99),
                       tpot_p99=percentile(tpot, .99), goodput=good / wall, wall_s=wall, steps=steps,
                       attainment=good / max(1, len(arrival) if counted is None else hi - lo))
+
+
+def _one_further(s: StepShape) -> StepShape:
+    """A decode step's rows one token further on (the step the engine launches ahead of reading ``s``'s tokens)."""
+    return StepShape(s.new_tokens, s.kv_tokens + s.seqs, s.seqs, s.attn_pairs + s.seqs)
 
 
 def predicted_capacity(model: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], v: VariantSpec,

@@ -74,17 +74,13 @@ def judge_search(search, jcfg: JudgeConfig | None = None, excluded: dict[str, st
 
 def probe_diagnostics(search, arm, n0: int, cap, records: list) -> tuple[dict, object]:
     """Where the simulator's error on one judged arm comes from: the probes' steps against the time the
-    calibration on the arm's first ``n0`` steps predicts (``step_drift_on_probes``: the step model), and the
+    calibration on the arm's first ``n0`` steps predicts (``step_drifts``: the step model), and the
     simulator replaying the judge's own probes with the calibration refitted on every step (``on_probes``: the
     scheduling, with the step model corrected). ``search``: anything with ``model_spec``, ``hardware`` and
     ``cfg.sim``. Returns (those figures, the refitted calibration or None)."""
     from ops.search.worker import calibration_from
 
-    figures = {}
-    drift = step_drift(search.model_spec, search.hardware, arm.samples[:n0], arm.samples[n0:], v=arm.variant)
-    if drift is not None:
-        figures["step_drift_on_probes"] = drift
-    figures.update(drift_by_kind(search.model_spec, search.hardware, arm.samples[:n0], arm.samples[n0:], arm.variant))
+    figures = step_drifts(search.model_spec, search.hardware, arm.samples[:n0], arm.samples[n0:], arm.variant)
     cal = calibration_from(search.model_spec, search.hardware, arm.samples, arm.variant)
     if cal is not None:
         figures.update(on_probes(search, arm.variant, cal, cap.probes, records))
@@ -92,49 +88,43 @@ def probe_diagnostics(search, arm, n0: int, cap, records: list) -> tuple[dict, o
 
 
 def drift_kinds(figures: dict) -> str:
-    """``drift_by_kind``'s figures as a clause of the log's line ("" where neither was measured)."""
+    """``step_drifts``' sums by kind as a clause of the log's line ("" where neither was measured)."""
     parts = [f"{kind} steps {figures[f'step_drift_{kind}']:.2f}x" for kind in ("decode", "prefill")
              if f"step_drift_{kind}" in figures]
     return f"; summed: {', '.join(parts)}" if parts else ""
 
 
-def step_drift(model, hw, calibration: list, later: list, window: int = 4, v=None) -> float | None:
-    """The median over runs of ``window`` consecutive ``later`` steps of their measured time over the time the cost
-    model calibrated on ``calibration`` (steps as [new tokens, KV tokens, sequences, attended pairs, seconds])
-    predicts for them; None with too few of either. Above 1: the later replays (the judge's probes) ran slower steps
-    than those the simulator's capacity was predicted from, which near the knee of the attainment curve moves the
-    measured capacity well below the predicted one. ``v``: the variant that ran the steps."""
-    from ops.predict.cost_model import step_time
-    from ops.search.worker import calibration_from, step_shapes
-
-    cal = calibration_from(model, hw, calibration, v)
-    steps = step_shapes(later)
-    if cal is None or len(steps) < 2 * window:
-        return None
-    runs = [steps[k:k + window] for k in range(0, len(steps) - window + 1, window)]
-    return statistics.median(sum(t for _, t in r) / sum(step_time(model, hw, s, cal, 1, v) for s, _ in r)
-                             for r in runs)
-
-
-def drift_by_kind(model, hw, calibration: list, later: list, v=None) -> dict:
-    """The ``later`` steps' summed time over the summed time the calibration on ``calibration`` predicts for them,
-    apart for steps of decode rows only (``step_drift_decode``) and steps that carry prefill tokens
-    (``step_drift_prefill``): the median drift follows the many decode steps, while a request's TTFT waits on
-    the prefill steps, so a step model that is right on decode and short on prefill shows only here. A kind
-    with fewer than four steps is left out."""
+def step_drifts(model, hw, calibration: list, later: list, v=None, window: int = 4) -> dict:
+    """The ``later`` steps (the judge's probes') measured time over the time the cost model calibrated on
+    ``calibration`` (steps as [new tokens, KV tokens, sequences, attended pairs, seconds], run by ``v``) predicts
+    for them: ``step_drift_on_probes``, the median over runs of ``window`` consecutive steps (with two runs or
+    more); ``step_drift_decode`` and ``step_drift_prefill``, summed apart for steps of decode rows only and steps
+    that carry prefill tokens (four or more of a kind). Above 1: the probes ran slower steps than those the
+    simulator's capacity was predicted from, which near the knee of the attainment curve moves the measured
+    capacity well below the predicted one. The median follows the many decode steps while a request's TTFT waits
+    on the prefill steps, so a step model right on decode and short on prefill shows in the sums only. Empty
+    with too few steps to calibrate on."""
     from ops.predict.cost_model import step_time
     from ops.search.worker import calibration_from, step_shapes
 
     cal = calibration_from(model, hw, calibration, v)
     if cal is None:
         return {}
+    steps = [(s, t, step_time(model, hw, s, cal, v.tp if v is not None else 1, v)) for s, t in step_shapes(later)]
     out = {}
-    for kind, steps in (("decode", [(s, t) for s, t in step_shapes(later) if s.new_tokens == s.seqs]),
-                        ("prefill", [(s, t) for s, t in step_shapes(later) if s.new_tokens > s.seqs])):
-        if len(steps) >= 4:
-            out[f"step_drift_{kind}"] = sum(t for _, t in steps) / sum(step_time(model, hw, s, cal, 1, v)
-                                                                        for s, _ in steps)
+    if len(steps) >= 2 * window:
+        runs = [steps[k:k + window] for k in range(0, len(steps) - window + 1, window)]
+        out["step_drift_on_probes"] = statistics.median(sum(t for _, t, _ in r) / sum(p for *_, p in r) for r in runs)
+    for kind, picked in (("decode", [x for x in steps if x[0].new_tokens == x[0].seqs]),
+                         ("prefill", [x for x in steps if x[0].new_tokens > x[0].seqs])):
+        if len(picked) >= 4:
+            out[f"step_drift_{kind}"] = sum(t for _, t, _ in picked) / sum(p for *_, p in picked)
     return out
+
+
+def step_drift(model, hw, calibration: list, later: list, window: int = 4, v=None) -> float | None:
+    """``step_drifts``' median over runs of ``window`` steps, or None with too few steps."""
+    return step_drifts(model, hw, calibration, later, v, window).get("step_drift_on_probes")
 
 
 def simulated_figures(search, v: VariantSpec, cal, n: int) -> dict:

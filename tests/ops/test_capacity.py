@@ -235,3 +235,4 @@ def test_the_gpu_sweep_has_static_forms_with_prefill_graphs():
                      and p.prefill_chunk_size is None)
         assert v.changes_from(plain)  # a form of its own, not a duplicate the sweep would measure twice
     assert not any(v.prefill_graph_tokens for v in candidates("cpu", 576))
+    assert not any(v.prefill_graph_tokens for v in candidates("cuda", 2048, moe=True))  # the engine captures none

@@ -165,10 +165,10 @@ def test_step_drift_measures_later_steps_against_the_calibration():
     assert step_drift(SPEC, HW, calibration[:5], steps(40, 1.0)) is None  # too few steps to calibrate on
 
 
-def test_drift_by_kind_finds_prefill_steps_slower_than_the_calibration_says():
+def test_step_drifts_find_prefill_steps_slower_than_the_calibration_says():
     """Later prefill steps 1.5x the calibrated time, decode steps as calibrated: the per-kind sums say so, where
     the median over runs of four steps (mostly decode) stays near 1."""
-    from ops.search.judge_search import drift_by_kind, drift_kinds, step_drift
+    from ops.search.judge_search import drift_kinds, step_drift, step_drifts
 
     rng = random.Random(11)
     truth = Calibration(mem=1.2, compute=0.8, launch=15.0, per_seq_s=2e-4, fitted=True)
@@ -183,14 +183,15 @@ def test_drift_by_kind_finds_prefill_steps_slower_than_the_calibration_says():
         return out
 
     calibration, later = steps(80, 1.0), steps(80, 1.5)
-    got = drift_by_kind(SPEC, HW, calibration, later)
+    got = step_drifts(SPEC, HW, calibration, later)
     assert got["step_drift_decode"] == pytest.approx(1.0, abs=0.03)
     assert got["step_drift_prefill"] == pytest.approx(1.5, abs=0.05)
     assert step_drift(SPEC, HW, calibration, later) < 1.2
     assert drift_kinds(got) == f"; summed: decode steps {got['step_drift_decode']:.2f}x, prefill steps " \
                                f"{got['step_drift_prefill']:.2f}x"
-    assert drift_by_kind(SPEC, HW, calibration[:5], later) == {}  # too few steps to calibrate on
-    assert "step_drift_prefill" not in drift_by_kind(SPEC, HW, calibration, [r for r in later if r[0] == r[2]])
+    assert step_drifts(SPEC, HW, calibration[:5], later) == {}  # too few steps to calibrate on
+    assert "step_drift_prefill" not in step_drifts(SPEC, HW, calibration, [r for r in later if r[0] == r[2]])
+    assert got["step_drift_on_probes"] == step_drift(SPEC, HW, calibration, later)
 
 
 def test_eager_steps_beside_graphed_ones_get_their_own_launch_factor():
@@ -230,38 +231,62 @@ def test_eager_steps_beside_graphed_ones_get_their_own_launch_factor():
     assert not graphed(moe, graphs, short)  # step graphs are a dense model's only
 
 
-def test_a_step_launched_ahead_admits_an_arrival_one_step_later_as_the_engine_does(one_layer):
-    """On a GPU the engine launches a decode step's successor before reading its tokens (run-ahead): a request
-    that arrives meanwhile joins the step after next. Driven by hand on the CPU with run-ahead on, the engine's
-    steps and the simulator's (each step 1 s, the second request arriving during step 5) batch the same tokens."""
+def _steps_run_ahead(one_layer, arrivals: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """The CPU engine with run-ahead on, driven by hand: each (call, prompt tokens, output tokens) added before
+    that ``step()`` call; (tokens run, rows out) per call."""
     from engine import LLMEngine, SamplingParams
 
     eng = LLMEngine.with_loaded(one_layer, dataclasses.replace(one_layer.config, async_decode=True,
                                                                variant=VariantSpec()))
     run: dict[str, int] = {}
-    measured = []
-
-    def step():
-        outs = eng.step()
-        new = 0
+    out, call = [], 0
+    while True:
+        for k, (at, n, o) in enumerate(arrivals):
+            if at == call:
+                eng.add_request([100 * (k + 1) + j for j in range(n)], SamplingParams(max_tokens=o, ignore_eos=True))
+        if not eng.has_unfinished() and call > max(a for a, _, _ in arrivals):
+            return out
+        new, outs = 0, eng.step()
         for o in outs:
             new += o.num_tokens_run - run.get(o.request_id, 0)
             run[o.request_id] = o.num_tokens_run
-        measured.append((new, len(outs)))
-    eng.add_request(list(range(100, 132)), SamplingParams(max_tokens=12, ignore_eos=True))
-    for _ in range(6):
-        step()
-    eng.add_request(list(range(200, 216)), SamplingParams(max_tokens=4, ignore_eos=True))
-    while eng.has_unfinished():
-        step()
+        if outs:
+            out.append((new, len(outs)))
+        call += 1
+
+
+@pytest.mark.parametrize("late", range(2, 9))
+def test_a_step_launched_ahead_admits_an_arrival_as_the_engine_does(late, one_layer):
+    """On a GPU the engine launches a decode step's successor, with the same rows, before reading its tokens
+    (run-ahead): a request that arrives meanwhile joins the step after next, unless a row finished (the step
+    launched ahead then runs it dead and the next is scheduled afresh). Driven by hand on the CPU with run-ahead
+    on, the engine's steps and the simulator's (each step 1 s; a third request arriving during step ``late`` - 1,
+    before, at and after the second one's end) batch the same tokens."""
+    measured = _steps_run_ahead(one_layer, [(0, 32, 12), (0, 16, 4), (late, 8, 3)])
     recs = [TraceRecord(arrival_s=0.0, input_tokens=32, output_tokens=12, source="t"),
-            TraceRecord(arrival_s=5.5, input_tokens=16, output_tokens=4, source="t")]
-    per_step = Calibration(mem=0.0, compute=0.0, launch=0.0, per_seq_s=0.0, fitted=True)
+            TraceRecord(arrival_s=0.0, input_tokens=16, output_tokens=4, source="t"),
+            TraceRecord(arrival_s=late - 0.5, input_tokens=8, output_tokens=3, source="t")]
     gpu = dataclasses.replace(HW, device="cuda:0")
-    unit = dataclasses.replace(per_step, launch=1.0 / (12 * SPEC.layers * gpu.launch_overhead_s))  # 1 s a step
+    unit = Calibration(mem=0.0, compute=0.0, launch=1.0 / (12 * SPEC.layers * gpu.launch_overhead_s), per_seq_s=0.0,
+                       fitted=True)  # 1 s a step
     ahead, plain = [], []
     simulate(SPEC, gpu, recs, VariantSpec(), unit, steps_out=ahead)
     simulate(SPEC, gpu, recs, VariantSpec(), unit, steps_out=plain, run_ahead=False)
     assert [(s.new_tokens, s.seqs) for s in ahead] == measured
-    assert (17, 2) in measured and measured.index((17, 2)) == 7  # the arrival of step 5 prefilled in step 7
-    assert [(s.new_tokens, s.seqs) for s in plain].index((17, 2)) == 6  # without run-ahead, in step 6
+    if late == 7:  # in the middle of the first one's decode alone: prefilled a step later than without run-ahead
+        first = next(i for i, (n, _) in enumerate(measured) if i and n > 2)
+        assert first == next(i for i, s in enumerate(plain) if i and s.new_tokens > 2) + 1
+
+
+def test_a_dead_row_of_a_step_launched_ahead_costs_its_time():
+    """Every row of a step launched ahead finished the step before: the engine still runs it (dead) before the
+    next request's step, and the simulator's clock counts it."""
+    gpu = dataclasses.replace(HW, device="cuda:0")
+    unit = Calibration(mem=0.0, compute=0.0, launch=1.0 / (12 * SPEC.layers * gpu.launch_overhead_s), per_seq_s=0.0,
+                       fitted=True)
+    recs = [TraceRecord(arrival_s=0.0, input_tokens=16, output_tokens=3, source="t"),
+            TraceRecord(arrival_s=2.5, input_tokens=16, output_tokens=2, source="t")]
+    ahead = simulate(SPEC, gpu, recs, VariantSpec(), unit)
+    plain = simulate(SPEC, gpu, recs, VariantSpec(), unit, run_ahead=False)
+    # steps at 0 (prefill), 1, 2 (the last token, its successor launched ahead at 2 and run dead 3-4), 4: 1 s later
+    assert ahead.wall_s == pytest.approx(plain.wall_s + 1.0)
