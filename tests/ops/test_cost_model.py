@@ -290,3 +290,6 @@ def test_a_dead_row_of_a_step_launched_ahead_costs_its_time():
     plain = simulate(SPEC, gpu, recs, VariantSpec(), unit, run_ahead=False)
     # steps at 0 (prefill), 1, 2 (the last token, its successor launched ahead at 2 and run dead 3-4), 4: 1 s later
     assert ahead.wall_s == pytest.approx(plain.wall_s + 1.0)
+    # a variant that may draft at this batch never runs ahead (the next step goes through the scheduler)
+    spec = VariantSpec(speculative_tokens=4, speculative_max_batch=8)
+    assert simulate(SPEC, gpu, recs, spec, unit).wall_s == simulate(SPEC, gpu, recs, spec, unit, run_ahead=False).wall_s
