@@ -41,6 +41,9 @@ def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--time-scale", type=float, default=1.0)
     ap.add_argument("--num-kv-blocks", type=int, default=1024)
     ap.add_argument("--change", default="{}", help="JSON object of VariantSpec fields to change in static-best")
+    ap.add_argument("--base-change", default="{}",
+                    help="JSON object of VariantSpec fields that make A from static-best (B is built on A; the SLO "
+                         "stays static-best's): to judge one dimension against a static form that has the rest")
     ap.add_argument("--quantize", choices=["fp8", "int8"],
                     help="B is static-best with these weights, as the tuner proposes it "
                          "(engine.config.presets.quantized_variant; on a GPU with prefill_graphed), before --change")
@@ -52,25 +55,35 @@ def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", type=Path, help="a JSON file for the judgement")
 
 
-def main(args: argparse.Namespace) -> int:
+def _json_object(text: str, flag: str) -> dict:
     try:
-        change = json.loads(args.change)
-        if not isinstance(change, dict):
-            raise ValueError("--change must be a JSON object")
+        got = json.loads(text)
+        if not isinstance(got, dict):
+            raise ValueError(f"{flag} must be a JSON object")
     except ValueError as e:
-        sys.exit(f"capacity_ab: --change: {e}")
+        sys.exit(f"capacity_ab: {flag}: {e}")
+    return got
+
+
+def main(args: argparse.Namespace) -> int:
+    change, base_change = _json_object(args.change, "--change"), _json_object(args.base_change, "--base-change")
     cfg = SearchConfig(model=args.model, trace=args.trace, device=args.device, dtype=args.dtype,
                        requests=args.requests, max_input=args.max_input, max_output=args.max_output,
                        time_scale=args.time_scale, num_kv_blocks=args.num_kv_blocks,
                        slo_ttft_s=args.slo_ttft_ms / 1e3 if args.slo_ttft_ms else None,
                        slo_tpot_s=args.slo_tpot_ms / 1e3 if args.slo_tpot_ms else None)
-    a = static_best_of(cfg)
+    best = static_best_of(cfg)
+    try:
+        a = dataclasses.replace(best, name=f"{best.name} + {args.base_change}", **base_change) if base_change else best
+    except Exception as e:  # an unknown field (TypeError) or a value the spec refuses (ConfigError)
+        sys.exit(f"capacity_ab: --base-change: {type(e).__name__}: {e}")
     if not change and not args.quantize:
         sys.exit("capacity_ab: nothing to compare: give --change, --quantize or both")
     try:
         from engine.config.presets import prefill_graphed, quantized_variant
 
-        b = quantized_variant(a, args.quantize, cfg.device, name=f"static-best + {args.quantize} weights") \
+        b = quantized_variant(a, args.quantize, cfg.device,
+                              name=f"{a.name if base_change else 'static-best'} + {args.quantize} weights") \
             if args.quantize else a
         if args.quantize and cfg.device.startswith("cuda"):  # as ops/search/tune.py's precision candidate
             b = dataclasses.replace(prefill_graphed(b), name=f"{b.name}, prefill graphs")
@@ -78,7 +91,7 @@ def main(args: argparse.Namespace) -> int:
     except Exception as e:  # an unknown field (TypeError) or a value the spec refuses (ConfigError)
         sys.exit(f"capacity_ab: --change / --quantize: {type(e).__name__}: {e}")
     bench = Workbench(cfg, probe(cfg.device, size_mb=64 if cfg.device == "cpu" else 256))
-    cfg = bench.with_slo(a)
+    cfg = bench.with_slo(best)
     print(f"A: {a.name} ({a.variant_id}); B: {b.name} ({b.variant_id}): {b.changes_from(a)}")
     print(f"SLO: {cfg.slo.describe()} ({cfg.slo_source}); slow tier on {args.requests} requests of {args.trace}",
           flush=True)
