@@ -355,14 +355,10 @@ class LLMEngine:
         """Whether the next step can be launched before this one's tokens are read: a greedy decode of
         every running sequence, nothing waiting for admission, and a KV slot for each next token."""
         rows = launched.batch.scheduled
-        if (not self.config.run_ahead or launched.tokens is not None or self.scheduler.waiting
-                or len(rows) != len(self.scheduler.running) or not all(self._live(launched))):
+        if (not self.config.run_ahead or launched.tokens is not None or not all(self._live(launched))
+                or not self.scheduler.continues(rows)):
             return False
-        v = self.variant
-        if v.speculative_tokens > 0 and len(rows) <= v.speculative_max_batch:
-            return False  # the next step may draft: it goes through the scheduler
-        if any(item.num_new_tokens != 1 or not item.samples or start + 2 > self.max_model_len
-               for item, start in zip(rows, launched.starts)):
+        if any(start + 2 > self.max_model_len for start in launched.starts):
             return False
         return all(self.block_manager.ensure_slots(item.seq, start + 2) for item, start in zip(rows, launched.starts))
 

@@ -35,6 +35,18 @@ class Scheduler:
         if block_manager is not None:
             self.block_manager = block_manager
 
+    def continues(self, rows: list) -> bool:
+        """Whether the step after ``rows`` (a step's scheduled items) is known before their tokens are: nothing
+        waiting for admission, every running sequence among them, each a one-token decode row, and no draft the
+        next step might propose. The engine then launches it ahead (LLMEngine._can_run_ahead); the simulator
+        (ops/predict/cost_model.simulate) follows the same rule."""
+        v = self.config
+        if self.waiting or len(rows) != len(self.running):
+            return False
+        if v.speculative_tokens > 0 and len(rows) <= v.speculative_max_batch:
+            return False  # the next step may draft: it goes through the scheduler
+        return all(item.num_new_tokens == 1 and item.samples for item in rows)
+
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 

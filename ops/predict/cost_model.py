@@ -278,10 +278,8 @@ def simulate(model: ModelSpec, hw: HardwareProfile, records: list[TraceRecord], 
                               for item in batch.scheduled))
         run = _one_further(prev) if ahead else shape  # launched ahead: the last step's rows, finished ones too
         if ahead is not None:  # as LLMEngine._can_run_ahead, at this step's launch
-            ahead = ((run.seqs == shape.seqs) and not sched.waiting and not (pending and pending[0][0] <= t)
-                     and len(batch.scheduled) == len(sched.running)
-                     and all(item.num_new_tokens == 1 and item.samples for item in batch.scheduled)
-                     and not (v.speculative_tokens > 0 and len(batch.scheduled) <= v.speculative_max_batch))
+            ahead = (run.seqs == shape.seqs and not (pending and pending[0][0] <= t)
+                     and sched.continues(batch.scheduled))
             launched_at = t
         prev = run
         t += step_time(model, hw, run, cal, v.tp, v)
