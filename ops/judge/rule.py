@@ -317,8 +317,7 @@ class Judgement:
                 "arms": self.arms, "comparisons": [c.to_json() for c in self.comparisons],
                 "confirmation": self.confirmation.to_json() if self.confirmation else None,
                 "simulator_error": None if math.isnan(self.simulator_error) else self.simulator_error,
-                "simulator_probe_error": None if math.isnan(self.simulator_probe_error)
-                else self.simulator_probe_error,
+                "simulator_probe_error": None if math.isnan(self.simulator_probe_error) else self.simulator_probe_error,
                 "seconds": self.seconds, "notes": self.notes}
 
     @classmethod
@@ -363,8 +362,10 @@ class Judgement:
                     f"{a.get(f'goodput_{k}x', 0.0):.2f} req/s (attainment {a.get(f'attainment_{k}x', 0.0):.2f}) at {k}x"
                     for k in ("1", "1.5", "2")))
             if a.get("capacity_gamma") is not None:
+                base, slow = a.get("capacity_simulated") or 0.0, a.get("capacity_steps_slower")
                 out.append(f"    robustness: gamma arrivals of CV {a.get('interarrival_cv', 0.0):.2f}, simulated "
-                           f"capacity {a['capacity_gamma']:.3f} req/s")
+                           f"capacity {a['capacity_gamma']:.3f} req/s" + (f"; every step 10% slower: {slow:.3f} req/s "
+                           f"({slow / base - 1:+.0%})" if slow is not None and base > 0 else ""))
             for p in (cap.probes if cap else []):
                 out.append(f"    probe {p.line()}, {p.warmup} warm-up, window #{p.window}")
         for c in self.comparisons:

@@ -131,15 +131,18 @@ def simulated_figures(search, v: VariantSpec, cal, n: int) -> dict:
     """The simulator's capacity, goodput and attainment at 1x, 1.5x and 2x the traffic's observed rate, and
     the capacity with gamma arrivals of the traffic's fitted burstiness and its length distribution (the
     robustness arm), over ``n`` requests, with ``cal`` (the cost model calibrated on the variant's measured
-    steps)."""
-    from ops.predict.cost_model import predicted_capacity, simulate, synthetic_requests
+    steps); and the capacity with every step 10% slower (``capacity_steps_slower``): near the attainment curve's
+    knee a small drift in the host's speed moves the capacity several times as much, which is how far a
+    simulator's capacity error can come from the steps alone."""
+    from ops.predict.cost_model import predicted_capacity, scaled, simulate, synthetic_requests
     from ops.traffic.traces import profile
 
     model, hw = search.model_spec, search.hardware
     recs = search.bench.sim_records(n)
     sim = {k: x for k, x in search.cfg.sim.items() if k != "time_scale"}
     out = {"simulated_requests": len(recs),
-           "capacity_simulated": predicted_capacity(model, hw, recs, v, cal, **search.cfg.sim)}
+           "capacity_simulated": predicted_capacity(model, hw, recs, v, cal, **search.cfg.sim),
+           "capacity_steps_slower": predicted_capacity(model, hw, recs, v, scaled(cal, 1.1), **search.cfg.sim)}
     observed = own_rate(search.bench.records) / search.cfg.time_scale if search.cfg.time_scale > 0 else math.inf
     if math.isfinite(observed) and observed > 0:
         for k in (1.0, 1.5, 2.0):

@@ -293,3 +293,26 @@ def test_a_dead_row_of_a_step_launched_ahead_costs_its_time():
     # a variant that may draft at this batch never runs ahead (the next step goes through the scheduler)
     spec = VariantSpec(speculative_tokens=4, speculative_max_batch=8)
     assert simulate(SPEC, gpu, recs, spec, unit).wall_s == simulate(SPEC, gpu, recs, spec, unit, run_ahead=False).wall_s
+
+
+def test_simulated_figures_show_how_far_slower_steps_move_the_capacity():
+    """The judge prints, beside the simulator's capacity, its capacity with every step 10% slower: lower, and by
+    more than 10% where the SLO's knee is steep; the judgement's lines carry it as a signed percentage."""
+    from types import SimpleNamespace
+
+    from ops.judge.rule import Judgement
+    from ops.search.judge_search import simulated_figures
+    from ops.traffic.traces import load_trace
+
+    records = load_trace(TRACE)[:120]
+    cal = Calibration(mem=1.2, compute=0.8, launch=15.0, per_seq_s=2e-4, fitted=True)
+    sim = {"time_scale": 1.0, "max_input": 256, "max_output": 16, "num_kv_blocks": 512, "slo_ttft_s": 0.25,
+           "slo_tpot_s": 0.05, "slo_ttft_per_token_s": 0.0}
+    search = SimpleNamespace(model_spec=SPEC, hardware=HW, cfg=SimpleNamespace(sim=sim, time_scale=1.0),
+                             bench=SimpleNamespace(records=records[:16], sim_records=lambda n: records[:n]))
+    got = simulated_figures(search, VariantSpec(), cal, 120)
+    assert 0 < got["capacity_steps_slower"] < got["capacity_simulated"]
+    change = got["capacity_steps_slower"] / got["capacity_simulated"] - 1
+    j = Judgement("a", "a", "censored", "", arms={"a": {"name": "static-best", **got}})
+    assert any(f"every step 10% slower: {got['capacity_steps_slower']:.3f} req/s ({change:+.0%})" in line
+               for line in j.lines())
