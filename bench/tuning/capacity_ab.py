@@ -141,6 +141,9 @@ def simulator_on_probes(bench: Workbench, cfg: SearchConfig, j, arms: list[ArmRu
             parts.append(f"capacity over the simulated probes {got['capacity_on_probes']:.3f} req/s{censored}, "
                          f"measured {caps[vid].estimate:.3f}; mean attainment error "
                          f"{got['attainment_error_on_probes']:.2f}")
+            if "attainment_error_drift_corrected" in got:
+                parts.append(f"{got['attainment_error_drift_corrected']:.2f} with each probe's steps at their measured "
+                             "speed (" + ", ".join(f"{d:.2f}x" for d in got["drift_on_probes"]) + ")")
         if parts:
             print(f"simulator on {arm.variant.name}: " + "; ".join(parts), flush=True)
 

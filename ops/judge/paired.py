@@ -65,6 +65,7 @@ class ArmRun:
     predicted: float = 0.0  # simulator's capacity, req/s (0: none)
     saturation: float = 0.0
     samples: list = field(default_factory=list)  # step samples of every replay, for the simulator's calibration
+    spans: dict = field(default_factory=dict)  # a search probe's window -> (first, end) of its steps in ``samples``
     rounds: list = field(default_factory=list)  # saturation throughput per paired round
 
 
@@ -229,6 +230,7 @@ class PairedJudge:
                 p, samples = probe(self._engine(by_id[vid].variant), recs[:n], prompts[:n], rate, self.slo, warm,
                                    plan, self.max_output, window=idx, deadline=share)
                 p.arm = vid
+                by_id[vid].spans[idx] = (len(by_id[vid].samples), len(by_id[vid].samples) + len(samples))
                 by_id[vid].samples += samples
                 if not p.n and p.verdict != "void":  # the deadline came before a request was counted
                     self.log(f"judge: {by_id[vid].variant.name}: probe at {rate:.3f} req/s ended by the budget "

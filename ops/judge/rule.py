@@ -138,8 +138,7 @@ def latency_worse(cand: list[float], base: list[float], q: float, replicates: in
         return math.nan, math.nan, False
     pb = _percentile([b for _, b in pairs], q)
     ratio = _percentile([c for c, _ in pairs], q) / pb if pb > 0 else math.nan
-    rng = random.Random(seed)
-    reps = []
+    rng, reps = random.Random(seed), []
     for _ in range(replicates):
         draw = [pairs[rng.randrange(len(pairs))] for _ in pairs]
         b = _percentile([x for _, x in draw], q)
@@ -377,13 +376,14 @@ class Judgement:
         if self.confirmation:
             out.append(f"  out of sample: {self.confirmation.line()}")
         if not math.isnan(self.simulator_error):
-            out.append(f"  simulator's capacity error against the replays: {self.simulator_error:.0%} "
-                       f"(target within 10%)")
+            out.append(f"  simulator's capacity error against the replays: {self.simulator_error:.0%} (target 10%)")
         if not math.isnan(self.simulator_probe_error):
-            errs = [a["attainment_error_on_probes"] for a in self.arms.values() if "attainment_error_on_probes" in a]
+            err, fixed = (max((a[k] for a in self.arms.values() if k in a), default=None)
+                          for k in ("attainment_error_on_probes", "attainment_error_drift_corrected"))
             out.append(f"  the simulator replaying the judge's own probes (their windows, rates and counted requests):"
-                       f" capacity error {self.simulator_probe_error:.0%}"
-                       + (f", attainment off by {max(errs):.2f} per probe on average (the worst arm)" if errs else ""))
+                       f" capacity error {self.simulator_probe_error:.0%}" + ("" if err is None else
+                       f", attainment off by {err:.2f} per probe on average (the worst arm)") + ("" if fixed is None
+                       else f"; {fixed:.2f} with each probe's steps at their measured speed"))
         out += [f"  note: {n}" for n in self.notes]
         return out
 

@@ -60,6 +60,11 @@ def judge_search(search, jcfg: JudgeConfig | None = None, excluded: dict[str, st
             search.log(f"judge: {a.variant.name}: the probes' steps took {figures['step_drift_on_probes']:.2f}x the "
                        "time the slow tier's calibration predicts for them (the median over runs of four steps)"
                        + drift_kinds(figures))
+        if "attainment_error_drift_corrected" in figures:
+            search.log(f"judge: {a.variant.name}: the simulator replaying its probes is off by "
+                       f"{figures['attainment_error_on_probes']:.2f} attainment per probe, "
+                       f"{figures['attainment_error_drift_corrected']:.2f} with each probe's steps at their measured "
+                       "speed (" + ", ".join(f"{d:.2f}x" for d in figures["drift_on_probes"]) + ")")
         if cal is not None:
             figures.update(simulated_figures(search, a.variant, cal, jcfg.simulated_requests))
         j.arms[vid].update(figures)
@@ -83,7 +88,8 @@ def probe_diagnostics(search, arm, n0: int, cap, records: list) -> tuple[dict, o
     figures = step_drifts(search.model_spec, search.hardware, arm.samples[:n0], arm.samples[n0:], arm.variant)
     cal = calibration_from(search.model_spec, search.hardware, arm.samples, arm.variant)
     if cal is not None:
-        figures.update(on_probes(search, arm.variant, cal, cap.probes, records))
+        steps = {w: arm.samples[a:b] for w, (a, b) in getattr(arm, "spans", {}).items()}
+        figures.update(on_probes(search, arm.variant, cal, cap.probes, records, steps))
     return figures, cal
 
 
@@ -156,23 +162,28 @@ def simulated_figures(search, v: VariantSpec, cal, n: int) -> dict:
     return out
 
 
-def on_probes(search, v: VariantSpec, cal, probes: list, records: list) -> dict:
+def on_probes(search, v: VariantSpec, cal, probes: list, records: list, steps: dict | None = None) -> dict:
     """The simulator replaying the judge's own probes of ``v``: each probe's window (``records`` from its index,
     as many as it replayed), its rate, its warm-up and its counted requests, with ``cal`` (calibrated on the
     arm's measured steps). Its capacity over those simulated probes (``capacity_on_probes``) against the measured
     one separates the simulator's model error from the horizon: the prediction replays a thousand requests end to
     end, where a probe counts tens after a short warm-up, before a queue near capacity has grown to its steady state.
     ``attainment_error_on_probes``: the mean |simulated - measured| attainment over the probes;
-    ``probes_simulated``: [rate, measured attainment, simulated attainment] per probe."""
+    ``probes_simulated``: [rate, measured attainment, simulated attainment] per probe. With ``steps`` (a probe's
+    window -> its measured steps), each probe is simulated again with every step scaled by that probe's own
+    steps' time over the calibration's (the host's speed while it ran; a shared host drifts within a minute):
+    ``drift_on_probes`` per probe, ``attainment_error_drift_corrected`` the mean |simulated - measured| then, and
+    each ``probes_simulated`` row gains that attainment and the drift. What remains is the scheduling model's error."""
     from ops.measure.capacity import Probe, capacity_of
-    from ops.predict.cost_model import simulate
+    from ops.predict.cost_model import scaled, simulate, step_time
+    from ops.search.worker import step_shapes
 
     counted = [p for p in probes if p.verdict != "void" and p.n and p.replayed
                and p.window + p.replayed <= len(records)]
     if not counted:
         return {}
     sim = {k: x for k, x in search.cfg.sim.items() if k != "time_scale"}
-    out, diffs, pairs = [], [], []
+    out, diffs, pairs, corrected = [], [], [], []
     for p in counted:
         recs = records[p.window:p.window + p.replayed]
         got = simulate(search.model_spec, search.hardware, recs, v, cal, time_scale=own_rate(recs) / p.rate,
@@ -181,6 +192,18 @@ def on_probes(search, v: VariantSpec, cal, probes: list, records: list) -> dict:
         out.append(Probe(rate=p.rate, outcomes=[1] * good + [0] * (p.n - good), warmup=p.warmup, window=p.window))
         diffs.append(abs(got - p.attainment))
         pairs.append([p.rate, p.attainment, got])
+        shapes = step_shapes((steps or {}).get(p.window, []))
+        modelled = sum(step_time(search.model_spec, search.hardware, s, cal, v.tp, v) for s, _ in shapes)
+        if len(shapes) >= 4 and modelled > 0:
+            drift = sum(t for _, t in shapes) / modelled
+            again = simulate(search.model_spec, search.hardware, recs, v, scaled(cal, drift),
+                             time_scale=own_rate(recs) / p.rate, counted=(p.warmup, p.warmup + p.n), **sim).attainment
+            pairs[-1] += [again, drift]
+            corrected.append(abs(again - p.attainment))
     cap = capacity_of(out)
-    return {"capacity_on_probes": cap.estimate, "censored_on_probes": cap.censored,
-            "attainment_error_on_probes": sum(diffs) / len(diffs), "probes_simulated": pairs}
+    res = {"capacity_on_probes": cap.estimate, "censored_on_probes": cap.censored,
+           "attainment_error_on_probes": sum(diffs) / len(diffs), "probes_simulated": pairs}
+    if corrected:
+        res["attainment_error_drift_corrected"] = sum(corrected) / len(corrected)
+        res["drift_on_probes"] = [row[4] for row in pairs if len(row) > 3]
+    return res

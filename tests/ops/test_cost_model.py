@@ -316,3 +316,38 @@ def test_simulated_figures_show_how_far_slower_steps_move_the_capacity():
     j = Judgement("a", "a", "censored", "", arms={"a": {"name": "static-best", **got}})
     assert any(f"every step 10% slower: {got['capacity_steps_slower']:.3f} req/s ({change:+.0%})" in line
                for line in j.lines())
+
+
+def test_on_probes_with_each_probes_own_step_speed_leaves_the_scheduling_error():
+    """Probes whose host ran every step 1.3x the calibrated time (a shared host's drift): the simulator replaying
+    them with the calibration misses their attainment; scaled by each probe's measured steps it matches them."""
+    from types import SimpleNamespace
+
+    from ops.measure.capacity import Probe
+    from ops.measure.tiers import own_rate
+    from ops.predict.cost_model import scaled
+    from ops.search.judge_search import on_probes
+    from ops.traffic.traces import load_trace
+
+    records = load_trace(TRACE)[:400]
+    cal = Calibration(mem=1.2, compute=0.8, launch=15.0, per_seq_s=2e-4, fitted=True)
+    sim = {"max_input": 256, "max_output": 16, "num_kv_blocks": 512, "slo_ttft_s": 0.6, "slo_tpot_s": 0.06,
+           "slo_ttft_per_token_s": 0.0}
+    search = SimpleNamespace(model_spec=SPEC, hardware=HW, cfg=SimpleNamespace(sim={"time_scale": 1.0, **sim}))
+    v, slow = VariantSpec(), scaled(cal, 1.3)
+    probes, steps = [], {}
+    for w, rate in ((0, 0.5), (60, 1.0), (120, 2.0), (180, 3.0)):
+        recs = records[w:w + 44]
+        shapes: list[StepShape] = []
+        got = simulate(SPEC, HW, recs, v, slow, time_scale=own_rate(recs) / rate, counted=(4, 44), steps_out=shapes,
+                       **sim).attainment
+        good = round(got * 40)
+        probes.append(Probe(rate=rate, outcomes=[1] * good + [0] * (40 - good), warmup=4, window=w, replayed=44,
+                            verdict="pass" if good >= 36 else "fail"))
+        steps[w] = [[s.new_tokens, s.kv_tokens, s.seqs, s.attn_pairs, step_time(SPEC, HW, s, slow)] for s in shapes]
+    out = on_probes(search, v, cal, probes, records, steps)
+    assert out["drift_on_probes"] == pytest.approx([1.3] * 4)
+    assert out["attainment_error_drift_corrected"] < 0.02
+    assert out["attainment_error_on_probes"] > 0.15
+    assert [len(row) for row in out["probes_simulated"]] == [5] * 4
+    assert "attainment_error_drift_corrected" not in on_probes(search, v, cal, probes, records)

@@ -126,7 +126,8 @@ def test_each_arm_of_a_round_gets_its_share_of_a_short_budget(monkeypatch):
     def endless_probe(engine, records, prompts, rate, slo, warmup, plan, max_output, window=0, deadline=None):
         given.append((rate, deadline - clock[0]))
         clock[0] = deadline  # it ran until it was stopped, counting a few requests
-        return Probe(rate=rate, outcomes=[1] * 5, warmup=warmup, window=window, verdict="undecided"), []
+        return Probe(rate=rate, outcomes=[1] * 5, warmup=warmup, window=window, verdict="undecided"), \
+            [[1, 8, 1, 8, 0.01]] * len(given)  # the first probe 1 step, the second 2
 
     class Engine:
         def generate(self, *a, **k):
@@ -144,6 +145,8 @@ def test_each_arm_of_a_round_gets_its_share_of_a_short_budget(monkeypatch):
     for a in arms:
         assert caps[a.variant.variant_id].requests == 5
     assert clock[0] == pj.deadline  # and no round started with nothing left
+    window = caps[base.variant_id].probes[0].window  # each arm's steps of the probe, found by its window
+    assert [a.spans for a in arms] == [{window: (0, 1)}, {window: (0, 2)}]
 
 
 def test_a_prediction_too_slow_for_the_budget_is_probed_at_the_slowest_affordable_rate(monkeypatch):
