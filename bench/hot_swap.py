@@ -33,9 +33,7 @@ def _sync(device: str) -> None:
 
 
 def add_cli_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
+    cli.add_model_args(ap)
     ap.add_argument("--json", default=None)
 
 

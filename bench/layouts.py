@@ -50,9 +50,7 @@ def layout(text: str) -> tuple[int, int]:
 
 def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/layouts"))
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
+    cli.add_model_args(ap)
     ap.add_argument("--traces", type=Path, default=ROOT / "traces", help="a folder with the Azure and Mooncake traces")
     ap.add_argument("--only", nargs="*", default=["azure", "mooncake"])
     ap.add_argument("--layouts", type=layout, nargs="+", default=[(1, 1), (2, 1), (1, 2)])

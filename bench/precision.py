@@ -30,9 +30,7 @@ PROMPTS = ["Tell a short story about a lighthouse keeper who finds a message in 
 
 
 def add_cli_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
+    cli.add_model_args(ap)
     ap.add_argument("--kinds", nargs="+", default=["int8"], choices=["int8", "fp8"])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)

@@ -51,9 +51,7 @@ def prompts() -> dict[str, list[str]]:
 
 
 def add_cli_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
+    cli.add_model_args(ap)
     ap.add_argument("--tokens", type=int, nargs="+", default=[2, 4, 8], help="draft lengths compared with off")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=2)

@@ -21,3 +21,17 @@ def run(doc: str | None, add_cli_args: Callable[[argparse.ArgumentParser], None]
     (None: 0)."""
     args = parser(doc, add_cli_args, prog).parse_args(argv)
     return int(main(args) or 0)
+
+
+def add_model_args(ap: argparse.ArgumentParser, trace: bool = False) -> None:
+    """The options most benchmarks share: ``--model`` (a preset, GGUF file or folder; default SmolLM2), ``--device``
+    and ``--dtype`` (default the CPU's float32), and with ``trace`` the ``--trace`` to replay (default the Azure
+    conversation trace that ships in traces/)."""
+    from pathlib import Path
+
+    ap.add_argument("--model", default="smollm2")
+    if trace:
+        ap.add_argument("--trace", default=str(Path(__file__).resolve().parents[2] / "traces"
+                                               / "AzureLLMInferenceTrace_conv.csv"))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")

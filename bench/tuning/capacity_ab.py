@@ -19,21 +19,16 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-from ops.measure.hardware import probe  # noqa: E402
-from ops.judge.paired import ArmRun, JudgeConfig, PairedJudge, run_judgement  # noqa: E402
-from ops.traffic.traces import Windows  # noqa: E402
-from ops.search.config import SLOW, SearchConfig, static_best_of  # noqa: E402
-from ops.search.worker import Workbench  # noqa: E402
-from bench.lib import cli  # noqa: E402
+from ops.measure.hardware import probe
+from ops.judge.paired import ArmRun, JudgeConfig, PairedJudge, run_judgement
+from ops.traffic.traces import Windows
+from ops.search.config import SLOW, SearchConfig, static_best_of
+from ops.search.worker import Workbench
+from bench.lib import cli
 
 
 def add_cli_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--trace", default=str(ROOT / "traces" / "AzureLLMInferenceTrace_conv.csv"))
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
+    cli.add_model_args(ap, trace=True)
     ap.add_argument("--requests", type=int, default=16, help="requests of the slow tier's slice (the judge's "
                     "windows follow them in the trace)")
     ap.add_argument("--max-input", type=int, default=128)

@@ -15,16 +15,12 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench.lib import cli
 
 
 def add_cli_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--trace", default=str(ROOT / "traces" / "AzureLLMInferenceTrace_conv.csv"))
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
+    cli.add_model_args(ap, trace=True)
     ap.add_argument("--requests", type=int, default=16, help="the slice the slow tier replays (the calibration)")
     ap.add_argument("--max-input", type=int, default=64)
     ap.add_argument("--max-output", type=int, default=8)
@@ -102,6 +98,4 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    from bench.lib import cli
-
     raise SystemExit(cli.run(__doc__, add_cli_args, main))

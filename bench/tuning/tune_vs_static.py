@@ -61,9 +61,7 @@ def bursty_code(path: Path, n: int, rate: float, cv: float, seed: int = 0) -> Pa
 
 def add_cli_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/tune_vs_static"))
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
+    cli.add_model_args(ap)
     ap.add_argument("--traces", type=Path, default=ROOT.parent / "shared" / "traces",
                     help="folder with AzureLLMInferenceTrace_conv.csv and mooncake_conversation_trace.jsonl")
     ap.add_argument("--slices", nargs="*", default=["azure", "mooncake", "bursty"],
