@@ -173,11 +173,22 @@ class PairedJudge:
                                                             resolution=self.cfg.resolution,
                                                             max_probes=self.cfg.max_probes)
         by_id = {a.variant.variant_id: a for a in arms}
+        self._searches, self._by_id = searches, by_id
         while True:
             self._probe_rounds(searches, by_id)
             if not self._reopen(searches, by_id):
                 break
         return {vid: s.capacity(by_id[vid].saturation) for vid, s in searches.items()}
+
+    def resume(self) -> dict[str, capacity.Capacity] | None:
+        """More rounds of the last ``search`` up to ``deadline`` (moved later): every arm's capacity again, or None
+        when no arm has a rate left to probe."""
+        searches = getattr(self, "_searches", {})
+        if not any(s.rate is not None for s in searches.values()):
+            return None
+        self.log(f"judge: the searches go on for {max(0.0, self.deadline - time.perf_counter()):.0f} s more")
+        self._probe_rounds(searches, self._by_id)
+        return {vid: s.capacity(self._by_id[vid].saturation) for vid, s in searches.items()}
 
     def _reopen(self, searches: dict[str, capacity.Searcher], by_id: dict[str, ArmRun]) -> bool:
         """After the rounds ended: the arms censored below a floor the budget had raised get a lower floor where
@@ -278,6 +289,13 @@ def run_judgement(pj: PairedJudge, base: ArmRun, cands: list[ArmRun], latencies:
         return judge.Arm(a.variant.variant_id, a.variant.name, caps[a.variant.variant_id], a.saturation, ttft, tpot,
                          a.predicted, list(a.rounds))
     j = judge.decide(arm(base), [arm(c) for c in cands], allow_trade=pj.cfg.allow_trade)
+    if j.kept and cands and j.verdict in ("censored", "no detectable difference"):
+        # nothing chosen, so no confirmation will spend its share: half of it carries the searches on
+        pj.deadline = t0 + pj.cfg.seconds * (1 - pj.cfg.confirm_share / 2)
+        more = pj.resume()
+        if more is not None:
+            caps = more
+            j = judge.decide(arm(base), [arm(c) for c in cands], allow_trade=pj.cfg.allow_trade)
     predicted = [(a.predicted, caps[a.variant.variant_id]) for a in arms
                  if a.predicted > 0 and not caps[a.variant.variant_id].censored
                  and caps[a.variant.variant_id].status != "unmeasured"]

@@ -216,3 +216,44 @@ def test_the_judgement_says_whether_each_prediction_falls_inside_its_measured_in
     measured = {v.variant_id: Capacity(0.0, 0.0, math.inf, status="unmeasured") for v in (base, other, third)}
     j, _ = run_judgement(pj, arms[0], arms[1:], {})
     assert math.isnan(j.simulator_error) and not any("inside the measured" in n for n in j.notes)
+
+
+def test_with_nothing_chosen_the_searches_go_on_into_half_the_confirmations_share(monkeypatch):
+    """Two arms alike (every request meets the SLO below 3 req/s, none above) whose searches the budget ends
+    before they converge: nothing is chosen, so no confirmation will spend its share, and half of it carries the
+    searches on; the whole judgement still ends within its budget."""
+    import ops.judge.paired as paired
+    from ops.judge.paired import run_judgement
+    from ops.measure.tiers import SLO
+    from ops.measure.capacity import Probe
+    from ops.traffic.traces import load_trace
+
+    clock = [100.0]
+    started: list = []
+
+    def probe_at(engine, records, prompts, rate, slo, warmup, plan, max_output, window=0, deadline=None):
+        started.append(clock[0])
+        clock[0] += (warmup + plan[0]) / rate
+        ok = rate < 3.0
+        return Probe(rate=rate, outcomes=[int(ok)] * plan[0], warmup=warmup, window=window,
+                     verdict="pass" if ok else "fail"), []
+
+    class Engine:
+        def generate(self, *a, **k):
+            return []
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(paired, "probe", probe_at)
+    base = VariantSpec(name="static-best")
+    other = dataclasses.replace(base, name="other", max_num_seqs=2 * base.max_num_seqs)
+    arms = [ArmRun(base, saturation=2.0), ArmRun(other, saturation=2.0)]
+    cfg = JudgeConfig.for_cpu(first_look=20, cap=60, seconds=100.0, resolution=1.02, max_probes=20)
+    pj = PairedJudge(lambda v: Engine(), lambda recs, seed: [[1] * 8 for _ in recs], Windows(load_trace(str(TRACE))),
+                     SLO(ttft_s=0.5, tpot_s=0.1), 8, cfg)
+    monkeypatch.setattr(pj, "measure_saturation", lambda a: 0)
+    j, caps = run_judgement(pj, arms[0], arms[1:], {})
+    searched_until = 100.0 + cfg.seconds * (1 - cfg.confirm_share)
+    assert j.kept and j.confirmation is None and j.verdict in ("censored", "no detectable difference")
+    assert any(t >= searched_until for t in started)  # probes past the searches' own deadline
+    assert clock[0] <= 100.0 + cfg.seconds * (1 - cfg.confirm_share / 2)  # half the share left unspent
+    assert sum(len(c.probes) for c in caps.values()) == len(started)
+    assert all(2.0 <= c.estimate < 3.0 for c in caps.values())
