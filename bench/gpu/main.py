@@ -17,8 +17,8 @@ from bench.gpu.machine import attention_bandwidth, gemv_bandwidth, l2_survival, 
 from bench.gpu.moe import moe_decode
 from bench.gpu.precision.kv_fp8 import fp8_kv_cache
 from bench.gpu.precision.prefill import (decode_attention_kernels, prefill_attention_kernels, w8a8_checks,
-                                        w8a8_prefill, w8a8_projections, w8a8_quant_passes, w8a8_served,
-                                        w8a8_host_cost, w8a8_ttft)
+                                        w8a8_gemm_accum, w8a8_prefill, w8a8_projections, w8a8_quant_passes,
+                                        w8a8_served, w8a8_host_cost, w8a8_ttft)
 from bench.gpu.precision.weights import gemv_bandwidth_by_precision, llama8b_precision, quantized_kernel_checks
 from bench.gpu.precision.serve import activation_quant_checks, served_decode_by_precision
 from bench.gpu.precision.step import decode_forms_by_precision, projections_alone
@@ -118,6 +118,7 @@ def _sections(args: argparse.Namespace) -> None:
     if want("w8a8"):
         w8a8_checks()  # its rows say what failed; the model figures go on (they print their own logit error)
         w8a8_quant_passes()
+        w8a8_gemm_accum()
         prefill_attention_kernels()
         decode_attention_kernels()
         if not args.w8a8_no_projections:

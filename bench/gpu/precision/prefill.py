@@ -1,11 +1,13 @@
 """12. W8A8 FP8 prefill (kernels/linear/w8a8.py): the activations' e4m3 codes made by the norm and activation kernels
 checked against the plain-torch references in bf16; each 8B projection at 32-8,192 rows through every form of its
 FP8 path (the codes made by the producing kernel, by a one-launch pass after it, by torch's passes, and bare
-``torch._scaled_mm`` on codes made beforehand: the ceiling) against cuBLAS bf16 after the same bf16 producer; the
-8B's prefill of 8 x 2,048 tokens in 8,192-token steps in bf16, FP8 without and with W8A8, where each step's time
-goes and the last position's logits against bf16's; decode steps at 1, 32 and 64 sequences, static-best bf16
-against its FP8 form as the tuner proposes it; the TTFT of one prompt alone per length in both forms
-(``w8a8-ttft``); the host time per call of each W8A8 launch against bf16's (``w8a8-host``)."""
+``torch._scaled_mm`` on codes made beforehand: the ceiling) against cuBLAS bf16 after the same bf16 producer; each
+FP8 GEMM with its sums promoted to float32 or kept in the tensor cores' accumulator, row-wise and per tensor
+(``w8a8_gemm_accum``); the 8B's prefill of 8 x 2,048 tokens in 8,192-token steps in bf16, FP8 without and with W8A8
+(both accumulations), where each step's time goes and the last position's logits against bf16's; decode steps at
+1, 32 and 64 sequences, static-best bf16 against its FP8 form as the tuner proposes it; the TTFT of one prompt alone
+per length in both forms (``w8a8-ttft``); the host time per call of each W8A8 launch against bf16's
+(``w8a8-host``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -121,6 +123,48 @@ def w8a8_projections(rows=(32, 64, 512, 2048, 8192)) -> None:
 
 
 @section
+def w8a8_gemm_accum(rows=(512, 2048, 8192)) -> None:
+    """Each 8B projection's FP8 GEMM alone (codes made beforehand) at prefill rows: row-wise scales (the W8A8 path)
+    and one scale per tensor, each with the partial sums promoted to float32 (cuBLAS's default) and kept in the
+    tensor cores' accumulator (``use_fast_accum``), against bf16 ``F.linear``; each form's error against the
+    float64 product of the same codes and scales, over the output's largest |value|."""
+    from kernels.linear.quant import quantize, quantize_rows
+
+    torch.manual_seed(13)
+    one = torch.ones((), device="cuda")
+    for name, n, k, _ in SHAPES:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        qw = quantize(w, "fp8")
+        wq64 = qw.q.double()
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            q, s = quantize_rows(x)
+            st = (x.float().abs().amax() / 448.0).reshape(())
+            qt = (x.float() / st).to(torch.float8_e4m3fn)
+            exact_rows = (q.double() @ wq64.t()) * s.double() * qw.scale.double()[None, :]
+            exact_tensor = (qt.double() @ wq64.t()) * st.double()
+            forms = {"row-wise": (lambda fast: torch._scaled_mm(q, qw.q.t(), scale_a=s, scale_b=qw.scale[None, :],
+                                                                  out_dtype=torch.bfloat16, use_fast_accum=fast),
+                                  exact_rows),
+                     "per tensor": (lambda fast: torch._scaled_mm(qt, qw.q.t(), scale_a=st, scale_b=one,
+                                                                    out_dtype=torch.bfloat16, use_fast_accum=fast),
+                                    exact_tensor)}
+            base = graph_timed(lambda: F.linear(x, w), calls=10)
+            parts = [f"bf16 {1e6 * base:.1f} us ({2 * m * n * k / base / 1e12:.0f} TFLOP/s)"]
+            for label, (fn, exact) in forms.items():
+                for fast in (False, True):
+                    try:
+                        err = ((fn(fast).double() - exact).abs().max() / exact.abs().max()).item()
+                        sec = graph_timed(lambda: fn(fast), calls=10)
+                        parts.append(f"{label}{', fast' if fast else ''} {1e6 * sec:.1f} us = {base / sec:.2f}x "
+                                     f"({2 * m * n * k / sec / 1e12:.0f} TFLOP/s, error {err:.1e})")
+                    except Exception as e:  # a form cuBLAS does not take is a row, not a stop
+                        parts.append(f"{label}{', fast' if fast else ''} FAILED {type(e).__name__}: {str(e)[:80]}")
+            row(f"FP8 GEMM accumulation, {name} {m}x{n}x{k}", "; ".join(parts))
+        torch.cuda.empty_cache()
+
+
+@section
 def w8a8_prefill(m: Llama8B, profile: bool = True) -> None:
     """8 x 2,048-token prompts in 8,192-token steps (one output token each), bf16 / FP8 without W8A8 (its GEMM's
     input quantized in a launch of its own after the bf16 norm or activation) / FP8 W8A8, each timed after the
@@ -129,6 +173,7 @@ def w8a8_prefill(m: Llama8B, profile: bool = True) -> None:
     from engine import SamplingParams
     from engine.config.presets import preset_variant
     from engine.model import precision
+    from kernels.linear import w8a8
 
     eng = m.engine
     n_p, length = 8, 2048
@@ -136,14 +181,15 @@ def w8a8_prefill(m: Llama8B, profile: bool = True) -> None:
     pp = [torch.randint(0, 128000, (length,), generator=gen).tolist() for _ in range(n_p)]
     form = preset_variant("triton-paged", max_num_seqs=64, max_num_batched_tokens=8192)
     rates, ref_logits, keep = {}, None, precision.W8A8_MIN_ROWS
-    arms = (("bf16", "auto", keep), ("fp8 without W8A8", "fp8", 1 << 30), ("fp8 W8A8", "fp8", keep))
+    arms = (("bf16", "auto", keep, False), ("fp8 without W8A8", "fp8", 1 << 30, False),
+            ("fp8 W8A8", "fp8", keep, False), ("fp8 W8A8, fast accumulation", "fp8", keep, True))
 
     def step():
         eng.block_manager.reset_prefix_cache()
         eng.generate(pp[:4], SamplingParams(max_tokens=1, ignore_eos=True))
 
-    for label, kind, min_rows in arms:
-        precision.W8A8_MIN_ROWS = min_rows
+    for label, kind, min_rows, fast in arms:
+        precision.W8A8_MIN_ROWS, w8a8.FAST_ACCUM = min_rows, fast
         try:
             eng.apply_variant(dataclasses.replace(form, weight_dtype=kind))
             dt = prefill_seconds(eng, pp)
@@ -155,7 +201,7 @@ def w8a8_prefill(m: Llama8B, profile: bool = True) -> None:
             row(f"8B prefill, {label}", f"FAILED {type(e).__name__}: {str(e)[:200]}")
             continue
         finally:
-            precision.W8A8_MIN_ROWS = keep
+            precision.W8A8_MIN_ROWS, w8a8.FAST_ACCUM = keep, False
         rates[label] = n_p * length / dt
         ref_logits = logits if ref_logits is None else ref_logits
         err = (logits - ref_logits).abs().max().item()
