@@ -60,6 +60,7 @@ BUILTIN_IMPLS = {
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
 WEIGHT_DTYPES = ("auto", "int8", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
+FP8_ACCUMULATIONS = ("float32", "fast")
 
 
 def _f(scope: str, default: Any = dataclasses.MISSING, schema: dict | None = None, help: str = "", **kw):
@@ -130,6 +131,10 @@ class VariantSpec:
     weight_dtype: str = _f(FORWARD, "auto", {"enum": list(WEIGHT_DTYPES)},
                            "dense projections' weights: the checkpoint's precision (auto), int8 or fp8 (e4m3), "
                            "one scale per output channel")
+    fp8_accumulation: str = _f(FORWARD, "float32", {"enum": list(FP8_ACCUMULATIONS)},
+                               "FP8 weights' GEMM from 65 rows (prefill, wide batches): its sums promoted to float32 "
+                               "(float32) or kept in the tensor cores' accumulator (fast: quicker on Hopper, fewer "
+                               "mantissa bits over long rows)")
     tp: int = _f(PARALLEL, 1)
     dp: int = _f(PARALLEL, 1)
 
@@ -186,6 +191,12 @@ class VariantSpec:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ConfigError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.weight_dtype!r}")
+        if self.fp8_accumulation not in FP8_ACCUMULATIONS:
+            raise ConfigError(f"fp8_accumulation must be one of {', '.join(FP8_ACCUMULATIONS)}, "
+                              f"got {self.fp8_accumulation!r}")
+        if self.fp8_accumulation != "float32" and self.weight_dtype != "fp8":
+            raise ConfigError(f"fp8_accumulation {self.fp8_accumulation} applies to weight_dtype fp8, "
+                              f"not {self.weight_dtype}")
         if self.compile_mode not in COMPILE_MODES:
             raise ConfigError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
         if any(b < 1 for b in self.cuda_graph_batch_sizes):
@@ -309,6 +320,6 @@ class VariantSpec:
 # prompt-lookup speculation's fields (engine/sched/speculation.py), added after ids were first recorded
 SPECULATION_FIELDS = ("speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "speculative_max_batch",
                       "speculative_min_acceptance")
-_LATER_FIELDS = (*SPECULATION_FIELDS, "weight_dtype", "kv_cache_dtype", "prefill_graph_tokens")
+_LATER_FIELDS = (*SPECULATION_FIELDS, "weight_dtype", "kv_cache_dtype", "prefill_graph_tokens", "fp8_accumulation")
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(VariantSpec)}
 REFERENCE_VARIANT = VariantSpec(name="reference")

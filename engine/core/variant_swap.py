@@ -168,7 +168,8 @@ def build_ops_for(ctx: ModelContext, spec: VariantSpec) -> ForwardOps:
         precision.check_kernels(spec.weight_dtype, dict(spec.kernels))  # before any generated code is smoke-run
     ops = build_ops(spec, ctx.model_config.kernel_dims(), str(ctx.device))
     if spec.weight_dtype != precision.CHECKPOINT:
-        ops = precision.quantized_ops(ops, ctx.model, spec.weight_dtype, dict(spec.kernels))
+        ops = precision.quantized_ops(ops, ctx.model, spec.weight_dtype, dict(spec.kernels),
+                                      fast_accum=spec.fp8_accumulation == "fast")
     if spec.kv_cache_dtype != precision.CHECKPOINT:  # an FP8 cache: keys and values scaled per layer
         ops = precision.fp8_kv_ops(ops, kv_calibration.kv_scales(ctx, ops, spec.weight_dtype))
     return ops

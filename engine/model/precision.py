@@ -124,8 +124,10 @@ def check_kernels(kind: str, impls: dict[str, str]) -> None:
                            "take the checkpoint's weights")
 
 
-def quantized_ops(ops: ForwardOps, model: CausalLM, kind: str, impls: dict[str, str]) -> ForwardOps:
-    """``ops`` with its linear operations fed quantized weights. ``impls``: op -> the variant's implementation."""
+def quantized_ops(ops: ForwardOps, model: CausalLM, kind: str, impls: dict[str, str], fast_accum: bool = False
+                  ) -> ForwardOps:
+    """``ops`` with its linear operations fed quantized weights. ``impls``: op -> the variant's implementation;
+    ``fast_accum``: FP8's W8A8 GEMM keeps its sums in the tensor cores' accumulator (``fp8_accumulation`` fast)."""
     check_kernels(kind, impls)
     table = quantized_weights(model, kind)
 
@@ -147,7 +149,7 @@ def quantized_ops(ops: ForwardOps, model: CausalLM, kind: str, impls: dict[str, 
         return prefetch(tuple(w.q if isinstance(w, QuantizedWeight) else w for w in map(q, weights)), rows, site)
 
     if kind == "fp8":
-        q_linear, q_norm_linear, q_act_linear = _w8a8(q_linear, q_norm_linear, q_act_linear, q)
+        q_linear, q_norm_linear, q_act_linear = _w8a8(q_linear, q_norm_linear, q_act_linear, q, fast_accum)
     # norm_moe composed from the parts keeps its router at the checkpoint's precision: the router weight is
     # not in the table, so the wrapped linear passes it through unchanged
     return ops.replace(linear=q_linear, norm_linear=q_norm_linear, act_linear=q_act_linear, prefetch=q_prefetch)
@@ -163,10 +165,11 @@ def w8a8_device(x: torch.Tensor) -> bool:
     return fp8_gemm_supported(x.device)
 
 
-def _w8a8(linear, norm_linear, act_linear, q):
+def _w8a8(linear, norm_linear, act_linear, q, fast_accum: bool = False):
     """The three linear operations with FP8 weights of ``W8A8_MIN_ROWS`` rows or more through the W8A8 GEMM, the
-    activations' codes made by the kernel that computes them (kernels/linear/w8a8.py); fewer rows, or a device
-    without FP8 tensor cores, keep the operations given."""
+    activations' codes made by the kernel that computes them (kernels/linear/w8a8.py), its sums kept in the tensor
+    cores' accumulator with ``fast_accum``; fewer rows, or a device without FP8 tensor cores, keep the operations
+    given."""
     def takes(x, weight) -> bool:
         from kernels.linear.w8a8 import supports
 
@@ -177,7 +180,7 @@ def _w8a8(linear, norm_linear, act_linear, q):
         if takes(x, qw):
             from kernels.linear.w8a8_triton import linear_w8a8
 
-            return linear_w8a8(x, qw, bias)
+            return linear_w8a8(x, qw, bias, fast_accum)
         return linear(x, weight, bias)
 
     def w_norm_linear(x, residual, norm_weight, eps, weight, bias=None):
@@ -185,7 +188,7 @@ def _w8a8(linear, norm_linear, act_linear, q):
         if takes(x, qw) and x.shape[1] <= MAX_NORM_D:
             from kernels.linear.w8a8_triton import norm_linear_w8a8
 
-            return norm_linear_w8a8(x, residual, norm_weight, eps, qw, bias)
+            return norm_linear_w8a8(x, residual, norm_weight, eps, qw, bias, fast_accum)
         return norm_linear(x, residual, norm_weight, eps, weight, bias)
 
     def w_act_linear(x, weight):
@@ -193,7 +196,7 @@ def _w8a8(linear, norm_linear, act_linear, q):
         if takes(x, qw):
             from kernels.linear.w8a8_triton import act_linear_w8a8
 
-            return act_linear_w8a8(x, qw)
+            return act_linear_w8a8(x, qw, fast_accum)
         return act_linear(x, weight)
 
     return w_linear, w_norm_linear, w_act_linear

@@ -56,6 +56,16 @@ def test_precision_field_is_validated_and_ids_are_stable():
     assert VariantSpec.change_schema()["weight_dtype"] == {"enum": ["auto", "int8", "fp8"]}
 
 
+def test_fp8_accumulation_is_validated_and_leaves_older_ids_alone():
+    with pytest.raises(ConfigError, match="fp8_accumulation must be one of float32, fast"):
+        VariantSpec(weight_dtype="fp8", fp8_accumulation="half")
+    with pytest.raises(ConfigError, match="applies to weight_dtype fp8, not int8"):
+        VariantSpec(weight_dtype="int8", fp8_accumulation="fast")
+    plain, fast = VariantSpec(weight_dtype="fp8"), VariantSpec(weight_dtype="fp8", fp8_accumulation="fast")
+    assert plain.variant_id == VariantSpec.from_json({"weight_dtype": "fp8"}).variant_id != fast.variant_id
+    assert VariantSpec.from_json(fast.to_json()) == fast and fast.changed_scopes(plain) == {"forward"}
+
+
 def test_generated_linear_kernels_refuse_quantized_weights(smollm2_engine_factory):
     eng = smollm2_engine_factory(num_kv_blocks=8)
     # refused before the generated source is even checked: it takes the checkpoint's weights only

@@ -147,3 +147,27 @@ def test_fp8_operations_route_many_rows_to_w8a8(monkeypatch):
     assert (act_lin(gu, w) - want).abs().max() <= 0.02 * want.abs().max()
     plain = torch.randn(64, 128)  # a weight with no FP8 copy (a router) keeps the operation given
     assert lin(many, plain) == "linear" and len(calls) == 4
+
+
+def test_fast_accumulation_reaches_the_fp8_gemm(monkeypatch):
+    torch.manual_seed(6)
+    w = torch.randn(64, 128) * 0.05
+    qw = quantize(w, "fp8")
+    seen, scaled_mm = [], torch._scaled_mm
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("use_fast_accum", False))
+        return scaled_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    monkeypatch.setattr(precision, "w8a8_device", lambda x: True)
+    x, gu = torch.randn(precision.W8A8_MIN_ROWS, 128), torch.randn(precision.W8A8_MIN_ROWS, 256)
+    r, nw = torch.randn_like(x), torch.rand(128) + 0.5
+    for fast in (False, True):
+        lin, norm_lin, act_lin = precision._w8a8(None, None, None, lambda p: qw, fast)
+        outs = (lin(x, w), norm_lin(x, r, nw, 1e-5, w)[0], act_lin(gu, w))
+        assert seen[-3:] == [fast] * 3
+        # the CPU's FP8 product has one accumulation: the same numbers either way
+        assert all(torch.equal(o, ref) for o, ref in zip(outs, (w8a8.linear_w8a8_ref(x, qw),
+                                                                 wt.norm_linear_w8a8(x, r, nw, 1e-5, qw)[0],
+                                                                 wt.act_linear_w8a8(gu, qw))))
