@@ -21,10 +21,6 @@ from kernels.pointwise.activation import silu_and_mul_ref
 from kernels.pointwise.norm import fused_add_rms_norm_ref
 
 MAX_NORM_D = 16384  # the widest row the Triton norm kernel holds in registers (wider rows: the unfused path)
-# the FP8 GEMM's accumulation: False promotes the tensor cores' partial sums to float32 as cuBLAS does by default;
-# True keeps them in the tensor cores' own accumulator (faster on Hopper, fewer mantissa bits over long K). A
-# process-wide default; ``fp8_rows_mm(fast_accum=...)`` overrides it per call
-FAST_ACCUM = False
 
 
 def add_rms_norm_fp8_ref(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
@@ -42,15 +38,16 @@ def silu_and_mul_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_rows_mm(q: torch.Tensor, scale: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-                fast_accum: bool | None = None) -> torch.Tensor:
+                fast_accum: bool = False) -> torch.Tensor:
     """q: (T, K) e4m3, scale: (T, 1) float32, weight: (N, K) e4m3 -> (T, N) in the weight's checkpoint dtype:
-    sum_k q[t, k] w[n, k] * scale[t] * weight.scale[n] in float32, rounded once. ``fast_accum``: the sums in the
-    tensor cores' accumulator (default ``FAST_ACCUM``)."""
+    sum_k q[t, k] w[n, k] * scale[t] * weight.scale[n] in float32, rounded once. ``fast_accum``: the partial sums
+    kept in the tensor cores' own accumulator (faster on Hopper, fewer mantissa bits over long rows) instead of
+    promoted to float32 (cuBLAS's default)."""
     if weight.kind != "fp8":
         raise ValueError(f"fp8_rows_mm takes FP8 weights, got {weight.kind}")
     if q.shape[1] != weight.q.shape[1]:
         raise ValueError(f"codes of {q.shape[1]} columns against a weight of {tuple(weight.q.shape)}")
-    fast = {"use_fast_accum": True} if (FAST_ACCUM if fast_accum is None else fast_accum) else {}
+    fast = {"use_fast_accum": True} if fast_accum else {}
     out = torch._scaled_mm(q, weight.q.t(), scale_a=scale, scale_b=weight.scale[None, :], out_dtype=weight.dtype,
                            **fast)
     return out if bias is None else out + bias

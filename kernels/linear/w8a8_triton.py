@@ -164,20 +164,20 @@ def quantize_rows_e4m3(x: torch.Tensor, block: int = 2048, one_pass: bool | None
     return _quant_rows(x, x.shape[1], 0, block, one_pass, warps)
 
 
-def norm_linear_w8a8(x, residual, norm_weight, eps, weight: QuantizedWeight, bias=None, fast_accum=None):
+def norm_linear_w8a8(x, residual, norm_weight, eps, weight: QuantizedWeight, bias=None, fast_accum=False):
     """``norm_linear``'s signature: (linear(rms_norm(x + residual)), x + residual), W8A8 (``fast_accum``: as
     ``fp8_rows_mm``'s)."""
     q, s, summed = add_rms_norm_fp8(x, residual, norm_weight, eps)
     return fp8_rows_mm(q, s, weight, bias, fast_accum), summed
 
 
-def act_linear_w8a8(x, weight: QuantizedWeight, fast_accum=None):
+def act_linear_w8a8(x, weight: QuantizedWeight, fast_accum=False):
     """``act_linear``'s signature: linear(silu(gate) * up), W8A8."""
     q, s = silu_and_mul_fp8(x)
     return fp8_rows_mm(q, s, weight, None, fast_accum)
 
 
-def linear_w8a8(x, weight: QuantizedWeight, bias=None, fast_accum=None):
+def linear_w8a8(x, weight: QuantizedWeight, bias=None, fast_accum=False):
     """``linear``'s signature: x's codes in one launch, then the W8A8 GEMM."""
     q, s = quantize_rows_e4m3(x)
     return fp8_rows_mm(q, s, weight, bias, fast_accum)

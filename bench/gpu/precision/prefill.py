@@ -173,7 +173,6 @@ def w8a8_prefill(m: Llama8B, profile: bool = True) -> None:
     from engine import SamplingParams
     from engine.config.presets import preset_variant
     from engine.model import precision
-    from kernels.linear import w8a8
 
     eng = m.engine
     n_p, length = 8, 2048
@@ -181,17 +180,17 @@ def w8a8_prefill(m: Llama8B, profile: bool = True) -> None:
     pp = [torch.randint(0, 128000, (length,), generator=gen).tolist() for _ in range(n_p)]
     form = preset_variant("triton-paged", max_num_seqs=64, max_num_batched_tokens=8192)
     rates, ref_logits, keep = {}, None, precision.W8A8_MIN_ROWS
-    arms = (("bf16", "auto", keep, False), ("fp8 without W8A8", "fp8", 1 << 30, False),
-            ("fp8 W8A8", "fp8", keep, False), ("fp8 W8A8, fast accumulation", "fp8", keep, True))
+    arms = (("bf16", "auto", keep, "float32"), ("fp8 without W8A8", "fp8", 1 << 30, "float32"),
+            ("fp8 W8A8", "fp8", keep, "float32"), ("fp8 W8A8, fast accumulation", "fp8", keep, "fast"))
 
     def step():
         eng.block_manager.reset_prefix_cache()
         eng.generate(pp[:4], SamplingParams(max_tokens=1, ignore_eos=True))
 
-    for label, kind, min_rows, fast in arms:
-        precision.W8A8_MIN_ROWS, w8a8.FAST_ACCUM = min_rows, fast
+    for label, kind, min_rows, accumulation in arms:
+        precision.W8A8_MIN_ROWS = min_rows
         try:
-            eng.apply_variant(dataclasses.replace(form, weight_dtype=kind))
+            eng.apply_variant(dataclasses.replace(form, weight_dtype=kind, fp8_accumulation=accumulation))
             dt = prefill_seconds(eng, pp)
             logits = _logits(eng, pp[0])
             if profile and label != "fp8 without W8A8":
@@ -201,7 +200,7 @@ def w8a8_prefill(m: Llama8B, profile: bool = True) -> None:
             row(f"8B prefill, {label}", f"FAILED {type(e).__name__}: {str(e)[:200]}")
             continue
         finally:
-            precision.W8A8_MIN_ROWS, w8a8.FAST_ACCUM = keep, False
+            precision.W8A8_MIN_ROWS = keep
         rates[label] = n_p * length / dt
         ref_logits = logits if ref_logits is None else ref_logits
         err = (logits - ref_logits).abs().max().item()
