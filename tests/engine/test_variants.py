@@ -425,6 +425,7 @@ def test_quantized_variant_takes_the_triton_projections_with_pinned_tiles_on_a_g
     gpu = quantized_variant(base, "fp8", "cuda")
     kernels, params = dict(gpu.kernels), {op: dict(p) for op, p in gpu.kernel_params}
     assert gpu.weight_dtype == "fp8" and gpu.name == "sb + fp8 weights" and gpu.max_num_seqs == 32
+    assert gpu.fp8_accumulation == "fast"  # the W8A8 GEMM's sums in the tensor cores' accumulator
     assert kernels["linear"] == kernels["norm_linear"] == "triton" and kernels["attention"] == "triton_paged"
     # a chosen form keeps its tiles; every Triton projection takes the tensor-core kernel from one row, at one row
     # only on weights of 64 Mi elements and more (FP8) or 32 Mi (int8)
@@ -439,6 +440,8 @@ def test_quantized_variant_takes_the_triton_projections_with_pinned_tiles_on_a_g
     cpu = quantized_variant(base, "int8", "cpu", name="q")
     assert (cpu.name, cpu.weight_dtype, cpu.kernels, cpu.kernel_params) == ("q", "int8", base.kernels,
                                                                            base.kernel_params)
+    assert quantized_variant(base, "int8", "cuda").fp8_accumulation == "float32"
+    assert quantized_variant(base, "fp8", "cpu").fp8_accumulation == "float32"  # a CPU has one accumulation
     with pytest.raises(ConfigError, match="int8 or fp8, not 'int4'"):
         quantized_variant(base, "int4", "cuda")
 
