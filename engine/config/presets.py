@@ -248,3 +248,14 @@ def prefill_graphed(spec: VariantSpec) -> VariantSpec:
         return spec
     sizes = tuple(x for x in (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768) if x < top) + (top,)
     return dataclasses.replace(spec, prefill_chunk_size=top, prefill_graph_tokens=sizes)
+
+
+def graphs_alone(base: VariantSpec, other: VariantSpec) -> VariantSpec | None:
+    """``base`` with ``other``'s prefill graphs and chunks where ``base`` has none and ``other`` has some, else None:
+    the arm that tells a precision candidate's own gain from its graphs' (on Mooncake, H100, 2026-12-07, the graphs
+    alone were worth 1.32x to static-best, and FP8 judged against static-best without them claimed 1.74x where its
+    own share was 1.34x: bench/results/2026-12-07d-h100-fp8-accumulation.md)."""
+    if not other.prefill_graph_tokens or base.prefill_graph_tokens:
+        return None
+    return dataclasses.replace(base, name=f"{base.name}, prefill graphs",
+                               prefill_graph_tokens=other.prefill_graph_tokens, prefill_chunk_size=other.prefill_chunk_size)

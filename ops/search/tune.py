@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from engine.config.presets import graphs_alone, prefill_graphed, quantized_variant
 from engine.config.variant import VariantSpec
 from ops.search.agents import (Agent, CostModelSeeder, KernelChoices, KernelTemplates, LocalSearch, SearchState, TrafficRules,
                         fast_score)
@@ -161,12 +162,11 @@ class Search:
         return self.board.results(self.id, tier)
 
     def queue_slow(self, top: int, speculation: bool = False, precision: bool = False) -> list[VariantSpec]:
-        """The baseline and the ``top`` best of the fast tier, queued for the slow tier; with ``speculation``,
-        also the baseline with prompt-lookup speculation where the slice's prompts are real text (only the slow
-        tier can judge it: the fast tier's shapes carry no text to look up); with ``precision``, the baseline
-        with quantized weights (``precision_candidate``: its quality is judged on the full model); on more than one
-        device (``layout_devices``), the baseline in each parallel layout the cost model finds fitting
-        (``layout_candidates``)."""
+        """The baseline and the ``top`` best of the fast tier, queued for the slow tier; with ``speculation``, also
+        the baseline with prompt-lookup speculation where the slice's prompts are real text (only the slow tier can
+        judge it: the fast tier's shapes carry no text); with ``precision``, the baseline with quantized weights
+        (``precision_candidate``: its quality judged on the full model) and with its prefill graphs alone; on more
+        than one device (``layout_devices``), the baseline in each layout the cost model finds fitting."""
         fast = self.fast_results()
         base_fast = next((r for r, v in fast if v.variant_id == self.baseline.variant_id), None)
         self.board.enqueue(self.id, self.baseline, SLOW, "tuner", "baseline for the slow tier",
@@ -189,6 +189,8 @@ class Search:
         if quant is not None:
             extra.append((quant, f"{quant.weight_dtype} weights on static-best: a decode step reads a quarter to half "
                                  "the bytes; the quality gate decides whether it may be chosen"))
+            if (graphs := graphs_alone(self.baseline, quant)) is not None:
+                extra.append((graphs, "its prefill graphs alone on static-best: what its precision adds to them"))
         extra += self.layout_candidates()
         for v, why in extra:
             if all(o.variant_id != v.variant_id for o in out):
@@ -214,8 +216,6 @@ class Search:
         if self.baseline.weight_dtype != "auto":
             return None
         import torch
-
-        from engine.config.presets import prefill_graphed, quantized_variant
         from kernels.linear.quant import fp8_gemm_supported
 
         kind = "fp8" if fp8_gemm_supported(torch.device(self.cfg.device)) else "int8"

@@ -446,6 +446,20 @@ def test_quantized_variant_takes_the_triton_projections_with_pinned_tiles_on_a_g
         quantized_variant(base, "int4", "cuda")
 
 
+def test_graphs_alone_gives_the_baseline_the_candidates_prefill_graphs_and_nothing_else():
+    from engine.config.presets import graphs_alone, prefill_graphed, quantized_variant
+
+    base = VariantSpec(name="static-best", kernels={"attention": "triton_paged"}, max_num_seqs=32,
+                       max_num_batched_tokens=2048, prefill_chunk_size=512)
+    quant = prefill_graphed(quantized_variant(base, "fp8", "cuda"))
+    arm = graphs_alone(base, quant)
+    assert arm.name == "static-best, prefill graphs" and arm.weight_dtype == "auto" and arm.kernels == base.kernels
+    assert arm.prefill_graph_tokens == quant.prefill_graph_tokens == (128, 256, 512, 1024, 2048)
+    assert arm.prefill_chunk_size == 2048 and arm.changed_scopes(base) == {"scheduler", "forward"}
+    assert graphs_alone(base, quantized_variant(base, "fp8", "cuda")) is None  # the candidate has no graphs
+    assert graphs_alone(prefill_graphed(base), quant) is None  # the baseline has its own
+
+
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_quantized_projections_on_the_tensor_core_kernel_answer_like_the_reference(kind):
     """Quantized weights with the linear operations' rows on kernels/linear/qmma_triton.py (prefill and decode rows
