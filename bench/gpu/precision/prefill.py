@@ -79,19 +79,20 @@ def _forms(name: str, producer: str, m: int, n: int, k: int) -> dict:
     r, nw = torch.randn(m, k, device=dev, dtype=torch.bfloat16), (torch.rand(k, device=dev) + 0.5).bfloat16()
     if producer == "norm":
         bf16_in = lambda: fused_add_rms_norm_triton(x, r, nw, 1e-5)[0]  # noqa: E731
-        fused = lambda: wt.norm_linear_w8a8(x, r, nw, 1e-5, qw)  # noqa: E731
+        fused = lambda **kw: wt.norm_linear_w8a8(x, r, nw, 1e-5, qw, **kw)  # noqa: E731
         mma_kw, prologue = dict(r=r, norm_weight=nw, eps=1e-5), qm.ADD_RMS_NORM
     elif producer == "act":
         bf16_in = lambda: silu_and_mul_triton(x)  # noqa: E731
-        fused = lambda: wt.act_linear_w8a8(x, qw)  # noqa: E731
+        fused = lambda **kw: wt.act_linear_w8a8(x, qw, **kw)  # noqa: E731
         mma_kw, prologue = dict(k=k), qm.SILU_MUL
     else:
         bf16_in = lambda: x  # noqa: E731
-        fused = lambda: wt.linear_w8a8(x, qw)  # noqa: E731
+        fused = lambda **kw: wt.linear_w8a8(x, qw, **kw)  # noqa: E731
         mma_kw, prologue = {}, qm.NONE
     codes = quantize_rows(bf16_in())
     forms = {"bf16 cuBLAS": lambda: F.linear(bf16_in(), w),
              "W8A8 (codes from the producer)": fused,
+             "the same, fast accumulation (the tuner's form)": lambda: fused(fast_accum=True),
              "bare _scaled_mm (codes made beforehand)": lambda: fp8_rows_mm(*codes, qw),
              "producer, one-launch quantization, _scaled_mm": lambda: fp8_rows_mm(*quantize_rows_fp8(bf16_in()), qw),
              "producer, torch's quantization, _scaled_mm": lambda: fp8_rows_mm(*quantize_rows(bf16_in()), qw)}
