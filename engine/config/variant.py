@@ -234,9 +234,10 @@ class VariantSpec:
 
     @classmethod
     def knob_fields(cls) -> list[dataclasses.Field]:
-        """The scheduler and KV-layout knobs and the weight precision: plain values a command-line flag can set."""
+        """The scheduler and KV-layout knobs and the weight precision (with FP8's accumulation): plain values a
+        command-line flag can set."""
         return [f for f in dataclasses.fields(cls)
-                if f.metadata.get("scope") in (SCHEDULER, KV_LAYOUT) or f.name == "weight_dtype"]
+                if f.metadata.get("scope") in (SCHEDULER, KV_LAYOUT) or f.name in ("weight_dtype", "fp8_accumulation")]
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "VariantSpec":

@@ -259,6 +259,10 @@ def test_vllm_flag_spellings():
     add_model_args(p, positional=True)
     cfg = engine_config(p.parse_args(["smollm2", "--dtype", "auto", "--quantization", "int8"]))
     assert cfg.dtype == "float32" and cfg.variant.weight_dtype == "int8" and cfg.source.kind == "gguf"
+    fp8 = engine_config(p.parse_args(["smollm2", "--quantization", "fp8", "--fp8-accumulation", "fast"])).variant
+    assert (fp8.weight_dtype, fp8.fp8_accumulation) == ("fp8", "fast")
+    with pytest.raises(ConfigError, match="fp8_accumulation fast applies to weight_dtype fp8, not int8"):
+        engine_config(p.parse_args(["smollm2", "--quantization", "int8", "--fp8-accumulation", "fast"]))
     with pytest.raises(ConfigError, match="given twice"):
         engine_config(p.parse_args(["smollm2", "--model", "llama-3.1-8b"]))
     with pytest.raises(ConfigError, match="no model"):
