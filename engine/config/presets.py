@@ -224,9 +224,8 @@ def quantized_variant(base: VariantSpec, kind: str, device: str, name: str | Non
     if kind not in QUANTIZED_MMA:
         raise ConfigError(f"quantized weights are int8 or fp8, not {kind!r}")
     kernels, params = dict(base.kernels), {op: dict(p) for op, p in base.kernel_params}
-    accumulation = "float32"
+    accumulation = FP8_ACCUMULATION if kind == "fp8" and device.startswith("cuda") else "float32"
     if device.startswith("cuda"):
-        accumulation = FP8_ACCUMULATION if kind == "fp8" else "float32"
         for op in TRITON_GEMV:
             if kernels.get(op, "reference") == "reference":
                 kernels[op] = "triton"

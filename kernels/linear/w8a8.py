@@ -47,9 +47,8 @@ def fp8_rows_mm(q: torch.Tensor, scale: torch.Tensor, weight: QuantizedWeight, b
         raise ValueError(f"fp8_rows_mm takes FP8 weights, got {weight.kind}")
     if q.shape[1] != weight.q.shape[1]:
         raise ValueError(f"codes of {q.shape[1]} columns against a weight of {tuple(weight.q.shape)}")
-    fast = {"use_fast_accum": True} if fast_accum else {}
     out = torch._scaled_mm(q, weight.q.t(), scale_a=scale, scale_b=weight.scale[None, :], out_dtype=weight.dtype,
-                           **fast)
+                           use_fast_accum=fast_accum)
     return out if bias is None else out + bias
 
 

@@ -130,6 +130,7 @@ def w8a8_gemm_accum(rows=(512, 2048, 8192)) -> None:
     tensor cores' accumulator (``use_fast_accum``), against bf16 ``F.linear``; each form's error against the
     float64 product of the same codes and scales, over the output's largest |value|."""
     from kernels.linear.quant import quantize, quantize_rows
+    from kernels.linear.w8a8 import fp8_rows_mm
 
     torch.manual_seed(13)
     one = torch.ones((), device="cuda")
@@ -144,9 +145,7 @@ def w8a8_gemm_accum(rows=(512, 2048, 8192)) -> None:
             qt = (x.float() / st).to(torch.float8_e4m3fn)
             exact_rows = (q.double() @ wq64.t()) * s.double() * qw.scale.double()[None, :]
             exact_tensor = (qt.double() @ wq64.t()) * st.double()
-            forms = {"row-wise": (lambda fast: torch._scaled_mm(q, qw.q.t(), scale_a=s, scale_b=qw.scale[None, :],
-                                                                  out_dtype=torch.bfloat16, use_fast_accum=fast),
-                                  exact_rows),
+            forms = {"row-wise": (lambda fast: fp8_rows_mm(q, s, qw, fast_accum=fast), exact_rows),
                      "per tensor": (lambda fast: torch._scaled_mm(qt, qw.q.t(), scale_a=st, scale_b=one,
                                                                     out_dtype=torch.bfloat16, use_fast_accum=fast),
                                     exact_tensor)}
