@@ -400,13 +400,15 @@ def deployed_endpoint(context: dg.AssetExecutionContext, engine_build, runner: E
     # traffic's own rate, one before the swap and one after it, beside what the simulator predicted there
     base = engine_build.baseline_bench
     slo = SLO(base["slo_ttft_s"], base["slo_tpot_s"], base.get("slo_ttft_per_token_s", 0.0))
-    before, after = live_windows(traffic.trace_file(), runner.model, traffic.max_requests, endpoint.watch_requests,
-                                 traffic.max_input, traffic.lenient)
+    (before, after), *spare = live_windows(traffic.trace_file(), runner.model, traffic.max_requests,
+                                           endpoint.watch_requests, traffic.max_input, traffic.lenient,
+                                           rounds=endpoint.watch_rounds)
     rate = own_rate(traffic.records()) / traffic.time_scale if traffic.time_scale > 0 else own_rate(before[0])
     arms = Judgement.from_json(engine_build.judgement).arms if engine_build.judgement else {}
     pred = [arms.get(vid, {}).get("attainment_1x", float("nan"))
             for vid in (base["variant_id"], engine_build.variant.variant_id)]
-    live = LiveWindows(before, after, rate, slo, traffic.max_output, predicted_before=pred[0], predicted_after=pred[1])
+    live = LiveWindows(before, after, rate, slo, traffic.max_output, predicted_before=pred[0], predicted_after=pred[1],
+                       spare=spare)
     dep = deploy(url, token, endpoint.served_model_name, engine_build.variant, live)
     if dep.status in ("deployed", "kept"):  # what the drift sensors compare live traffic, model and hardware against
         capture_dir = endpoint.capture_dir or str(Path(artifacts.root) / "capture")

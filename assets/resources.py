@@ -256,6 +256,9 @@ class Endpoint(dg.ConfigurableResource):
     served_model_name: str = "polyinf"
     # requests in each of the two windows of held-out traffic a deployment is verified on (before and after)
     watch_requests: int = 24
+    # rounds of such windows at most: a round whose load generator lagged behind its schedule is void, and the next
+    # replays the serving form and the build again on fresh windows
+    watch_rounds: int = 2
 
     def connect(self, runner: EngineRunner, capture_dir: str | None = None) -> tuple[str, str]:
         if self.url:

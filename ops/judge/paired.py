@@ -324,10 +324,10 @@ def run_judgement(pj: PairedJudge, base: ArmRun, cands: list[ArmRun], latencies:
 
 
 def live_windows(trace: str, model: str, skip: int, n: int, max_input: int | None, lenient: bool = False,
-                 seed: int = 7) -> tuple[tuple[list, list], tuple[list, list]]:
-    """Two disjoint windows of ``n`` requests from the end of the trace's held-out part (the confirmation takes
-    its start), with their prompts (real text where the model has a tokenizer): the live traffic a deployment is
-    verified on before and after its swap (ops/deploy.LiveWindows)."""
+                 seed: int = 7, rounds: int = 1) -> list[tuple[tuple[list, list], tuple[list, list]]]:
+    """``rounds`` pairs of disjoint windows of ``n`` requests from the end of the trace's held-out part (the
+    confirmation takes its start), with their prompts (real text where the model has a tokenizer): the live traffic
+    a deployment is verified on before and after its swap, a pair per round (ops/deploy.LiveWindows)."""
     from engine import resolve
     from engine.loader.model_source import load_config
     from engine.loader.tokenizer import Tokenizer
@@ -338,13 +338,13 @@ def live_windows(trace: str, model: str, skip: int, n: int, max_input: int | Non
     records = load_trace(trace, lenient=lenient)
     w = Windows(records, skip=skip)
     lo, hi = w.bounds("held")
-    w.cursor["held"] = max(lo, hi - 2 * n)
+    w.cursor["held"] = max(lo, hi - 2 * n * rounds)
     source = resolve(model)
     tok = Tokenizer(source.tokenizer_path) if source.tokenizer_path and source.kind != "synthetic" else None
     vocab = load_config(source).vocab_size
     out = []
-    for k in range(2):
+    for k in range(2 * rounds):
         idx, recs = w.take("held", n)
         out.append((recs, synthesize_prompts(recs, vocab, max_input=max_input, tokenizer=tok, seed=seed + idx,
                                              corpus=corpus_for(trace) if tok else None)))
-    return out[0], out[1]
+    return [(out[2 * k], out[2 * k + 1]) for k in range(rounds)]

@@ -245,3 +245,49 @@ def vllm_result(report: ReplayReport, model: str, *, metrics: tuple[str, ...] = 
         for p in percentiles:
             out[f"p{p:g}_{m}_ms"] = 1e3 * percentile(values, p / 100)
     return out
+
+
+def replay_in_child(records: list[TraceRecord], prompts: list[list[int]], base_url: str, model: str,
+                    time_scale: float = 1.0, max_output: int | None = None, timeout: float = 900.0
+                    ) -> list[RequestResult]:
+    """``replay_async``'s per-request results, from a client process of its own (``python -m ops.traffic.replay``),
+    as a client on another host would send them: nothing the calling process does meanwhile (its other threads,
+    its garbage collector on a large heap) can hold a send back. The child gets no secret of this environment."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from engine.generated.isolation import without_secrets
+
+    root = str(Path(__file__).resolve().parents[2])
+    with tempfile.TemporaryDirectory(prefix="polyinf-replay-") as d:
+        job, out = Path(d) / "window.json", Path(d) / "results.json"
+        job.write_text(json.dumps({"records": [asdict(r) for r in records], "prompts": prompts, "url": base_url,
+                                   "model": model, "time_scale": time_scale, "max_output": max_output}))
+        env = {**without_secrets(), "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        try:
+            proc = subprocess.run([sys.executable, "-m", "ops.traffic.replay", str(job), str(out)], env=env, cwd=root,
+                                  capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"the replay's client did not finish in {timeout:.0f} s") from None
+        if proc.returncode != 0:
+            raise RuntimeError(f"the replay's client failed (exit {proc.returncode}): {proc.stderr[-1500:]}")
+        return [RequestResult(**r) for r in json.loads(out.read_text())]
+
+
+def _child(job_path: str, out_path: str) -> None:
+    from pathlib import Path
+
+    job = json.loads(Path(job_path).read_text())
+    records = [TraceRecord(**{**r, "prefix_block_hashes": tuple(r["prefix_block_hashes"])}) for r in job["records"]]
+    rep = asyncio.run(replay_async(records, job["prompts"], job["url"], job["model"], time_scale=job["time_scale"],
+                                   max_output=job["max_output"], timeout=600))
+    Path(out_path).write_text(json.dumps([asdict(r) for r in rep.results]))
+
+
+if __name__ == "__main__":
+    import sys
+
+    _child(*sys.argv[1:3])
