@@ -146,12 +146,12 @@ def hf_smollm2(smollm2_path, gguf_parsed_once):
 # takes the next file when it runs out, so the long ones start at once instead of leaving one worker running them
 # alone at the end while the other is idle. (pyproject.toml's --no-loadscope-reorder keeps this order: pytest-xdist
 # would otherwise hand out the files with the most tests first.)
-FIRST = ("pipelines/test_optimize.py", "engine/test_precision.py", "engine/test_server.py", "checks/test_gates_bf16.py",
-         "checks/test_gates.py", "ops/test_tune.py", "engine/test_variants.py", "engine/test_tensor_parallel.py",
-         "ops/test_agents.py", "engine/test_batching.py", "kernels/test_triton_kernels.py",
-         "kernels/test_triton_moe_linear.py", "engine/test_bad_input.py", "engine/test_red_team.py",
-         "engine/test_speculation.py", "pipelines/test_ui.py", "engine/test_smollm2_reference.py", "ops/test_board.py",
-         "ops/test_loadtest.py")
+FIRST = ("pipelines/test_optimize.py", "pipelines/test_scale_out.py", "engine/test_precision.py",
+         "engine/test_server.py", "checks/test_gates_bf16.py", "checks/test_gates.py", "ops/test_tune.py",
+         "engine/test_variants.py", "engine/test_tensor_parallel.py", "ops/test_agents.py", "engine/test_batching.py",
+         "kernels/test_triton_kernels.py", "kernels/test_triton_moe_linear.py", "engine/test_bad_input.py",
+         "engine/test_red_team.py", "engine/test_speculation.py", "pipelines/test_ui.py",
+         "engine/test_smollm2_reference.py", "ops/test_board.py", "ops/test_loadtest.py", "ops/test_deploy_rounds.py")
 
 
 def pytest_collection_modifyitems(config, items):
