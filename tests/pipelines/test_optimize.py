@@ -131,8 +131,8 @@ def test_a_regressing_deployment_is_rolled_back():
         from ops.release.deploy import LiveWindows
 
         def window(k):
-            recs = [TraceRecord(arrival_s=0.25 * i, input_tokens=12, output_tokens=8, source="t") for i in range(16)]
-            return recs, [[1 + (i + k + j) % 200 for j in range(12)] for i in range(16)]
+            recs = [TraceRecord(arrival_s=0.25 * i, input_tokens=12, output_tokens=8, source="t") for i in range(10)]
+            return recs, [[1 + (i + k + j) % 200 for j in range(12)] for i in range(10)]
         slo = SLO(ttft_s=1.0, tpot_s=0.05)
         dep = deploy(server.url, server.token, "tiny", slow,
                      live=LiveWindows(window(0), window(1), rate=4.0, slo=slo, max_output=8, max_lag_s=1.0))
