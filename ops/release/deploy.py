@@ -118,6 +118,7 @@ class LiveWindows:
     predicted_after: float = float("nan")
     spare: list = field(default_factory=list)  # [(before, after)] for the rounds after a void one
 
+
 def _live_window(url: str, model: str, records: list, prompts: list[list[int]], rate: float, slo,
                  max_output: int | None) -> tuple[list[bool], float, int]:
     """(met the SLO per request, the load generator's worst send lag, requests failed). Replayed by a client

@@ -252,7 +252,7 @@ def replay_in_child(records: list[TraceRecord], prompts: list[list[int]], base_u
                     ) -> list[RequestResult]:
     """``replay_async``'s per-request results, from a client process of its own (``python -m ops.traffic.replay``),
     as a client on another host would send them: nothing the calling process does meanwhile (its other threads,
-    its garbage collector on a large heap) can hold a send back. The child gets no secret of this environment."""
+    its own work) holds its interpreter while a send is due. The child gets no secret of this environment."""
     import os
     import subprocess
     import sys

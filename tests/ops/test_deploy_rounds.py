@@ -68,3 +68,17 @@ def test_a_void_round_is_replayed_on_fresh_windows_and_every_void_round_says_unv
         assert active == second.variant_id and dep.previous_build == first.variant_id
     finally:
         server.stop()
+
+
+def test_the_child_client_reports_each_failed_request_and_a_broken_child_clearly():
+    """Against a port nothing listens on: every request comes back failed with its error, none lost, each sent
+    on its schedule; a child that cannot run says so in one error."""
+    from ops.release.deploy import free_port
+    from ops.traffic.replay import replay_in_child
+
+    recs, prompts = window(0)
+    results = replay_in_child(recs[:4], prompts[:4], f"http://127.0.0.1:{free_port()}/v1", "tiny", time_scale=0.4)
+    assert len(results) == 4 and not any(r.ok for r in results) and all(r.error for r in results)
+    assert all(0.0 <= r.lag < 0.5 for r in results) and [r.input_tokens for r in results] == [12] * 4
+    with pytest.raises(RuntimeError, match="the replay's client failed"):
+        replay_in_child(recs[:1], prompts[:1], "http://127.0.0.1:1/v1", "tiny", max_output="eight")  # type: ignore
