@@ -24,7 +24,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from ops.measure.capacity import TARGET, Capacity, Probe, _quantile, _replicate_range, newcombe, wilson
+from ops.measure.capacity import TARGET, Capacity, Probe, _quantile, _replicate_range, ceiling, newcombe, wilson
 
 MIN_GAIN = 1.05  # a capacity ratio whose lower bound does not clear this is no reason to change
 TOLERANCE = 0.05  # saturation throughput and latency may not be worse by more than this
@@ -79,25 +79,16 @@ class Comparison:
         return self.ratio is not None and math.isfinite(self.ratio) and self.ratio > 0
 
 
-def _ceiling(cap: Capacity) -> float:
-    """The most an arm's capacity can be: its saturation throughput (arrivals faster than the engine completes
-    requests with a whole window at once build an unbounded queue, so no steady rate above it meets the SLO),
-    or the highest rate probed where that is higher; inf where no saturation was measured. A bootstrap replicate
-    in which every redrawn probe passed is bounded there, not at infinity."""
-    top = max((p.rate for p in cap.probes if p.verdict != "void" and p.n), default=0.0)
-    return max(cap.saturation, top) if cap.saturation > 0 else math.inf
-
-
 def ratio_interval(cand: Capacity, base: Capacity, replicates: int = 2000, seed: int = 1,
                    target: float = TARGET) -> tuple[float, float, float, float]:
     """(ratio, low, high, p) of two capacities: the estimates' ratio, its 95% interval from the block
     bootstrap of both arms' probes, and the one-sided p-value of "ratio <= MIN_GAIN". A censored end enters
-    as the range it leaves open (``_replicate_range``; above, up to the arm's ``_ceiling``): the lower bound takes
-    each replicate's least ratio, the upper bound its greatest, which errs against a verdict either way (an arm
-    whose one probe decided nothing is not "below" in every replicate)."""
+    as the range it leaves open (``_replicate_range``, as in each arm's own interval; above, up to the arm's
+    ``ceiling``): the lower bound takes each replicate's least ratio, the upper bound its greatest, which errs
+    against a verdict either way (an arm whose one probe decided nothing is not "below" in every replicate)."""
     rng = random.Random(seed)
     least, most = [], []
-    b_top, c_top = _ceiling(base), _ceiling(cand)
+    b_top, c_top = ceiling(base.probes, base.saturation), ceiling(cand.probes, cand.saturation)
     for _ in range(replicates):
         b_lo, b_hi = _replicate_range(base.probes, rng, target)
         c_lo, c_hi = _replicate_range(cand.probes, rng, target)

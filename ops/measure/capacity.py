@@ -258,24 +258,10 @@ def _resample(probes: list[Probe], rng: random.Random) -> list[Probe]:
     return out
 
 
-def _replicate(probes: list[Probe], rng: random.Random, target: float) -> float:
-    """One bootstrap replicate of a capacity: the curve refitted on redrawn requests, the crossing drawn
-    anywhere inside its bracket (log-uniform), or the bound at a censored end."""
-    curve = fit(_resample(probes, rng))
-    lo, hi = bracket(curve, target)
-    if not curve:
-        return 0.0
-    if lo == 0.0:
-        return curve[0][0]
-    if hi == math.inf:
-        return curve[-1][0]
-    return math.exp(rng.uniform(math.log(lo), math.log(hi)))
-
-
 def _replicate_range(probes: list[Probe], rng: random.Random, target: float) -> tuple[float, float]:
-    """One bootstrap replicate of a capacity as the range it can lie in: a point (as ``_replicate``) where the
-    redrawn curve crosses the target, (0, lowest rate] where every redrawn rate failed, [highest rate, inf)
-    where every one passed. A probe that decided nothing (its interval holds the target) is redrawn to either
+    """One bootstrap replicate of a capacity as the range it can lie in: where the redrawn curve (its requests
+    redrawn in blocks) crosses the target, a point drawn anywhere inside its bracket (log-uniform); (0, lowest
+    rate] where every redrawn rate failed; [highest rate, inf) where every one passed. A probe that decided nothing (its interval holds the target) is redrawn to either
     side, so its arm's bound is not taken for a measurement."""
     curve = fit(_resample(probes, rng))
     lo, hi = bracket(curve, target)
@@ -289,11 +275,22 @@ def _replicate_range(probes: list[Probe], rng: random.Random, target: float) -> 
     return x, x
 
 
+def ceiling(probes: list[Probe], saturation: float) -> float:
+    """The most a capacity can be: the saturation throughput (arrivals faster than the engine completes requests
+    with a whole window at once build an unbounded queue, so no steady rate above it meets the SLO), or the
+    highest rate probed where that is higher; inf where no saturation was measured. A bootstrap replicate in which
+    every redrawn probe passed is bounded there, not at infinity."""
+    top = max((p.rate for p in probes if p.verdict != "void" and p.n), default=0.0)
+    return max(saturation, top) if saturation > 0 else math.inf
+
+
 def capacity_of(probes: list[Probe], target: float = TARGET, replicates: int = 1000, seed: int = 0,
                 status: str = "converged", saturation: float = 0.0) -> Capacity:
     """The capacity the probes show: the crossing of their monotone fit, its 95% interval from the block
-    bootstrap (``_replicate``). Censored below (every rate failed) its estimate is the lowest rate probed, an
-    upper bound; censored above, the highest, a lower bound."""
+    bootstrap of the range each replicate leaves open (``_replicate_range``, the replicates the judge's ratio
+    takes too: an end probe that decided nothing opens the interval on its side, to 0 below, to ``ceiling``
+    above). Censored below (every rate failed) its estimate is the lowest rate probed, an upper bound; censored
+    above, the highest, a lower bound."""
     curve = fit(probes)
     est = crossing(curve, target)
     lo, hi = bracket(curve, target)
@@ -301,8 +298,10 @@ def capacity_of(probes: list[Probe], target: float = TARGET, replicates: int = 1
     if not curve:  # no counted request: nothing is known, not even a bound
         return Capacity(0.0, 0.0, math.inf, "", "unmeasured", list(probes), saturation)
     rng = random.Random(seed)
-    reps = sorted(_replicate(probes, rng, target) for _ in range(replicates))
-    low, high = _quantile(reps, 0.025), _quantile(reps, 0.975)
+    top = ceiling(probes, saturation)
+    ranges = [_replicate_range(probes, rng, target) for _ in range(replicates)]
+    low = _quantile(sorted(r_lo for r_lo, _ in ranges), 0.025)
+    high = _quantile(sorted(min(r_hi, max(top, r_lo)) for r_lo, r_hi in ranges), 0.975)
     if censored == "below":
         low = 0.0
     if censored == "above":

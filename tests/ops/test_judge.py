@@ -286,6 +286,36 @@ def test_a_baseline_censored_by_one_undecided_probe_does_not_make_a_gain():
     c = compare(cand, _arm("base", capacity_of([failed])))
     assert c.verdict == "better" and c.low > 3
 
+def _outcomes(passed: int, n: int, rng: random.Random) -> list[int]:
+    out = [1] * passed + [0] * (n - passed)
+    rng.shuffle(out)
+    return out
+
+
+def test_each_arms_interval_and_the_ratios_rest_on_the_same_replicates():
+    """An arm's printed interval and the ratio's come from the same bootstrap ranges: an arm whose lowest probe
+    decided nothing (54/60 = 0.90) shows an interval open to 0, as the ratio's lower bound is; arms decided on both
+    sides of their crossings whose intervals do not overlap give a finite ratio interval clear of 1, inside the
+    quotient of the arms' bounds."""
+    rng = random.Random(21)
+    undecided_low = [Probe(rate=2.0, outcomes=_outcomes(54, 60, rng), verdict="undecided"),
+                     Probe(rate=3.0, outcomes=_outcomes(20, 60, rng), verdict="fail")]
+    open_arm = capacity_of(undecided_low, saturation=4.0)
+    assert not open_arm.censored and open_arm.low == 0.0 and open_arm.high < math.inf
+    assert "95% 0.000-" in open_arm.describe()
+    decided = capacity_of([Probe(rate=1.0, outcomes=_outcomes(60, 60, rng), verdict="pass"),
+                           Probe(rate=1.3, outcomes=_outcomes(30, 60, rng), verdict="fail")], saturation=3.0)
+    assert 0 < decided.low <= decided.estimate <= decided.high < math.inf
+    _, low, _, _ = ratio_interval(capacity_of(undecided_low, saturation=4.0), decided)
+    assert low == 0.0  # the open arm opens the ratio below, as its own interval says
+    fast = capacity_of([Probe(rate=2.0, outcomes=_outcomes(60, 60, rng), verdict="pass"),
+                        Probe(rate=2.6, outcomes=_outcomes(25, 60, rng), verdict="fail")], saturation=5.0)
+    assert fast.low > decided.high  # the arms' intervals do not overlap
+    ratio, low, high, p = ratio_interval(fast, decided)
+    assert 1.0 < fast.low / decided.high <= low <= ratio <= high <= fast.high / decided.low < math.inf
+    assert p < 0.025
+
+
 def test_an_arm_the_budget_never_reached_is_unmeasured_not_censored():
     rng = random.Random(12)
     none = capacity_of([])
