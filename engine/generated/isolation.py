@@ -68,6 +68,18 @@ def without_secrets(environ: dict[str, str] | None = None) -> dict[str, str]:
     return {k: v for k, v in environ.items() if not is_secret_name(k)}
 
 
+def project_env(extra: dict[str, str] | None = None, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a child that runs this project's own code (a server, a load client, a board worker):
+    ``environ`` (default os.environ) without its secrets (``without_secrets``), this project's root first on
+    PYTHONPATH, and ``extra`` (a secret the child is given explicitly goes there)."""
+    environ = os.environ if environ is None else environ
+    root = str(Path(__file__).resolve().parents[2])
+    env = without_secrets(environ)
+    env["PYTHONPATH"] = root + os.pathsep + environ["PYTHONPATH"] if environ.get("PYTHONPATH") else root
+    env.update(extra or {})
+    return env
+
+
 @contextmanager
 def secrets_withheld():
     """``os.environ`` without its secrets while the block runs, for starting processes that inherit it

@@ -6,7 +6,6 @@ is significantly worse after than before, the deployment is rolled back and says
 """
 from __future__ import annotations
 
-import os
 import secrets
 import socket
 import subprocess
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from engine.generated.isolation import without_secrets
+from engine.generated.isolation import project_env
 from engine.config.variant import VariantSpec
 
 
@@ -40,8 +39,7 @@ class LoopbackServer:
         root = str(Path(__file__).resolve().parents[2])
         # the server gets its own token and none of this process's secrets (LLM keys, cloud credentials);
         # the token goes in its environment, not on its command line (which any local user can read)
-        env = {**without_secrets(), "POLYINF_ADMIN_TOKEN": self.token,
-               "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env = project_env({"POLYINF_ADMIN_TOKEN": self.token})
         # its stderr goes to a file: a pipe nobody reads while it serves would stall it once full
         self.log = tempfile.NamedTemporaryFile("w+", prefix="polyinf-serve-", suffix=".log")
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=self.log, text=True, env=env, cwd=root)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
 import random
 import signal
 import subprocess
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from engine.generated.isolation import project_env
 from engine.serving.capture import read_capture_dir
 from ops.search.board import DONE, RUNNING, Board
 from ops.release.deploy import ServerProcess
@@ -186,7 +186,7 @@ def board_faults(path: str | Path, experiments: int, kills: int, lease_s: float 
     or mid-write) and restarted; then the board is checked: every experiment once, done once, with one result."""
     rng = random.Random(seed)
     root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": root}
+    env = project_env()  # the producers and workers run our code: none of this process's secrets
     search = "faults"
     Board(path).create_search(search, {})
 

@@ -253,20 +253,19 @@ def replay_in_child(records: list[TraceRecord], prompts: list[list[int]], base_u
     """``replay_async``'s per-request results, from a client process of its own (``python -m ops.traffic.replay``),
     as a client on another host would send them: nothing the calling process does meanwhile (its other threads,
     its own work) holds its interpreter while a send is due. The child gets no secret of this environment."""
-    import os
     import subprocess
     import sys
     import tempfile
     from pathlib import Path
 
-    from engine.generated.isolation import without_secrets
+    from engine.generated.isolation import project_env
 
     root = str(Path(__file__).resolve().parents[2])
     with tempfile.TemporaryDirectory(prefix="polyinf-replay-") as d:
         job, out = Path(d) / "window.json", Path(d) / "results.json"
         job.write_text(json.dumps({"records": [asdict(r) for r in records], "prompts": prompts, "url": base_url,
                                    "model": model, "time_scale": time_scale, "max_output": max_output}))
-        env = {**without_secrets(), "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env = project_env()
         try:
             proc = subprocess.run([sys.executable, "-m", "ops.traffic.replay", str(job), str(out)], env=env, cwd=root,
                                   capture_output=True, text=True, timeout=timeout)

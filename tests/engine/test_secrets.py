@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 
-from engine.generated.isolation import isolated_env, run_isolated, without_secrets
+from engine.generated.isolation import isolated_env, project_env, run_isolated, without_secrets
 
 SECRETS = {"OPENAI_API_KEY": "sk-live-0123456789abcdef", "AWS_SECRET_ACCESS_KEY": "aws-secret-0123456789",
            "POLYINF_ADMIN_TOKEN": "admin-token-0123456789", "DB_PASSWORD": "hunter2-0123456789",
@@ -30,6 +32,27 @@ def test_an_isolated_child_sees_none_of_the_parents_secrets(monkeypatch):
     assert not Path(seen["HOME"]).exists()  # the private directory is gone with the child
     kept = without_secrets()
     assert not set(SECRETS) & set(kept) and "PATH" in kept
+
+
+def test_a_child_running_the_projects_code_gets_the_project_on_its_path_and_no_secret(monkeypatch, tmp_path):
+    """``project_env``: the environment of the project's own children (a server, the live load client, board
+    workers): no secret of this process, only the one given to it, and this project importable first."""
+    for k, v in SECRETS.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    env = project_env({"POLYINF_ADMIN_TOKEN": "given-0123456789"})
+    code = "import json, os, engine; print(json.dumps([dict(os.environ), engine.__file__]))"
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    seen, engine_file = json.loads(r.stdout)
+    assert not any(v in r.stdout for v in SECRETS.values())
+    assert seen["POLYINF_ADMIN_TOKEN"] == "given-0123456789" and "PATH" in seen
+    root = Path(__file__).resolve().parents[2]
+    assert seen["PYTHONPATH"].split(os.pathsep) == [str(root), str(tmp_path)]
+    assert Path(engine_file).resolve().is_relative_to(root)
+    monkeypatch.delenv("PYTHONPATH")
+    assert project_env()["PYTHONPATH"] == str(root)
 
 
 def test_an_isolated_child_has_no_network():
