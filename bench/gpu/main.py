@@ -57,6 +57,9 @@ def add_cli_args(ap: argparse.ArgumentParser) -> None:
                     help="qmma: the kernel checks, but not each projection timed alone")
     ap.add_argument("--w8a8-ttft-quick", action="store_true",
                     help="w8a8-ttft: bf16, fp8 and fp8 with prefill graphs only, prompts of 512-2,048 tokens")
+    ap.add_argument("--w8a8-served-only", action="store_true",
+                    help="w8a8: the decode steps as served only (static-best bf16, its FP8 form, and the FP8 form with "
+                         "the W8A8 GEMM from 32 rows), no kernel sections and no prefill")
     ap.add_argument("--w8a8-no-projections", action="store_true",
                     help="w8a8: the checks, the prefill attention kernel and the model figures, but not each "
                          "projection timed alone")
@@ -115,7 +118,7 @@ def _sections(args: argparse.Namespace) -> None:
             qmma_projections()
         if args.qmma_sweep:
             qmma_sweep()
-    if want("w8a8"):
+    if want("w8a8") and not args.w8a8_served_only:
         w8a8_checks()  # its rows say what failed; the model figures go on (they print their own logit error)
         w8a8_quant_passes()
         w8a8_gemm_accum()
@@ -151,7 +154,8 @@ def _sections(args: argparse.Namespace) -> None:
                     if not args.qmma_no_served:
                         qmma_served(m, args.out)
                 if want("w8a8"):
-                    w8a8_prefill(m)
+                    if not args.w8a8_served_only:
+                        w8a8_prefill(m)
                     w8a8_served(m, args.out)
                 if want("w8a8-ttft"):
                     w8a8_ttft(m, quick=args.w8a8_ttft_quick)
