@@ -342,7 +342,7 @@ class Judgement:
             sim = a.get("predicted")
             err = f", error {abs(sim - cap.estimate) / cap.estimate:.0%}" if sim and cap and cap.estimate > 0 \
                 and not cap.censored else ""
-            out.append(f"  {a['name'][:40]}: capacity {cap.describe() if cap else '-'} from {cap.requests if cap else 0} "
+            out.append(f"  {short_name(a['name'])}: capacity {cap.describe() if cap else '-'} from {cap.requests if cap else 0} "
                        f"requests in {len(cap.probes) if cap else 0} probes; saturation {a.get('saturation', 0.0):.3f} "
                        f"req/s" + (f"; predicted {sim:.3f} req/s by the simulator{err}" if sim else ""))
             obs = a.get("observed_rate")
@@ -361,7 +361,7 @@ class Judgement:
         for c in self.comparisons:
             g = ", ".join(f"{k} {v:.2f}x" if isinstance(v, float) and not math.isnan(v) else f"{k} {v}"
                           for k, v in c.guards.items() if not (isinstance(v, float) and math.isnan(v)))
-            out.append(f"  {c.name[:40]} / static-best: {c.line()}: {c.verdict}, p {c.p_value:.3f} "
+            out.append(f"  {short_name(c.name)} / static-best: {c.line()}: {c.verdict}, p {c.p_value:.3f} "
                        f"({'adopted' if c.adopted else 'not adopted'})" + (f"; guards: {g}" if g else "")
                        + "".join(f"; {r}" for r in c.reasons))
         if self.confirmation:
@@ -391,6 +391,15 @@ class Judgement:
         who = "chosen" if not self.kept else f"best candidate ({shown.name})"
         return (f"capacity at SLO, {who} / static-best: {shown.line()}, {shown.verdict}"
                 f"{', kept static-best' if self.kept else ''}; {cap.describe() if cap else '?'} vs {base.describe()}")
+
+
+def short_name(name: str, width: int = 48) -> str:
+    """A variant's name for a report line: whole up to ``width`` characters, else its head and its tail around
+    "..." (arms named as a base plus a change differ at the end, so a cut head alone would name both alike)."""
+    if len(name) <= width:
+        return name
+    head = (width - 3) // 3
+    return name[:head] + "..." + name[len(name) - (width - 3 - head):]
 
 
 def shared_rate(cand: Capacity, base: Capacity, highest: bool = False) -> str:

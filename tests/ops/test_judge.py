@@ -9,7 +9,7 @@ import pytest
 
 from ops.measure.capacity import (Capacity, Probe, Searcher, capacity_of, fit, looks, newcombe, outcome,
                                   search_capacity, sequential_stop, wilson)
-from ops.judge.rule import Arm, compare, confirm, decide, holm, ratio_interval, verify_live
+from ops.judge.rule import Arm, compare, confirm, decide, holm, ratio_interval, short_name, verify_live
 
 
 def test_wilson_and_newcombe_match_published_values():
@@ -376,6 +376,22 @@ def test_capacities_and_judgements_survive_json():
     assert back.to_json() == j.to_json() and back.capacity("cand").estimate == cand.capacity.estimate
     c = capacity_of([Probe(rate=1.0, outcomes=[1] * 40, verdict="pass")])
     assert Capacity.from_json(c.to_json()).high == math.inf
+
+
+def test_arms_named_as_a_base_plus_a_change_are_told_apart_in_the_report():
+    """capacity_ab names its arms as static-best plus a change; the two names share their first 90 characters, and
+    the report lines cut at 40 named both alike (2026-12-07's bursty judgement)."""
+    rng = random.Random(13)
+    base_name = 'static-best (recorded on NVIDIA H200) + {"prefill_graph_tokens":[128,256],"prefill_chunk_size":2048}'
+    cand_name = base_name + " + fp8 weights, prefill graphs"
+    base = Arm("b", base_name, _capacity(2.0, rng), saturation=1.0, ttft=[0.1] * 16, tpot=[0.02] * 16)
+    cand = Arm("c", cand_name, _capacity(3.0, rng), saturation=1.0, ttft=[0.1] * 16, tpot=[0.02] * 16)
+    lines = decide(base, [cand]).lines()
+    arm_lines = [line for line in lines if ": capacity " in line]
+    assert len(arm_lines) == 2 and arm_lines[0].split(": capacity")[0] != arm_lines[1].split(": capacity")[0]
+    assert any("fp8 weights, prefill graphs / static-best" in line for line in lines)
+    assert all(len(line.split(": capacity")[0].strip()) <= 48 for line in arm_lines)
+    assert short_name("static-best + int8 weights") == "static-best + int8 weights"
 
 
 def test_a_replicate_that_passes_everywhere_is_bounded_by_the_saturation_throughput():
