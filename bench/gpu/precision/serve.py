@@ -63,6 +63,35 @@ def _step_ms(eng, b: int, ctx: int = 192, new: int = 32) -> float:
     return 1e3 * (min(run(new + 1) for _ in range(2)) - min(run(1) for _ in range(2))) / new
 
 
+def _decode_only_ms(eng, b: int, ctx: int = 192, steps: int = 16) -> float:
+    """A decode step's time at ``b`` sequences of ``ctx`` tokens with every prefill done before the clock starts:
+    ``steps`` consecutive engine steps in which every row is a decode row (``_step_ms``'s difference of two runs
+    also holds the steps where the first sequences decode beside the last prefill chunks). At most the variant's
+    ``max_num_seqs`` (the caller's bound)."""
+    from engine import SamplingParams
+
+    eng.block_manager.reset_prefix_cache()
+    ids = [eng.add_request([(i * 7919 + j * 31) % 30000 + 10 for j in range(ctx)],
+                           SamplingParams(max_tokens=3 * steps + 16, ignore_eos=True)) for i in range(b)]
+    started: set = set()
+    try:
+        while len(started) < b and eng.has_unfinished():
+            started.update(o.request_id for o in eng.step() if o.token_ids)
+        for _ in range(steps // 2):  # the decode graph's first replays
+            eng.step()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+        return 1e3 * (time.perf_counter() - t) / steps
+    finally:
+        for rid in ids:
+            eng.abort(rid)
+        while eng.has_unfinished():
+            eng.step()
+
+
 def fp8_forms(base) -> dict:
     """static-best with FP8 weights in the forms compared here: {label: VariantSpec}."""
     from engine.config.presets import TRITON_GEMV, quantized_variant
@@ -122,12 +151,14 @@ def served_steps(eng, forms: dict, batches, out, change_file: str, profile_at: i
 
     base_label = next(iter(forms))
     got: dict[str, dict[int, float]] = {}
+    alone: dict[str, dict[int, float]] = {}
     for label, spec in forms.items():
         try:
             t = time.perf_counter()
             eng.apply_variant(spec)
             prepared = time.perf_counter() - t
             got[label] = {b: _step_ms(eng, b) for b in batches}
+            alone[label] = {b: _decode_only_ms(eng, b) for b in batches if b <= eng.variant.max_num_seqs}
         except Exception as e:
             traceback.print_exc()
             row(f"8B decode step, {label}", f"FAILED {type(e).__name__}: {str(e)[:160]}")
@@ -136,6 +167,10 @@ def served_steps(eng, forms: dict, batches, out, change_file: str, profile_at: i
         row(f"8B decode step, {label} (prepared in {prepared:.1f} s)",
             "; ".join(f"b={b} {ms:.2f} ms" + (f" ({ref[b] / ms:.2f}x)" if ref and label != base_label else "")
                       for b, ms in got[label].items()))
+        ref_alone = alone.get(base_label)
+        row(f"8B decode step, {label}, every row a decode row (16 steps after the prefills)",
+            "; ".join(f"b={b} {ms:.2f} ms" + (f" ({ref_alone[b] / ms:.2f}x)" if ref_alone and label != base_label
+                                              else "") for b, ms in alone[label].items()))
         if profile_at:
             try:
                 decode_profile(eng, label, profile_at)
