@@ -342,8 +342,8 @@ class Judgement:
             sim = a.get("predicted")
             err = f", error {abs(sim - cap.estimate) / cap.estimate:.0%}" if sim and cap and cap.estimate > 0 \
                 and not cap.censored else ""
-            out.append(f"  {short_name(a['name'])}: capacity {cap.describe() if cap else '-'} from {cap.requests if cap else 0} "
-                       f"requests in {len(cap.probes) if cap else 0} probes; saturation {a.get('saturation', 0.0):.3f} "
+            out.append(f"  {short_name(a['name'])}: capacity {cap.describe() if cap else '-'} from "
+                       f"{cap.requests if cap else 0} requests in {len(cap.probes) if cap else 0} probes; saturation {a.get('saturation', 0.0):.3f} "
                        f"req/s" + (f"; predicted {sim:.3f} req/s by the simulator{err}" if sim else ""))
             obs = a.get("observed_rate")
             if obs:

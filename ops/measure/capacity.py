@@ -261,8 +261,9 @@ def _resample(probes: list[Probe], rng: random.Random) -> list[Probe]:
 def _replicate_range(probes: list[Probe], rng: random.Random, target: float) -> tuple[float, float]:
     """One bootstrap replicate of a capacity as the range it can lie in: where the redrawn curve (its requests
     redrawn in blocks) crosses the target, a point drawn anywhere inside its bracket (log-uniform); (0, lowest
-    rate] where every redrawn rate failed; [highest rate, inf) where every one passed. A probe that decided nothing (its interval holds the target) is redrawn to either
-    side, so its arm's bound is not taken for a measurement."""
+    rate] where every redrawn rate failed; [highest rate, inf) where every one passed. A probe that decided
+    nothing (its interval holds the target) is redrawn to either side, so its arm's bound is not taken for a
+    measurement."""
     curve = fit(_resample(probes, rng))
     lo, hi = bracket(curve, target)
     if not curve:
