@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import traceback
+from contextlib import contextmanager
 
 import torch
 
@@ -45,11 +46,36 @@ def activation_quant_checks() -> bool:
     return ok
 
 
+def _prompts(b: int, ctx: int) -> list[list[int]]:
+    """``b`` distinct prompts of ``ctx`` tokens (no shared prefix to cache)."""
+    return [[(i * 7919 + j * 31) % 30000 + 10 for j in range(ctx)] for i in range(b)]
+
+
+@contextmanager
+def _decoding(eng, b: int, ctx: int, max_tokens: int):
+    """``b`` sequences of ``ctx`` tokens admitted and stepped until each has its first token (the prefills done),
+    so that every step inside the block is a decode step of all ``b``; aborted and drained on leaving."""
+    from engine import SamplingParams
+
+    eng.block_manager.reset_prefix_cache()
+    ids = [eng.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in _prompts(b, ctx)]
+    try:
+        started: set = set()
+        while len(started) < b and eng.has_unfinished():
+            started.update(o.request_id for o in eng.step() if o.token_ids)
+        yield
+    finally:
+        for rid in ids:
+            eng.abort(rid)
+        while eng.has_unfinished():
+            eng.step()
+
+
 def _step_ms(eng, b: int, ctx: int = 192, new: int = 32) -> float:
     """A decode step's time at ``b`` sequences of ``ctx`` tokens: a run of ``new`` steps less the prefill's."""
     from engine import SamplingParams
 
-    prompts = [[(i * 7919 + j * 31) % 30000 + 10 for j in range(ctx)] for i in range(b)]
+    prompts = _prompts(b, ctx)
 
     def run(tokens: int) -> float:
         eng.block_manager.reset_prefix_cache()
@@ -68,15 +94,7 @@ def _decode_only_ms(eng, b: int, ctx: int = 192, steps: int = 16) -> float:
     ``steps`` consecutive engine steps in which every row is a decode row (``_step_ms``'s difference of two runs
     also holds the steps where the first sequences decode beside the last prefill chunks). At most the variant's
     ``max_num_seqs`` (the caller's bound)."""
-    from engine import SamplingParams
-
-    eng.block_manager.reset_prefix_cache()
-    ids = [eng.add_request([(i * 7919 + j * 31) % 30000 + 10 for j in range(ctx)],
-                           SamplingParams(max_tokens=3 * steps + 16, ignore_eos=True)) for i in range(b)]
-    started: set = set()
-    try:
-        while len(started) < b and eng.has_unfinished():
-            started.update(o.request_id for o in eng.step() if o.token_ids)
+    with _decoding(eng, b, ctx, max_tokens=3 * steps + 16):
         for _ in range(steps // 2):  # the decode graph's first replays
             eng.step()
         torch.cuda.synchronize()
@@ -85,11 +103,6 @@ def _decode_only_ms(eng, b: int, ctx: int = 192, steps: int = 16) -> float:
             eng.step()
         torch.cuda.synchronize()
         return 1e3 * (time.perf_counter() - t) / steps
-    finally:
-        for rid in ids:
-            eng.abort(rid)
-        while eng.has_unfinished():
-            eng.step()
 
 
 def fp8_forms(base) -> dict:
@@ -126,21 +139,9 @@ def decode_profile(eng, label: str, b: int, ctx: int = 192, steps: int = 8) -> N
     """The kernels of the served decode step at ``b`` sequences of ``ctx`` tokens (``kernel_profile``: GPU time
     per kernel and the step's time no kernel covers), after every sequence's prefill, as the step replays."""
     from bench.gpu.harness import kernel_profile
-    from engine import SamplingParams
 
-    eng.block_manager.reset_prefix_cache()
-    ids = [eng.add_request([(i * 7919 + j * 31) % 30000 + 10 for j in range(ctx)],
-                           SamplingParams(max_tokens=4 * steps + 16, ignore_eos=True)) for i in range(b)]
-    started: set = set()
-    while len(started) < b and eng.has_unfinished():  # the prefills, and the first tokens out
-        started.update(o.request_id for o in eng.step() if o.token_ids)
-    try:
+    with _decoding(eng, b, ctx, max_tokens=4 * steps + 16):
         kernel_profile(f"8B decode step at {b} sequences, {label}", eng.step, steps=steps, top=12)
-    finally:
-        for rid in ids:
-            eng.abort(rid)
-        while eng.has_unfinished():
-            eng.step()
 
 
 def served_steps(eng, forms: dict, batches, out, change_file: str, profile_at: int = 0) -> None:
