@@ -90,9 +90,8 @@ def ratio_interval(cand: Capacity, base: Capacity, replicates: int = 2000, seed:
     least, most = [], []
     b_top, c_top = ceiling(base.probes, base.saturation), ceiling(cand.probes, cand.saturation)
     for _ in range(replicates):
-        b_lo, b_hi = _replicate_range(base.probes, rng, target)
-        c_lo, c_hi = _replicate_range(cand.probes, rng, target)
-        b_hi, c_hi = min(b_hi, max(b_top, b_lo)), min(c_hi, max(c_top, c_lo))
+        b_lo, b_hi = _replicate_range(base.probes, rng, target, b_top)
+        c_lo, c_hi = _replicate_range(cand.probes, rng, target, c_top)
         least.append(c_lo / b_hi if b_hi > 0 else math.inf)
         most.append(c_hi / b_lo if b_lo > 0 else math.inf)
     least.sort()

@@ -258,20 +258,21 @@ def _resample(probes: list[Probe], rng: random.Random) -> list[Probe]:
     return out
 
 
-def _replicate_range(probes: list[Probe], rng: random.Random, target: float) -> tuple[float, float]:
+def _replicate_range(probes: list[Probe], rng: random.Random, target: float,
+                     top: float = math.inf) -> tuple[float, float]:
     """One bootstrap replicate of a capacity as the range it can lie in: where the redrawn curve (its requests
     redrawn in blocks) crosses the target, a point drawn anywhere inside its bracket (log-uniform); (0, lowest
-    rate] where every redrawn rate failed; [highest rate, inf) where every one passed. A probe that decided
-    nothing (its interval holds the target) is redrawn to either side, so its arm's bound is not taken for a
-    measurement."""
+    rate] where every redrawn rate failed; [highest rate, ``top``] where every one passed (``top``: the arm's
+    ``ceiling``). A probe that decided nothing (its interval holds the target) is redrawn to either side, so its
+    arm's bound is not taken for a measurement."""
     curve = fit(_resample(probes, rng))
     lo, hi = bracket(curve, target)
     if not curve:
-        return 0.0, math.inf
+        return 0.0, top
     if lo == 0.0:
         return 0.0, curve[0][0]
     if hi == math.inf:
-        return curve[-1][0], math.inf
+        return curve[-1][0], max(top, curve[-1][0])
     x = math.exp(rng.uniform(math.log(lo), math.log(hi)))
     return x, x
 
@@ -300,9 +301,9 @@ def capacity_of(probes: list[Probe], target: float = TARGET, replicates: int = 1
         return Capacity(0.0, 0.0, math.inf, "", "unmeasured", list(probes), saturation)
     rng = random.Random(seed)
     top = ceiling(probes, saturation)
-    ranges = [_replicate_range(probes, rng, target) for _ in range(replicates)]
+    ranges = [_replicate_range(probes, rng, target, top) for _ in range(replicates)]
     low = _quantile(sorted(r_lo for r_lo, _ in ranges), 0.025)
-    high = _quantile(sorted(min(r_hi, max(top, r_lo)) for r_lo, r_hi in ranges), 0.975)
+    high = _quantile(sorted(r_hi for _, r_hi in ranges), 0.975)
     if censored == "below":
         low = 0.0
     if censored == "above":
