@@ -105,6 +105,17 @@ def _decode_only_ms(eng, b: int, ctx: int = 192, steps: int = 16) -> float:
         return 1e3 * (time.perf_counter() - t) / steps
 
 
+def _widened_ms(eng, spec, b: int) -> float:
+    """``_decode_only_ms`` at ``b`` sequences, more than ``spec`` runs at once: ``spec`` with ``max_num_seqs`` and a
+    decode graph of ``b`` rows (the step's cost at that many rows, against the same widening of the baseline)."""
+    eng.apply_variant(dataclasses.replace(spec, max_num_seqs=b,
+                                          cuda_graph_batch_sizes=tuple(spec.cuda_graph_batch_sizes) + (b,)))
+    try:
+        return _decode_only_ms(eng, b)
+    finally:
+        eng.apply_variant(spec)
+
+
 def fp8_forms(base) -> dict:
     """static-best with FP8 weights in the forms compared here: {label: VariantSpec}."""
     from engine.config.presets import TRITON_GEMV, quantized_variant
@@ -159,7 +170,7 @@ def served_steps(eng, forms: dict, batches, out, change_file: str, profile_at: i
             eng.apply_variant(spec)
             prepared = time.perf_counter() - t
             got[label] = {b: _step_ms(eng, b) for b in batches}
-            alone[label] = {b: _decode_only_ms(eng, b) for b in batches if b <= eng.variant.max_num_seqs}
+            alone[label] = {b: _decode_only_ms(eng, b) for b in batches if b <= spec.max_num_seqs}
         except Exception as e:
             traceback.print_exc()
             row(f"8B decode step, {label}", f"FAILED {type(e).__name__}: {str(e)[:160]}")
@@ -179,6 +190,18 @@ def served_steps(eng, forms: dict, batches, out, change_file: str, profile_at: i
                 traceback.print_exc()
                 row(f"8B decode step at {profile_at} sequences, {label}: profile", f"FAILED {type(e).__name__}: "
                     f"{str(e)[:160]}")
+        for b in (b for b in batches if b > spec.max_num_seqs):
+            try:
+                alone[label][b] = _widened_ms(eng, spec, b)
+            except Exception as e:
+                traceback.print_exc()
+                row(f"8B decode step, {label}, {b} rows at once", f"FAILED {type(e).__name__}: {str(e)[:160]}")
+                continue
+            ref = alone.get(base_label, {}).get(b)
+            row(f"8B decode step, {label}, {b} rows at once (max_num_seqs and a decode graph widened to {b}; "
+                f"as served, {spec.max_num_seqs} at a time)",
+                f"{alone[label][b]:.2f} ms" + (f" ({ref / alone[label][b]:.2f}x)" if ref and label != base_label
+                                               else ""))
     eng.apply_variant(forms[base_label])
     others = {k: sum(v.values()) for k, v in got.items() if k != base_label}
     if others and out is not None:
