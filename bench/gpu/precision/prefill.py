@@ -213,30 +213,29 @@ def w8a8_prefill(m: Llama8B, profile: bool = True) -> None:
 
 @section
 def w8a8_served(m: Llama8B, out=None, batches=(1, 32, 64)) -> None:
-    """Decode steps of static-best bf16 and its FP8 form as the tuner proposes it, at 1, 32 and 64 sequences, and
-    the kernels of each one's step at 32; then the FP8 form with the W8A8 GEMM from 32 rows at 32 and 64."""
+    """Decode steps of static-best bf16 and its FP8 form as the tuner proposes it at 1, 32 and 64 sequences (64 rows
+    at once with both widened to 64: ``served_steps``), each also with programmatic dependent launch on its Triton
+    kernels (pdl 1 and, for FP8, 2: kernels/pdl.py), and the kernels of each one's step at 32. (The W8A8 GEMM from
+    32 rows was slower on an H100, 1.22x / 1.17x against the tensor-core kernel's 1.30x / 1.29x:
+    bench/results/2026-12-07e-h100-bursty-fair-decode.md.)"""
     from bench.gpu.precision.serve import served_steps
-    from engine.config.presets import quantized_variant
+    from engine.config.presets import quantized_variant, with_pdl
     from engine.config.static_best import lookup
     from engine.loader.model_source import resolve
-    from engine.model import precision
 
     base = lookup(resolve("llama-3.1-8b"), "cuda", "bfloat16")
     if base is None:
         row("W8A8 served", "skipped: no static-best recorded for the 8B on this device")
         return
     fp8 = quantized_variant(base, "fp8", "cuda")
-    served_steps(m.engine, {"static-best bf16": base, "fp8 as the tuner proposes it": fp8}, batches, out,
-                 "w8a8_change.json", profile_at=32)
-    # The same FP8 form with the W8A8 GEMM from 32 rows (the tuner's form keeps the decode kernels to 64): whether
-    # W8A8_MIN_ROWS should come down for the 32- and 64-sequence steps. The graphs are captured under the threshold.
-    keep = precision.W8A8_MIN_ROWS
-    precision.W8A8_MIN_ROWS = 32
-    try:
-        served_steps(m.engine, {"static-best bf16": base, "fp8, W8A8 from 32 rows": fp8},
-                     tuple(b for b in batches if b >= 32), None, "", profile_at=32)
-    finally:
-        precision.W8A8_MIN_ROWS = keep  # served_steps ends with the baseline applied
+
+    def pdl(spec, level):
+        return dataclasses.replace(spec, name=f"{spec.name} + pdl {level}",
+                                   kernel_params=with_pdl(dict(spec.kernel_params), level))
+
+    served_steps(m.engine, {"static-best bf16": base, "static-best bf16 + pdl 1": pdl(base, 1),
+                            "fp8 as the tuner proposes it": fp8, "fp8 + pdl 1": pdl(fp8, 1),
+                            "fp8 + pdl 2": pdl(fp8, 2)}, batches, out, "w8a8_change.json", profile_at=32)
 
 
 @section
@@ -394,7 +393,6 @@ def w8a8_ttft(m: Llama8B, lengths=(128, 512, 1024, 2048), reps: int = 5, quick: 
     from engine.config.presets import prefill_graphed, quantized_variant
     from engine.config.static_best import lookup
     from engine.loader.model_source import resolve
-    from engine.model import precision
 
     base = lookup(resolve("llama-3.1-8b"), "cuda", "bfloat16")
     if base is None:
