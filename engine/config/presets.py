@@ -213,14 +213,19 @@ QUANTIZED_MMA = {"fp8": {"mma": 1, "mma_min_numel": 64 << 20}, "int8": {"mma": 1
 # 3.84); each GEMM's error 0.005-0.012 of its output's scale against 0.002-0.003 (bench/results/2026-12-07d-h100-
 # fp8-accumulation.md). The quality gate judges the form as a whole.
 FP8_ACCUMULATION = "fast"
+# The one-byte forms' Triton kernels on a GPU with dependent launch, each next kernel scheduled before the wait
+# (kernels/pdl.py): on an H100 the 8B's FP8 decode step with every row decoding 4.23 ms at 32 sequences and 4.34 at
+# 64 against 4.51 / 4.58 without (static-best bf16 6.70 / 6.78 ms; with pdl 1, 6.59 / 6.67), at one row 3.42
+# against 3.59 (bench/results/2026-12-07f-h100-decode-pdl.md).
+QUANTIZED_PDL = 2
 
 
 def quantized_variant(base: VariantSpec, kind: str, device: str, name: str | None = None) -> VariantSpec:
     """``base`` with ``kind`` ("int8" or "fp8") weights. On a GPU its projections are the Triton ones (torch has
     no matrix-vector product for one-byte weights; its FP8 GEMM quantizes the activations first, a pass of seven
     kernels through the library path): the GEMV with pinned tiles for one row of a small weight, the tensor-core
-    kernel for one-byte weights otherwise, to 64 rows (``QUANTIZED_MMA[kind]``); the other operations and
-    parameters stay ``base``'s."""
+    kernel for one-byte weights otherwise, to 64 rows (``QUANTIZED_MMA[kind]``); every Triton kernel that takes it
+    with dependent launch at ``QUANTIZED_PDL``; the other operations and parameters stay ``base``'s."""
     if kind not in QUANTIZED_MMA:
         raise ConfigError(f"quantized weights are int8 or fp8, not {kind!r}")
     kernels, params = dict(base.kernels), {op: dict(p) for op, p in base.kernel_params}
@@ -232,6 +237,7 @@ def quantized_variant(base: VariantSpec, kind: str, device: str, name: str | Non
                 params[op] = {**params.get(op, {}), **QUANTIZED_TILES}
             if kernels.get(op) == "triton":
                 params[op] = {**params.get(op, {}), **QUANTIZED_MMA[kind]}
+        params = with_pdl(params, QUANTIZED_PDL)
     return dataclasses.replace(base, name=name or f"{base.name} + {kind} weights", weight_dtype=kind,
                                kernels=kernels, kernel_params=params, fp8_accumulation=accumulation)
 

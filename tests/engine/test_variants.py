@@ -417,7 +417,7 @@ def test_a_kv_swap_without_room_for_both_pools_releases_the_old_one(monkeypatch,
 
 
 def test_quantized_variant_takes_the_triton_projections_with_pinned_tiles_on_a_gpu_only():
-    from engine.config.presets import QUANTIZED_MMA, QUANTIZED_TILES, quantized_variant
+    from engine.config.presets import PDL_OPS, QUANTIZED_MMA, QUANTIZED_PDL, QUANTIZED_TILES, quantized_variant
 
     base = VariantSpec(name="sb", kernels={"attention": "triton_paged", "act_linear": "triton"},
                        kernel_params={"attention": {"block_n": 128}, "linear": {"pdl": 1},
@@ -431,12 +431,16 @@ def test_quantized_variant_takes_the_triton_projections_with_pinned_tiles_on_a_g
     # only on weights of 64 Mi elements and more (FP8) or 32 Mi (int8)
     mma = QUANTIZED_MMA["fp8"]
     assert mma == {"mma": 1, "mma_min_numel": 64 << 20}
-    assert kernels["act_linear"] == "triton" and params["act_linear"] == {"block_n": 16, **mma}
-    assert params["linear"] == {"pdl": 1, **QUANTIZED_TILES, **mma}
-    assert params["norm_linear"] == {**QUANTIZED_TILES, **mma}
-    assert params["attention"] == {"block_n": 128}
+    # every kernel that takes it with dependent launch at QUANTIZED_PDL (2), over the base's own level
+    pdl = {"pdl": QUANTIZED_PDL}
+    assert QUANTIZED_PDL == 2
+    assert kernels["act_linear"] == "triton" and params["act_linear"] == {"block_n": 16, **mma, **pdl}
+    assert params["linear"] == {**QUANTIZED_TILES, **mma, **pdl}
+    assert params["norm_linear"] == {**QUANTIZED_TILES, **mma, **pdl}
+    assert params["attention"] == {"block_n": 128, **pdl}
+    assert all(params[op] == pdl for op in PDL_OPS if op not in ("linear", "norm_linear", "act_linear", "attention"))
     int8 = {op: dict(p) for op, p in quantized_variant(base, "int8", "cuda").kernel_params}
-    assert int8["act_linear"] == {"block_n": 16, "mma": 1, "mma_min_numel": 32 << 20}
+    assert int8["act_linear"] == {"block_n": 16, "mma": 1, "mma_min_numel": 32 << 20, **pdl}
     cpu = quantized_variant(base, "int8", "cpu", name="q")
     assert (cpu.name, cpu.weight_dtype, cpu.kernels, cpu.kernel_params) == ("q", "int8", base.kernels,
                                                                            base.kernel_params)
