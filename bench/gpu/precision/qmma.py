@@ -16,6 +16,23 @@ import triton
 
 from bench.gpu.harness import Llama8B, row, section, with_mma
 from engine.config.presets import QUANTIZED_MMA
+from kernels.linear.tile_table import TileKey
+
+
+def _chosen(key: TileKey) -> dict:
+    """The tiles this process chose for ``key`` on the current GPU (autotuned or from its table), or {}."""
+    import kernels.linear.qmma_triton as qm
+
+    entry = next((e for e in qm._TUNED.entries(qm._current_device_name()) if e.key == key), None)
+    return {} if entry is None else dict(entry.tiles)
+
+
+def _chosen_row(keep) -> str:
+    """The tiles this process chose on the current GPU for the keys ``keep`` takes, as JSON for a row."""
+    import kernels.linear.qmma_triton as qm
+
+    return json.dumps({f"{e.key.block_m}x{e.key.n}x{e.key.k} {e.key.kind} p{e.key.prologue}": e.tiles
+                       for e in qm._TUNED.entries(qm._current_device_name()) if keep(e.key)})
 
 SHAPES = (("qkv", 6144, 4096, "norm"), ("o_proj", 4096, 4096, "plain"), ("gate_up", 28672, 4096, "norm"),
           ("down", 4096, 14336, "act"), ("lm_head", 128256, 4096, "norm"))
@@ -119,9 +136,8 @@ def qmma_projections(kinds=("fp8", "int8"), rows=(1, 16)) -> None:
                     traceback.print_exc()
                     row(f"{name} {n}x{k} rows {m}, {kind}", f"FAILED {type(e).__name__}: {str(e)[:160]}")
                     continue
-                key = (max(16, triton.next_power_of_2(m)), n, k, kind,
-                       {"norm": qm.ADD_RMS_NORM, "act": qm.SILU_MUL, "plain": qm.NONE}[prologue], x.device)
-                tiles = qm._TUNED.get(key, {})
+                tiles = _chosen(TileKey(max(16, triton.next_power_of_2(m)), n, k, kind, {
+                    "norm": qm.ADD_RMS_NORM, "act": qm.SILU_MUL, "plain": qm.NONE}[prologue]))
                 split = qm.split_for(n, k, tiles.get("block_n", 64), tiles.get("block_k", 256))
                 nbytes = n * k
                 row(f"{name} {n}x{k} rows {m}, {kind} ({nbytes / 1e6:.1f} MB)",
@@ -178,8 +194,8 @@ def qmma_sweep(budget_s: float = 200.0) -> None:
             continue
         got.sort(key=lambda g: g[0])
         call(None)  # the autotuned choice
-        key = (16, n, k, "fp8", {"norm": qm.ADD_RMS_NORM, "act": qm.SILU_MUL, "plain": qm.NONE}[prologue], x.device)
-        tuned = qm._TUNED.get(key, {})
+        tuned = _chosen(TileKey(16, n, k, "fp8", {"norm": qm.ADD_RMS_NORM, "act": qm.SILU_MUL,
+                                                 "plain": qm.NONE}[prologue]))
         t_tuned = 1e3 * graph_time(lambda: call(tuned))
         fmt = lambda t, c: (f"{t:.1f} us = {n * k / t / 1e3:,.0f} GB/s (bn {c['block_n']} bk {c['block_k']} "  # noqa: E731
                             f"w {c['num_warps']} s {c['num_stages']} split {c['split_k']}"
@@ -271,10 +287,7 @@ def qmma_decode(m: Llama8B, quick: bool = False, pin: bool = False) -> None:
             token, want = eng.runner.graphs.input_ids[0].item(), logits[0].argmax().item()
             row(f"8B decode step b=1, {label}, pdl 1: the graph's greedy token against torch.argmax",
                 "equal" if token == want else f"DIFFERS: {token} against {want}")
-    import kernels.linear.qmma_triton as qm
-
-    row("qmma tiles chosen (batch 1)", json.dumps({f"{k[1]}x{k[2]} {k[3]} p{k[4]}": v for k, v in qm._TUNED.items()
-                                                   if k[0] == 16}))
+    row("qmma tiles chosen (batch 1)", _chosen_row(lambda key: key.block_m == 16))
     eng.apply_variant(dataclasses.replace(base, weight_dtype="auto", cuda_graph_batch_sizes=()))
 
 
@@ -388,7 +401,6 @@ def qmma_served(m: Llama8B, out=None, batches=(1, 8, 16, 32)) -> None:
     """Decode steps at 1-32 sequences: static-best bf16, its FP8 form on the tensor-core kernel at every row count,
     and its FP8 and int8 forms as the tuner proposes them (engine.config.presets.quantized_variant); the chosen tiles and
     the fastest form's change to ``out``/qmma_change.json (for bench/tuning/capacity_ab.py)."""
-    import kernels.linear.qmma_triton as qm
     from bench.gpu.precision.serve import served_steps
     from engine.loader.model_source import resolve
     from engine.config.presets import quantized_variant
@@ -405,4 +417,4 @@ def qmma_served(m: Llama8B, out=None, batches=(1, 8, 16, 32)) -> None:
              "fp8 as the tuner proposes it (GEMV for QKV, o_proj and down at 1 row, tensor cores otherwise)": fp8,
              "int8 as the tuner proposes it": quantized_variant(base, "int8", "cuda")}
     served_steps(eng, forms, batches, out, "qmma_change.json")
-    row("qmma tiles chosen", json.dumps({f"{k[0]}x{k[1]}x{k[2]} {k[3]} p{k[4]}": v for k, v in qm._TUNED.items()}))
+    row("qmma tiles chosen", _chosen_row(lambda key: True))
