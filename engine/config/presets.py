@@ -259,8 +259,14 @@ def graphs_alone(base: VariantSpec, other: VariantSpec) -> VariantSpec | None:
     """``base`` with ``other``'s prefill graphs and chunks where ``base`` has none and ``other`` has some, else None:
     the arm that tells a precision candidate's own gain from its graphs' (on Mooncake, H100, 2026-12-07, the graphs
     alone were worth 1.32x to static-best, and FP8 judged against static-best without them claimed 1.74x where its
-    own share was 1.34x: bench/results/2026-12-07d-h100-fp8-accumulation.md)."""
+    own share was 1.34x: bench/results/2026-12-07d-h100-fp8-accumulation.md). Where ``other`` launches with
+    dependent launch and ``base`` does not, the arm takes it too, at level 1 (on an H100 the bf16 decode step's
+    1.02x; level 2 was not measured for bf16: bench/results/2026-12-07f-h100-decode-pdl.md)."""
     if not other.prefill_graph_tokens or base.prefill_graph_tokens:
         return None
-    return dataclasses.replace(base, name=f"{base.name}, prefill graphs",
-                               prefill_graph_tokens=other.prefill_graph_tokens, prefill_chunk_size=other.prefill_chunk_size)
+    theirs, mine = dict(other.kernel_params), {op: dict(p) for op, p in base.kernel_params}
+    pdl = any(dict(theirs.get(op, {})).get("pdl") for op in PDL_OPS) and not any(
+        mine.get(op, {}).get("pdl") for op in PDL_OPS)
+    return dataclasses.replace(base, name=f"{base.name}, prefill graphs" + (", pdl 1" if pdl else ""),
+                               prefill_graph_tokens=other.prefill_graph_tokens, prefill_chunk_size=other.prefill_chunk_size,
+                               kernel_params=with_pdl(mine, 1) if pdl else base.kernel_params)

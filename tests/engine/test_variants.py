@@ -450,18 +450,26 @@ def test_quantized_variant_takes_the_triton_projections_with_pinned_tiles_on_a_g
         quantized_variant(base, "int4", "cuda")
 
 
-def test_graphs_alone_gives_the_baseline_the_candidates_prefill_graphs_and_nothing_else():
-    from engine.config.presets import graphs_alone, prefill_graphed, quantized_variant
+def test_graphs_alone_gives_the_baseline_the_candidates_prefill_graphs_and_dependent_launch_and_nothing_else():
+    from engine.config.presets import graphs_alone, prefill_graphed, quantized_variant, with_pdl
 
     base = VariantSpec(name="static-best", kernels={"attention": "triton_paged"}, max_num_seqs=32,
                        max_num_batched_tokens=2048, prefill_chunk_size=512)
     quant = prefill_graphed(quantized_variant(base, "fp8", "cuda"))
     arm = graphs_alone(base, quant)
-    assert arm.name == "static-best, prefill graphs" and arm.weight_dtype == "auto" and arm.kernels == base.kernels
+    # the candidate's dependent launch (QUANTIZED_PDL) too, at level 1, on every kernel that takes it
+    assert arm.name == "static-best, prefill graphs, pdl 1" and arm.weight_dtype == "auto" and arm.kernels == base.kernels
     assert arm.prefill_graph_tokens == quant.prefill_graph_tokens == (128, 256, 512, 1024, 2048)
     assert arm.prefill_chunk_size == 2048 and arm.changed_scopes(base) == {"scheduler", "forward"}
+    assert {op: dict(p) for op, p in arm.kernel_params} == with_pdl({}, 1)
     assert graphs_alone(base, quantized_variant(base, "fp8", "cuda")) is None  # the candidate has no graphs
     assert graphs_alone(prefill_graphed(base), quant) is None  # the baseline has its own
+    # a candidate without dependent launch, or a baseline with its own: the graphs alone
+    plain = dataclasses.replace(quant, kernel_params={})
+    assert graphs_alone(base, plain).name == "static-best, prefill graphs"
+    assert graphs_alone(base, plain).kernel_params == base.kernel_params
+    own = dataclasses.replace(base, kernel_params={"attention": {"pdl": 2}})
+    assert dict(graphs_alone(own, quant).kernel_params) == {"attention": (("pdl", 2),)}
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
