@@ -20,7 +20,7 @@ from bench.gpu.precision.prefill import (decode_attention_kernels, prefill_atten
                                         w8a8_gemm_accum, w8a8_prefill, w8a8_projections, w8a8_quant_passes,
                                         w8a8_served, w8a8_host_cost, w8a8_ttft)
 from bench.gpu.precision.weights import gemv_bandwidth_by_precision, llama8b_precision, quantized_kernel_checks
-from bench.gpu.precision.serve import activation_quant_checks, served_decode_by_precision
+from bench.gpu.precision.serve import activation_quant_checks, pdl_tokens, served_decode_by_precision
 from bench.gpu.precision.step import decode_forms_by_precision, projections_alone
 from bench.gpu.precision.qmma import qmma_checks, qmma_decode, qmma_projections, qmma_served, qmma_step_tiles, qmma_sweep
 from bench.gpu.serving.swap import cold_start_and_swap, cold_start_child
@@ -29,7 +29,7 @@ from bench.lib.tiles import tiles_kept
 from engine.config.presets import preset_variant
 
 SECTIONS = ("attention", "gemv", "decode", "throughput", "swap", "moe", "experts", "precision", "precision-step",
-            "kv-fp8", "precision-serve", "qmma", "w8a8", "w8a8-ttft", "w8a8-host")  # --only
+            "kv-fp8", "precision-serve", "qmma", "w8a8", "w8a8-ttft", "w8a8-host", "pdl-tokens")  # --only
 
 
 def add_cli_args(ap: argparse.ArgumentParser) -> None:
@@ -135,7 +135,7 @@ def _sections(args: argparse.Namespace) -> None:
         row("model figures", "skipped: correctness checks failed")
     else:
         if any(want(s) for s in ("decode", "throughput", "swap", "precision", "precision-step", "kv-fp8",
-                                        "precision-serve", "qmma", "w8a8", "w8a8-ttft")):
+                                        "precision-serve", "qmma", "w8a8", "w8a8-ttft", "pdl-tokens")):
             m = section(Llama8B)()
             if m is not None:
                 if want("precision"):
@@ -157,6 +157,8 @@ def _sections(args: argparse.Namespace) -> None:
                     if not args.w8a8_served_only:
                         w8a8_prefill(m)
                     w8a8_served(m, args.out)
+                if want("pdl-tokens"):
+                    pdl_tokens(m)
                 if want("w8a8-ttft"):
                     w8a8_ttft(m, quick=args.w8a8_ttft_quick)
                 if want("kv-fp8"):

@@ -210,3 +210,44 @@ def served_steps(eng, forms: dict, batches, out, change_file: str, profile_at: i
                   "kernel_params": {op: dict(p) for op, p in best.kernel_params}}
         (out / change_file).write_text(json.dumps(change))
         row("fastest form over the batches", min(others, key=others.get))
+
+
+@section
+def pdl_tokens(m: Llama8B, b: int = 32, ctx: int = 192, new: int = 48) -> bool:
+    """Dependent launch changes when kernels start, not what they compute: the greedy tokens of ``b`` sequences of
+    ``ctx`` tokens, ``new`` each, under static-best bf16 and its FP8 form (``quantized_variant``, pdl 2), each
+    without pdl and at levels 1 and 2, must equal its form's without pdl token for token (a kernel that touched an
+    earlier kernel's output before its wait would show here as a difference)."""
+    from engine import SamplingParams
+    from engine.config.presets import PDL_OPS, quantized_variant, with_pdl
+    from engine.config.static_best import lookup
+    from engine.loader.model_source import resolve
+
+    eng = m.engine
+    base = lookup(resolve("llama-3.1-8b"), "cuda", "bfloat16")
+    if base is None:
+        row("dependent launch: greedy tokens", "skipped: no static-best recorded for the 8B on this device")
+        return True
+
+    def level(spec, pdl: int):
+        params = {op: {k: v for k, v in dict(p).items() if k != "pdl"} for op, p in spec.kernel_params}
+        params = with_pdl(params, pdl) if pdl else {op: p for op, p in params.items() if p or op not in PDL_OPS}
+        return dataclasses.replace(spec, kernel_params=params)
+
+    ok = True
+    prompts = _prompts(b, ctx)
+    for label, spec in (("bf16", base), ("fp8", quantized_variant(base, "fp8", "cuda"))):
+        ref = None
+        for pdl in (0, 1, 2):
+            eng.apply_variant(level(spec, pdl))
+            eng.block_manager.reset_prefix_cache()
+            got = [o.token_ids for o in eng.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True))]
+            if ref is None:
+                ref = got
+                continue
+            diff = sum(x != y for r, g in zip(ref, got) for x, y in zip(r, g))
+            ok &= diff == 0
+            row(f"{label} + pdl {pdl}: greedy tokens of {b} sequences x {new} against pdl 0",
+                "equal" if diff == 0 else f"DIFFER: {diff} of {b * new} tokens")
+    eng.apply_variant(base)
+    return ok
