@@ -226,13 +226,24 @@ def test_the_gpu_sweep_has_static_forms_with_prefill_graphs():
     from ops.measure.static_best_sweep import candidates
 
     gpu = candidates("cuda", 4096)
+    assert len({v.variant_id for v in gpu}) == len(gpu)  # no form the sweep would measure twice
     graphed = [v for v in gpu if v.prefill_graph_tokens]
-    assert {v.name for v in graphed} == {"triton-paged, prefill graphs", "dense-decode, prefill graphs"}
+    assert {v.name for v in graphed} == {"triton-paged, prefill graphs", "triton-paged, prefill graphs, pdl 1",
+                                         "dense-decode, prefill graphs"}
     for v in graphed:
         assert v.max_num_seqs == 32 and v.prefill_chunk_size == v.max_num_batched_tokens == 2048
         assert v.prefill_graph_tokens == (128, 256, 512, 1024, 2048) and v.cuda_graph_batch_sizes
         plain = next(p for p in gpu if p.name == v.name.split(",")[0] and p.max_num_seqs == 32
                      and p.prefill_chunk_size is None)
         assert v.changes_from(plain)  # a form of its own, not a duplicate the sweep would measure twice
+    # the triton-paged forms at 32 sequences with dependent launch too (the one-byte forms launch so): the same
+    # form otherwise, every kernel that takes it at level 1
+    from engine.config.presets import PDL_OPS
+    launched = [v for v in gpu if v.name.endswith(", pdl 1")]
+    assert len(launched) == 3 and all(v.name.startswith("triton-paged") and v.max_num_seqs == 32 for v in launched)
+    for v in launched:
+        twin = next(p for p in gpu if p.name == v.name[:-len(", pdl 1")] and p.prefill_chunk_size == v.prefill_chunk_size)
+        assert dataclasses.replace(v, name=twin.name, kernel_params=twin.kernel_params) == twin
+        assert all(dict(dict(v.kernel_params)[op])["pdl"] == 1 for op in PDL_OPS)
     assert not any(v.prefill_graph_tokens for v in candidates("cpu", 576))
     assert not any(v.prefill_graph_tokens for v in candidates("cuda", 2048, moe=True))  # the engine captures none
