@@ -60,6 +60,12 @@ def with_pdl(kernel_params: dict | None = None, level: int = 1) -> dict:
     return params
 
 
+def launched(spec: VariantSpec, level: int) -> VariantSpec:
+    """``spec`` named ", pdl ``level``" with every operation in PDL_OPS at dependent-launch ``level`` (0: off)."""
+    return dataclasses.replace(spec, name=f"{spec.name}, pdl {level}",
+                               kernel_params=with_pdl(dict(spec.kernel_params), level))
+
+
 def whole_row(hidden_size: int) -> int:
     """A tile over a whole row of ``hidden_size`` columns: its power of two, up to 2,048 (all requested before
     the dependent launch's wait)."""
@@ -264,9 +270,9 @@ def graphs_alone(base: VariantSpec, other: VariantSpec) -> VariantSpec | None:
     1.02x; level 2 was not measured for bf16: bench/results/2026-12-07f-h100-decode-pdl.md)."""
     if not other.prefill_graph_tokens or base.prefill_graph_tokens:
         return None
-    theirs, mine = dict(other.kernel_params), {op: dict(p) for op, p in base.kernel_params}
+    arm = dataclasses.replace(base, name=f"{base.name}, prefill graphs", prefill_graph_tokens=other.prefill_graph_tokens,
+                              prefill_chunk_size=other.prefill_chunk_size)
+    theirs, mine = dict(other.kernel_params), dict(base.kernel_params)
     pdl = any(dict(theirs.get(op, {})).get("pdl") for op in PDL_OPS) and not any(
-        mine.get(op, {}).get("pdl") for op in PDL_OPS)
-    return dataclasses.replace(base, name=f"{base.name}, prefill graphs" + (", pdl 1" if pdl else ""),
-                               prefill_graph_tokens=other.prefill_graph_tokens, prefill_chunk_size=other.prefill_chunk_size,
-                               kernel_params=with_pdl(mine, 1) if pdl else base.kernel_params)
+        dict(mine.get(op, {})).get("pdl") for op in PDL_OPS)
+    return launched(arm, 1) if pdl else arm

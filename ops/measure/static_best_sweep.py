@@ -148,12 +148,9 @@ def candidates(device: str, hidden_size: int, moe: bool = False) -> list[Variant
     prefill tokens replayed as graphs too (``presets.prefill_graphed``, the form the tuner's precision candidate
     takes: static-best has it where it pays in bf16, so a precision's gain is not the graphs'); not for a
     mixture-of-experts model (``moe``), whose steps with prefill tokens the engine does not capture. The
-    triton-paged forms at 32 sequences also with dependent launch at level 1 (``presets.with_pdl``: the one-byte
+    triton-paged forms at 32 sequences also with dependent launch at level 1 (``presets.launched``: the one-byte
     forms launch so, and on an H100 it made bf16's decode step 1.02x faster), their graphed form included."""
-    from engine.config.presets import preset_variant, prefill_graphed, with_pdl
-
-    def pdl(v: VariantSpec) -> VariantSpec:
-        return dataclasses.replace(v, name=f"{v.name}, pdl 1", kernel_params=with_pdl(dict(v.kernel_params), 1))
+    from engine.config.presets import launched, preset_variant, prefill_graphed
 
     if device.startswith("cuda"):
         knobs = [dict(max_num_seqs=s, max_num_batched_tokens=2048, prefill_chunk_size=c)
@@ -175,10 +172,10 @@ def candidates(device: str, hidden_size: int, moe: bool = False) -> list[Variant
             out.append(v)
             paged = name == "triton-paged" and k["max_num_seqs"] == 32
             if paged:
-                out.append(pdl(v))
+                out.append(launched(v, 1))
             if k["max_num_seqs"] == 32 and k["prefill_chunk_size"] is None and not moe:
                 graphed = dataclasses.replace(prefill_graphed(v), name=f"{v.name}, prefill graphs")
-                out += [graphed, pdl(graphed)] if paged else [graphed]
+                out += [graphed, launched(graphed, 1)] if paged else [graphed]
     return out
 
 

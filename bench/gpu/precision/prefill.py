@@ -219,7 +219,7 @@ def w8a8_served(m: Llama8B, out=None, batches=(1, 32, 64)) -> None:
     32 rows was slower on an H100, 1.22x / 1.17x against the tensor-core kernel's 1.30x / 1.29x:
     bench/results/2026-12-07e-h100-bursty-fair-decode.md.)"""
     from bench.gpu.precision.serve import served_steps
-    from engine.config.presets import quantized_variant, with_pdl
+    from engine.config.presets import launched, quantized_variant
     from engine.config.static_best import lookup
     from engine.loader.model_source import resolve
 
@@ -228,14 +228,9 @@ def w8a8_served(m: Llama8B, out=None, batches=(1, 32, 64)) -> None:
         row("W8A8 served", "skipped: no static-best recorded for the 8B on this device")
         return
     fp8 = quantized_variant(base, "fp8", "cuda")
-
-    def pdl(spec, level):
-        return dataclasses.replace(spec, name=f"{spec.name} + pdl {level}",
-                                   kernel_params=with_pdl(dict(spec.kernel_params), level))
-
-    served_steps(m.engine, {"static-best bf16": base, "static-best bf16 + pdl 1": pdl(base, 1),
-                            "fp8 as the tuner proposes it": fp8, "fp8 + pdl 1": pdl(fp8, 1),
-                            "fp8 + pdl 2": pdl(fp8, 2)}, batches, out, "w8a8_change.json", profile_at=32)
+    served_steps(m.engine, {"static-best bf16": base, "static-best bf16 + pdl 1": launched(base, 1),
+                            "fp8 as the tuner proposes it": fp8, "fp8 + pdl 1": launched(fp8, 1),
+                            "fp8 + pdl 2": launched(fp8, 2)}, batches, out, "w8a8_change.json", profile_at=32)
 
 
 @section

@@ -219,7 +219,7 @@ def pdl_tokens(m: Llama8B, b: int = 32, ctx: int = 192, new: int = 48) -> bool:
     without pdl and at levels 1 and 2, must equal its form's without pdl token for token (a kernel that touched an
     earlier kernel's output before its wait would show here as a difference)."""
     from engine import SamplingParams
-    from engine.config.presets import PDL_OPS, quantized_variant, with_pdl
+    from engine.config.presets import launched, quantized_variant
     from engine.config.static_best import lookup
     from engine.loader.model_source import resolve
 
@@ -229,17 +229,12 @@ def pdl_tokens(m: Llama8B, b: int = 32, ctx: int = 192, new: int = 48) -> bool:
         row("dependent launch: greedy tokens", "skipped: no static-best recorded for the 8B on this device")
         return True
 
-    def level(spec, pdl: int):
-        params = {op: {k: v for k, v in dict(p).items() if k != "pdl"} for op, p in spec.kernel_params}
-        params = with_pdl(params, pdl) if pdl else {op: p for op, p in params.items() if p or op not in PDL_OPS}
-        return dataclasses.replace(spec, kernel_params=params)
-
     ok = True
     prompts = _prompts(b, ctx)
     for label, spec in (("bf16", base), ("fp8", quantized_variant(base, "fp8", "cuda"))):
         ref = None
         for pdl in (0, 1, 2):
-            eng.apply_variant(level(spec, pdl))
+            eng.apply_variant(launched(spec, pdl))  # pdl 0: every kernel launched as without it
             eng.block_manager.reset_prefix_cache()
             got = [o.token_ids for o in eng.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True))]
             if ref is None:
