@@ -74,6 +74,7 @@ def add_cli_args(ap: argparse.ArgumentParser) -> None:
                     help="qmma: batch-1 FP8 decode with the GEMV's tiles timed in the whole step (qmma_step_tiles) "
                          "instead of the quick decode (with --qmma-sweep: without the tiles' sweep)")
     ap.add_argument("--kv-length", type=int, default=32000, help="kv-fp8: the long prompts' length in tokens")
+    ap.add_argument("--kv-batches", default="1,4", help="kv-fp8: the batch sizes decoded at that length")
     ap.add_argument("--moe-layers", type=int, default=None)
     ap.add_argument("--moe-sweep", action="store_true", help="MoE: also sweep the experts' tiles at batch 1")
     ap.add_argument("--cold-start", default=None, help=argparse.SUPPRESS)
@@ -126,6 +127,9 @@ def _sections(args: argparse.Namespace) -> None:
         decode_attention_kernels()
         if not args.w8a8_no_projections:
             w8a8_projections()
+    if want("kv-fp8"):  # the decode attention kernel alone over each cache, short and long contexts
+        decode_attention_kernels()
+        decode_attention_kernels(4, 32000)
     if want("w8a8-host"):  # no model load: the host's cost per launch, then the codes' kernels and their tiles
         w8a8_host_cost()
         w8a8_quant_passes()
@@ -162,7 +166,8 @@ def _sections(args: argparse.Namespace) -> None:
                 if want("w8a8-ttft"):
                     w8a8_ttft(m, quick=args.w8a8_ttft_quick)
                 if want("kv-fp8"):
-                    fp8_kv_cache(m, bw, args.kv_length, check=not args.skip_checks)
+                    fp8_kv_cache(m, bw, args.kv_length, tuple(int(x) for x in args.kv_batches.split(",")),
+                                 check=not args.skip_checks)
                 best = llama8b_decode(m, bw, args.decode_quick) if want("decode") else None
                 if best is None and (want("throughput") or want("swap")):
                     best = preset_variant("gemv", cuda_graph_batch_sizes=GRAPH_SIZES)

@@ -237,14 +237,15 @@ def _rotary_decode_kernel(
     GROUP, HALF, BLOCK_SIZE, KVH,
     NORM: tl.constexpr, G_PAD: tl.constexpr, GM_PAD: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     S_PAD: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr, IEEE: tl.constexpr, EARLY: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = 0, F16: tl.constexpr = 0,
 ):
     """One program per (sequence, KV head, split) of a decode batch. Heads are handled as their two rotary
     halves (d < HALF and HALF + d), so the rotation needs no shuffle within a head. The cache below the new
     token was written by earlier steps and the sequence's length, position and block table before this step's
     kernels, so with EARLY the split's first tile of keys and values is requested before the wait
     (``pdl_enter``): after it, one round trip for the new query, key and value. The next tile's block table
-    entries are read while the current one is computed."""
+    entries are read while the current one is computed. ``F16``: as ``_decode_kernel``'s (an FP8 cache's tiles
+    widened to float16, the rotated query heads narrowed to it for the products)."""
     b = tl.program_id(0)
     if not EARLY:
         pdl_enter(PDL)
@@ -298,11 +299,15 @@ def _rotary_decode_kernel(
     l_i = tl.zeros([G_PAD], tl.float32)
     acc1 = tl.zeros([G_PAD, HALF_PAD], tl.float32)
     acc2 = tl.zeros([G_PAD, HALF_PAD], tl.float32)
+    if F16:
+        qa, qz = q1.to(tl.float16), q2.to(tl.float16)
+    else:
+        qa, qz = q1, q2
     n0 = start
     while n0 < cached_end:  # a while loop: the bound is loaded at run time
         mask_n = n0 + tl.arange(0, BLOCK_N) < cached_end
-        ka, kz, va, vz = ka.to(q1.dtype), kz.to(q1.dtype), va.to(q1.dtype), vz.to(q1.dtype)  # an FP8 cache widened
-        sc = (_dot(q1, tl.trans(ka), IEEE) + _dot(q2, tl.trans(kz), IEEE)) * scale  # (G_PAD, BLOCK_N)
+        ka, kz, va, vz = ka.to(qa.dtype), kz.to(qa.dtype), va.to(qa.dtype), vz.to(qa.dtype)  # an FP8 cache widened
+        sc = (_dot(qa, tl.trans(ka), IEEE) + _dot(qz, tl.trans(kz), IEEE)) * scale  # (G_PAD, BLOCK_N)
         sc = tl.where(mask_n[None, :], sc, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(sc, m_i, l_i)
         acc1 = acc1 * alpha[:, None] + _dot(p.to(va.dtype), va, IEEE)
@@ -370,13 +375,15 @@ def rotary_attention_triton(
     block_m: int = PREFILL_TILES["block_m"], num_warps: int = 4, num_stages: int = 2, cache_before_wait: int = 1,
     pdl: int = 0, counters=None, prefill_block_n: int = PREFILL_TILES["block_n"],
     prefill_warps: int = PREFILL_TILES["num_warps"], prefill_stages: int = PREFILL_TILES["num_stages"],
+    fp8_f16: int = 0,
 ):
     """Same contract as ``kernels.attention.attention.rotary_attention_ref``. A decode batch takes ``_rotary_decode_kernel``
     (``num_splits`` as ``paged_attention_triton``'s, 0: by the batch's size; the splits merged by the merge
     kernel after it, or by the last of them to finish with ``merge_by_last``; with ``cache_before_wait`` each
     split's first tile of the cache requested before the dependent-launch wait); others the
     rotary + KV-store kernel, then ``paged_attention_triton``. ``counters(n, device)``: the split merge's
-    arrival counters (default: zeroed per call; ``make_rotary_attention`` keeps one buffer)."""
+    arrival counters (default: zeroed per call; ``make_rotary_attention`` keeps one buffer). ``fp8_f16``: as
+    ``paged_attention_triton``'s."""
     t, h, d = q.shape
     kvh = k.shape[1]
     if meta.max_query_len != 1 or t == 0:
@@ -385,7 +392,7 @@ def rotary_attention_triton(
         return paged_attention_triton(q, k_cache, v_cache, meta, scale, num_splits=num_splits, block_n=block_n,
                                       block_m=block_m, num_warps=num_warps, num_stages=num_stages, pdl=pdl,
                                       prefill_block_n=prefill_block_n, prefill_warps=prefill_warps,
-                                      prefill_stages=prefill_stages)
+                                      prefill_stages=prefill_stages, fp8_f16=fp8_f16)
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1, "the head dimension must be contiguous"
     assert k.shape == v.shape == (t, kvh, d) and d % 2 == 0 and h % kvh == 0
     assert cos_sin.is_contiguous() and cos_sin.shape[-1] * 2 == d
@@ -412,8 +419,9 @@ def rotary_attention_triton(
         NORM=norm, G_PAD=max(16, triton.next_power_of_2(group)), GM_PAD=triton.next_power_of_2(group),
         HALF_PAD=max(16, triton.next_power_of_2(d // 2)), BLOCK_N=block_n, S_PAD=triton.next_power_of_2(num_splits),
         SPLIT=num_splits > 1, MERGE=bool(merge_by_last), IEEE=q.dtype == torch.float32,
-        EARLY=bool(cache_before_wait), num_warps=num_warps,
-        num_stages=num_stages, **launch_options(pdl, q))
+        EARLY=bool(cache_before_wait), F16=int(bool(fp8_f16) and k_cache.element_size() == 1
+                                                and q.dtype == torch.bfloat16),
+        num_warps=num_warps, num_stages=num_stages, **launch_options(pdl, q))
     if num_splits > 1 and not merge_by_last:
         _merge(part, m, l, out, pdl)
     return out

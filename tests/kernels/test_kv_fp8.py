@@ -87,6 +87,34 @@ def test_fused_attention_block_over_an_fp8_cache(norm):
         assert torch.equal(got_vc.view(torch.uint8), ref_vc.view(torch.uint8))
 
 
+def test_fused_attention_block_over_an_fp8_cache_widened_to_float16():
+    """The fused block with bfloat16 inputs and ``fp8_f16``: the rotated query heads narrowed to float16 and the
+    e4m3 tiles widened to it, against the reference in float32 over the same (bfloat16) inputs; the cache's bytes
+    as the reference stores them. With float32 inputs the flag changes nothing. (The norm weights stay float32:
+    Triton's interpreter reads bfloat16 ones wrongly.)"""
+    from kernels.attention.attention import rotary_attention_ref
+    from kernels.attention.attention_triton import rotary_attention_triton
+
+    heads, kvh, d, bs, contexts = 8, 2, 64, 16, [37, 16, 70]
+    q, k, v, qw, kw, pos, cs, kc, vc, meta = decode_block_case(heads, kvh, d, bs, contexts, True, d + 7)
+    kc, vc = kc.to(FP8), vc.to(FP8)
+    qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    ref = rotary_attention_ref(qb.float(), kb.float(), vb.float(), qw, kw, 1e-6, pos, cs, ref_kc, ref_vc, meta,
+                               d**-0.5)
+    for splits in (1, 3):
+        got_kc, got_vc = kc.clone(), vc.clone()
+        got = rotary_attention_triton(qb, kb, vb, qw, kw, 1e-6, pos, cs, got_kc, got_vc, meta, d**-0.5,
+                                      num_splits=splits, block_n=8, fp8_f16=1)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), ref, atol=3e-2, rtol=3e-2)  # bf16 rotation, f16 products
+        assert torch.equal(got_vc.view(torch.uint8), ref_vc.view(torch.uint8))
+        plain = rotary_attention_triton(q, k, v, qw, kw, 1e-6, pos, cs, kc.clone(), vc.clone(), meta, d**-0.5,
+                                        num_splits=splits, block_n=8, fp8_f16=1)
+        torch.testing.assert_close(plain, rotary_attention_ref(q, k, v, qw, kw, 1e-6, pos, cs, kc.clone(), vc.clone(),
+                                                               meta, d**-0.5), **TOL)
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_over_an_fp8_cache_widened_to_float16(splits):
     """bfloat16 queries over an e4m3 cache with the tiles widened to float16 (``fp8_f16``): against attention in
