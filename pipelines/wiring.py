@@ -82,10 +82,12 @@ def resources(model: str = "smollm2", trace: str | None = None, requests: int = 
               dtype: str = "float32", fast_layers: int = 4, artifacts: str = ".polyinf/artifacts",
               endpoint_url: str = "", llm_base_url: str = "", llm_model: str = "polyinf",
               speculation: bool = False, precision: bool = True, services: Services = Services(),
-              judge_seconds: float = 0.0, judge_top: int = 0, allow_latency_trade: bool = False) -> dict:
+              judge_seconds: float = 0.0, judge_top: int = 0, allow_latency_trade: bool = False,
+              watch_requests: int = 24) -> dict:
     """Every resource the graph uses. Secrets (the endpoint's admin token, the LLM key, the board's password,
     S3 credentials) come from the environment through dg.EnvVar; the trace defaults to $POLYINF_TRACE, else
-    the shipped Azure slice. ``services``: the shared services, off by default (one machine)."""
+    the shipped Azure slice. ``services``: the shared services, off by default (one machine). ``watch_requests``:
+    the requests in each window a deployment is verified on (``Endpoint.watch_requests``)."""
     record = str(Path(artifacts) / "deployments" / "current.json")
     return {
         "runner": EngineRunner(model=model, device=device, dtype=dtype, fast_layers=fast_layers),
@@ -104,6 +106,7 @@ def resources(model: str = "smollm2", trace: str | None = None, requests: int = 
                                    aws_secret_access_key=env_secret("AWS_SECRET_ACCESS_KEY")),
         # with a URL the token must be set: dg.EnvVar fails the run naming the variable if it is not
         "endpoint": Endpoint(url=endpoint_url, capture_dir=services.capture_dir, deployment_record=record,
+                             watch_requests=watch_requests,
                              admin_token=dg.EnvVar("POLYINF_ADMIN_TOKEN") if endpoint_url
                              else env_secret("POLYINF_ADMIN_TOKEN")),
         "drift": DriftConfig(deployment_record=record, deployments=list(services.deployments)),
@@ -132,7 +135,8 @@ def run_optimize(model: str, trace: str, requests: int, max_input: int, max_outp
                  artifacts: str = ".polyinf/artifacts", endpoint_url: str = "", admin_token: str = "",
                  llm_base_url: str = "", llm_model: str = "polyinf", log_level: str = "DEBUG",
                  dagster_home: str | None = None, speculation: bool = False, precision: bool = True,
-                 judge_seconds: float = 0.0, judge_top: int = 0, allow_latency_trade: bool = False):
+                 judge_seconds: float = 0.0, judge_top: int = 0, allow_latency_trade: bool = False,
+                 watch_requests: int = 24):
     """Materializes the whole graph in-process for one deployment partition; returns the Dagster result.
     ``log_level``: the console's event log (the CLI's default is INFO: the steps, not every input loaded).
     The run is recorded in a persistent Dagster instance: ``dagster_home``, else $DAGSTER_HOME, else
@@ -142,7 +146,8 @@ def run_optimize(model: str, trace: str, requests: int, max_input: int, max_outp
         os.environ["POLYINF_ADMIN_TOKEN"] = admin_token  # resources read it through dg.EnvVar
     res = resources(model, trace, requests, max_input, max_output, time_scale, candidates, device, dtype, fast_layers,
                     artifacts, endpoint_url, llm_base_url, llm_model, speculation, precision,
-                    judge_seconds=judge_seconds, judge_top=judge_top, allow_latency_trade=allow_latency_trade)
+                    judge_seconds=judge_seconds, judge_top=judge_top, allow_latency_trade=allow_latency_trade,
+                    watch_requests=watch_requests)
     res.pop("drift")  # the sensors' configuration; no asset uses it
     definitions = [*dg.load_assets_from_modules([pipeline]), *dg.load_asset_checks_from_modules([pipeline])]
     home = Path(dagster_home_for(artifacts, dagster_home))

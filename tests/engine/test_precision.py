@@ -15,6 +15,16 @@ from engine.model.precision import dense_weights, quantized_bytes, quantized_wei
 FRANCE = "What is the capital of France?"
 
 
+def _contamination(engine) -> list[list[int]]:
+    """Two of each half of the gates' contamination prompts (checks/prompts.py): a block at position 0 and again
+    at position 1, and prompts sharing three full blocks. The scenarios over all eight: tests/checks/test_gates.py;
+    here they run on the whole model under a precision's tolerance, where every prompt costs seconds."""
+    from checks.prompts import contamination_prompts
+
+    every = contamination_prompts(engine, 16)
+    return every[:2] + every[4:6]
+
+
 def _checksum(model) -> list[tuple[int, float]]:
     return [(w.data_ptr(), float(w.double().sum())) for w in dense_weights(model)]
 
@@ -83,7 +93,8 @@ def test_gates_judge_a_precision_by_its_own_thresholds(smollm2_engine_factory):
 
     base = smollm2_engine_factory(num_kv_blocks=8)
     prompts = [base.encode_prompt(FRANCE, chat=True), base.encode_prompt("Name three colors.", chat=True)]
-    report = gate_variant(base, VariantSpec(weight_dtype="int8"), prompts=prompts, max_tokens=6)
+    report = gate_variant(base, VariantSpec(weight_dtype="int8"), prompts=prompts, max_tokens=6,
+                          contamination=_contamination(base))
     assert report.weight_dtype == "int8" and "int8 weights" in report.summary()
     agreement = next(c for c in report.quality if c.name == "greedy agreement")
     assert "(min 0.85)" in agreement.detail  # int8's limit, not float32's 0.95
@@ -143,10 +154,11 @@ def test_gates_judge_an_fp8_kv_cache_by_fp8_thresholds(smollm2_engine_factory):
 
     base = smollm2_engine_factory(num_kv_blocks=8)
     report = gate_variant(base, VariantSpec(kv_cache_dtype="fp8"), prompts=[base.encode_prompt(FRANCE, chat=True)],
-                          max_tokens=6)
+                          max_tokens=6, contamination=_contamination(base))
     assert report.kv_cache_dtype == "fp8" and "fp8 KV cache" in report.summary()
     assert "(min 0.8)" in next(c for c in report.quality if c.name == "greedy agreement").detail
     assert report.greedy_agreement >= 0.8 and report.mean_kl < 0.05
+    assert report.verdict == "pass" and len(report.contamination) >= 4, report.summary()
 
 
 def test_quantized_copies_are_keyed_by_the_weights_hash():

@@ -118,7 +118,7 @@ def test_llm_agent_against_our_own_server_serving_smollm2(tmp_path):
     server = ServerProcess(["--model", "smollm2", "--num-kv-blocks", "1024"], "smollm2")
     try:
         board = Board(tmp_path / "b.db")
-        agent = LLMAgent(base_url=server.url + "/v1", model="smollm2", board=board, max_tokens=96)
+        agent = LLMAgent(base_url=server.url + "/v1", model="smollm2", board=board, max_tokens=48)
         state = _state(board, "s2")
         props = agent.propose(state, 2)
         assert agent.replies == 1

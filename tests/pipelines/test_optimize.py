@@ -45,7 +45,8 @@ def test_materialize_the_whole_graph(tmp_path, capsys):
         result = run_optimize("smollm2", str(AZURE), requests=6, max_input=96, max_output=6, time_scale=0.02,
                               candidates=3, artifacts=str(tmp_path / "artifacts"), dagster_home=str(tmp_path / "dh"),
                               speculation=False, precision=False,  # both candidates: tests/ops/test_tune.py
-                              judge_seconds=25)  # a verdict of any kind (the judge's rules: tests/ops/test_judge.py)
+                              judge_seconds=12,  # a verdict of any kind (the judge's rules: tests/ops/test_judge.py)
+                              watch_requests=8)  # the live verification's windows (its rules: tests/ops/test_deploy*)
         assert result.success
         # recorded in a persistent instance: another process's instance on that home (`dagster dev`) sees it
         import dagster as dg

@@ -214,7 +214,7 @@ def test_every_step_in_its_own_process_shares_only_real_services(postgres_server
             "traffic": {"config": traffic.model_dump()},
             "runner": {"config": {"fast_layers": 2}},
             "source": {"config": {"board": postgres_url, "board_password": {"env": "POLYINF_BOARD_PASSWORD"},
-                                  "candidates": 1, "precision": False, "slow_layers": 4, "judge_seconds": 25}}},
+                                  "candidates": 1, "precision": False, "slow_layers": 4, "judge_seconds": 12}}},
             "execution": {"config": {"multiprocess": {"max_concurrent": 2}}}}
         home = tmp_path / "dagster"
         home.mkdir()
