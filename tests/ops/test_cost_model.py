@@ -231,6 +231,42 @@ def test_eager_steps_beside_graphed_ones_get_their_own_launch_factor():
     assert not graphed(moe, graphs, short)  # step graphs are a dense model's only
 
 
+def test_a_graphed_prefill_step_computes_its_padded_rows():
+    """A GPU step with prefill tokens replayed as a graph is padded to the next captured count: its projections'
+    flops are the padded rows', its attention's and bytes its own; eager steps, decode steps, a CPU and a step past
+    the largest graph compute their own tokens. A calibration over padded steps then predicts a step that pads far
+    (600 tokens in the 1,024-token graph) where one fit on unpadded counts does not."""
+    from ops.predict.cost_model import padded_rows
+
+    gpu = dataclasses.replace(HW, device="cuda:0", memory_bandwidth=3e12, matmul_flops={"float32": 4e14},
+                              launch_overhead_s=4e-6)
+    v = VariantSpec(name="graphs", cuda_graph_batch_sizes=(1, 2, 4, 8), prefill_graph_tokens=(128, 256, 1024),
+                    prefill_chunk_size=1024)
+    mixed = StepShape(new_tokens=300, kv_tokens=900, seqs=4, attn_pairs=5000)
+    assert padded_rows(SPEC, gpu, mixed, v) == 1024 and padded_rows(SPEC, gpu, StepShape.prefill(128), v) == 128
+    assert padded_rows(SPEC, gpu, StepShape.prefill(129), v) == 256
+    assert padded_rows(SPEC, HW, mixed, v) == 300  # a CPU: no graphs
+    assert padded_rows(SPEC, gpu, StepShape.decode(3, 100), v) == 3  # decode rows: their own graphs
+    assert padded_rows(SPEC, gpu, StepShape.prefill(2000), v) == 2000  # past the largest: eager
+    eager = dataclasses.replace(v, prefill_graph_tokens=())
+    assert padded_rows(SPEC, gpu, mixed, eager) == 300 and padded_rows(SPEC, gpu, mixed, None) == 300
+    mem, comp, *_ = features(SPEC, gpu, mixed, 1, v)
+    mem0, comp0, *_ = features(SPEC, gpu, mixed, 1, eager)
+    params = SPEC.param_bytes / 4
+    attn = 4 * SPEC.layers * SPEC.heads * SPEC.head_dim * mixed.attn_pairs
+    assert comp == pytest.approx((2 * params * 1024 + attn) / 4e14) and comp0 == pytest.approx((2 * params * 300 + attn) / 4e14)
+    assert mem == mem0
+    # steps measured as the padded graphs run them: the variant's calibration predicts a far-padded step
+    truth = Calibration(mem=1.2, compute=1.5, launch=1.0, per_seq_s=2e-5, fitted=True)
+    rng = random.Random(5)
+    shapes = [StepShape.prefill(rng.choice([100, 128, 200, 256, 1000, 1024])) for _ in range(60)]
+    shapes += [StepShape.decode(rng.randint(1, 8), rng.randint(64, 1024)) for _ in range(60)]
+    samples = [(s, step_time(SPEC, gpu, s, truth, 1, v) * (1 + rng.uniform(-0.01, 0.01))) for s in shapes]
+    far = StepShape.prefill(600)
+    true_far = step_time(SPEC, gpu, far, truth, 1, v)
+    assert step_time(SPEC, gpu, far, calibrate(SPEC, gpu, samples, v=v), 1, v) == pytest.approx(true_far, rel=0.05)
+
+
 def _steps_run_ahead(one_layer, arrivals: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
     """The CPU engine with run-ahead on, driven by hand: each (call, prompt tokens, output tokens) added before
     that ``step()`` call; (tokens run, rows out) per call."""
