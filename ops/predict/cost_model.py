@@ -101,11 +101,9 @@ def graphed(model: ModelSpec, v: VariantSpec, s: StepShape) -> bool:
 
 def padded_rows(model: ModelSpec, hw: HardwareProfile, s: StepShape, v: VariantSpec | None) -> int:
     """The rows a step's projections compute: a GPU step with prefill tokens replayed as a graph is padded to the
-    next captured token count (engine/worker/step_graphs.py: the padding rows go through every projection,
-    attention leaves them out), others compute their own tokens."""
-    if v is None or not hw.device.startswith("cuda") or s.new_tokens == s.seqs or not graphed(model, v, s):
-        return s.new_tokens
-    return min(n for n in v.prefill_graph_tokens if n >= s.new_tokens)
+    next captured token count (engine/worker/step_graphs.py; attention leaves the padding out)."""
+    graph = v is not None and hw.device.startswith("cuda") and s.new_tokens != s.seqs and graphed(model, v, s)
+    return min(n for n in v.prefill_graph_tokens if n >= s.new_tokens) if graph else s.new_tokens
 
 
 def features(model: ModelSpec, hw: HardwareProfile, s: StepShape, tp: int = 1,
@@ -113,8 +111,7 @@ def features(model: ModelSpec, hw: HardwareProfile, s: StepShape, tp: int = 1,
     """(memory seconds, compute seconds, launch seconds, sequences, eager launch seconds) of one step, at the
     roofline. The last is the kernels' launch seconds again for a GPU step that ``v`` runs eagerly (``graphed``),
     else 0: a graph's replay costs the host one launch where an eager step pays every kernel's, so with both kinds
-    in a replay (graphed decode, eager prefill chunks) one launch factor fits neither. A graphed step with prefill
-    tokens computes its padded rows (``padded_rows``)."""
+    in a replay (graphed decode, eager prefill chunks) one launch factor fits neither. Flops: ``padded_rows``."""
     params = model.param_bytes / _elem(model)
     moved = (model.param_bytes + s.kv_tokens * model.kv_bytes_per_token) / tp
     rows = padded_rows(model, hw, s, v)
