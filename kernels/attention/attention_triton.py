@@ -162,15 +162,19 @@ def _merge(part, m, l, out, pdl) -> None:
                             D_PAD=max(16, triton.next_power_of_2(d)), **launch_options(pdl, out))
 
 
+def _widened_to_f16(fp8_f16, q, k_cache) -> int:
+    """The decode kernels' ``F16``: asked for, over an FP8 cache, with bfloat16 queries."""
+    return int(bool(fp8_f16) and k_cache.element_size() == 1 and q.dtype == torch.bfloat16)
+
+
 def _decode(q, k_cache, v_cache, meta, scale, num_splits, block_n, num_warps, num_stages, pdl, fp8_f16=0):
     b, h, d = q.shape
     kvh, bs = k_cache.shape[2], k_cache.shape[1]
     group = h // kvh
     num_splits = _splits(num_splits, b, kvh)
-    f16 = bool(fp8_f16) and k_cache.element_size() == 1 and q.dtype == torch.bfloat16
     common = dict(G_PAD=max(16, triton.next_power_of_2(group)), D_PAD=max(16, triton.next_power_of_2(d)),
                   BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
-                  COUNTED=not interpreted(), F16=int(f16), **launch_options(pdl, q))
+                  COUNTED=not interpreted(), F16=_widened_to_f16(fp8_f16, q, k_cache), **launch_options(pdl, q))
     args = (q.stride(0), q.stride(1), meta.block_tables.stride(0), scale, group, d, bs, kvh)
     out = torch.empty((b, h, d), device=q.device, dtype=q.dtype)
     if num_splits == 1:
@@ -419,9 +423,8 @@ def rotary_attention_triton(
         NORM=norm, G_PAD=max(16, triton.next_power_of_2(group)), GM_PAD=triton.next_power_of_2(group),
         HALF_PAD=max(16, triton.next_power_of_2(d // 2)), BLOCK_N=block_n, S_PAD=triton.next_power_of_2(num_splits),
         SPLIT=num_splits > 1, MERGE=bool(merge_by_last), IEEE=q.dtype == torch.float32,
-        EARLY=bool(cache_before_wait), F16=int(bool(fp8_f16) and k_cache.element_size() == 1
-                                                and q.dtype == torch.bfloat16),
-        num_warps=num_warps, num_stages=num_stages, **launch_options(pdl, q))
+        EARLY=bool(cache_before_wait), F16=_widened_to_f16(fp8_f16, q, k_cache), num_warps=num_warps,
+        num_stages=num_stages, **launch_options(pdl, q))
     if num_splits > 1 and not merge_by_last:
         _merge(part, m, l, out, pdl)
     return out

@@ -78,7 +78,7 @@ def fp8_kv_cache(m: Llama8B, bw: float, length: int = 32000, batches=(1, 4), new
             traceback.print_exc()
             row(f"8B, {kind} KV cache, 4,000-token prompt", f"FAILED {type(e).__name__}: {str(e)[:200]}")
             return
-    for kind in ("fp8", "fp8-f16") if check else ():
+    for kind in [k for k in forms if k != "auto"] if check else ():
         ref, got = logits["auto"], logits[kind]
         kl = torch.nn.functional.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True,
                                         reduction="sum").item()
